@@ -1,0 +1,179 @@
+"""The `tandem` command line. Heavy frameworks (torch, mlx, textual) are imported inside the
+command that needs them, so `tandem --help` and a decode-only machine never load torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from nodes.model.errors import ModelError
+from nodes.units import parse_size
+
+log = logging.getLogger("tandem")
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-model", help="write a tiny random-weight HF-format model")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--arch", choices=["llama", "qwen3", "qwen2", "mistral"], default="llama")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=176)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.set_defaults(func=cmd_make_model)
+
+
+def cmd_make_model(a: argparse.Namespace) -> int:
+    from nodes.model.factory import MakeModelArgs, make_model
+
+    args = MakeModelArgs(
+        arch=a.arch,
+        layers=a.layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        intermediate=a.intermediate,
+        vocab=a.vocab,
+        dtype=a.dtype,
+        shards=a.shards,
+        seed=a.seed,
+        rope_scaling=a.rope_scaling,
+        rope_theta=a.rope_theta,
+        tie_embeddings=a.tie_embeddings,
+    )
+    out = make_model(a.dir, args)
+    log.info("wrote %s", out)
+    print(out)
+    return 0
+
+
+def _add_prefill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefill", help="layer-streamed prefill of a token list into a KV cache")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--tokens-file", type=Path, required=True, help="JSON list of token ids")
+    p.add_argument("--out", type=Path, required=True, help="mlx-lm prompt cache .safetensors")
+    p.add_argument("--budget", type=_size, default=None, help="weight memory, e.g. 512MiB")
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
+    p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device (Gbit/s)")
+    p.add_argument("--stats-json", type=Path, default=None)
+    p.set_defaults(func=cmd_prefill)
+
+
+def _read_tokens(path: Path) -> list[int]:
+    try:
+        tokens = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: cannot read a JSON token list ({e})") from None
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise UsageError(f"{path}: expected a JSON list of integer token ids")
+    return tokens
+
+
+def cmd_prefill(a: argparse.Namespace) -> int:
+    from nodes.prefill.cache_file import write_prompt_cache
+    from nodes.prefill.engine import PrefillEngine, PrefillError
+
+    tokens = _read_tokens(a.tokens_file)
+    if a.chunk_tokens < 1:
+        raise UsageError("--chunk-tokens must be at least 1")
+    try:
+        engine = PrefillEngine(
+            a.model,
+            budget=a.budget,
+            device=a.device,
+            chunk_tokens=a.chunk_tokens,
+            link_gbps=a.link_gbps,
+        )
+    except RuntimeError as e:  # torch: a device that is not there
+        raise UsageError(f"device {a.device}: {e}") from None
+    try:
+        kv = []
+        for layer in engine.prefill(tokens):
+            kv.append((layer.k, layer.v))
+            log.info("layer %d/%d done", layer.layer + 1, engine.spec.num_layers)
+        write_prompt_cache(a.out, kv)
+    except PrefillError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        engine.close()
+    stats = engine.last_stats.to_json()
+    if a.stats_json:
+        a.stats_json.write_text(json.dumps(stats, indent=2) + "\n")
+    log.info("prefill: %d tokens in %.3f s", stats["tokens"], stats["wall_s"])
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="make the demo model and run a local cluster on it")
+    p.add_argument("--headless", action="store_true", help="one chat exchange, printed")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    return run_demo(headless=a.headless)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Layer-streamed GPU prefill + mlx-lm decode across machines."
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in ADDERS:
+        add(sub)
+    return parser
+
+
+ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_make_model,
+    _add_prefill,
+    _add_demo,
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    level = logging.WARNING - 10 * a.verbose if a.verbose else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(a.func(a) or 0)
+    except (ModelError, UsageError) as e:
+        print(f"tandem {a.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

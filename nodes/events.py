@@ -1,0 +1,145 @@
+"""Event records, an in-process bus with a replay ring, and SSE encoding (DESIGN.md "Events").
+
+Producers may run on any thread (the prefill device thread, the mlx thread); `publish` is
+thread-safe. Async subscribers get records through their event loop; `?since=T` replays
+from the ring first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+LayerState = Literal["queued", "loading", "ready", "computing", "sent", "received", "evicted"]
+LinkName = Literal["disk", "h2d", "net_out", "net_in"]
+RequestPhase = Literal[
+    "queued", "prefill_start", "prefill_done", "first_token", "done", "failed", "cancelled"
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """Common fields; `t` and `node` are stamped by the bus when left empty."""
+
+    request_id: str
+    t: float = 0.0
+    node: str = ""
+    kind: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerEvent(Event):
+    layer: int = 0
+    state: LayerState = "queued"
+    slot: int | None = None
+    pinned: bool = False
+    bytes: int = 0
+    kind: str = "layer"
+
+
+@dataclass(frozen=True)
+class LinkEvent(Event):
+    name: LinkName = "disk"
+    bytes: int = 0
+    seconds: float = 0.0
+    kind: str = "link"
+
+
+@dataclass(frozen=True)
+class RequestEvent(Event):
+    phase: RequestPhase = "queued"
+    tokens: int = 0
+    where: str = ""
+    detail: str = ""
+    kind: str = "request"
+
+
+@dataclass(frozen=True)
+class TokenEvent(Event):
+    count: int = 0
+    kind: str = "token"
+
+
+Listener = Callable[[Event], None]
+
+
+class EventBus:
+    """Fan-out of one node's events, with a bounded ring for late subscribers."""
+
+    def __init__(self, node_id: str = "", ring_size: int = 4096) -> None:
+        self.node_id = node_id
+        self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+        self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]]] = []
+
+    def publish(self, event: Event) -> Event:
+        """Stamp, remember and deliver one record. Safe from any thread."""
+        event = dataclasses.replace(
+            event, t=event.t or time.time(), node=event.node or self.node_id
+        )
+        with self._lock:
+            self._ring.append(event)
+            listeners = list(self._listeners)
+            queues = list(self._queues)
+        for listener in listeners:
+            listener(event)
+        for loop, queue in queues:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_offer, queue, event)
+        return event
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """Call `listener` synchronously for every record; returns a function that removes it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def remove() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return remove
+
+    def replay(self, since: float | None = None) -> list[Event]:
+        """Records in the ring newer than `since` (all of them when None)."""
+        with self._lock:
+            return [e for e in self._ring if since is None or e.t > since]
+
+    async def subscribe(self, since: float | None = None) -> AsyncIterator[Event]:
+        """Replayed records newer than `since` (none when None), then live ones, forever."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=10_000)
+        with self._lock:
+            backlog = [e for e in self._ring if since is not None and e.t > since]
+            self._queues.append((loop, queue))
+        try:
+            for event in backlog:
+                yield event
+            while True:
+                yield await queue.get()
+        finally:
+            with self._lock:
+                self._queues.remove((loop, queue))
+
+
+def _offer(queue: asyncio.Queue[Event], event: Event) -> None:
+    # A subscriber that cannot keep up loses its oldest records rather than the node's memory.
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(event)
+
+
+def sse(event: Event) -> bytes:
+    """One Server-Sent Events record: `data: <json>` and a blank line."""
+    return b"data: " + json.dumps(event.to_dict(), separators=(",", ":")).encode() + b"\n\n"

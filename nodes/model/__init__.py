@@ -1,0 +1,17 @@
+"""The model description shared by both sides: spec, tensor index, fingerprint."""
+
+from nodes.model.errors import ModelError
+from nodes.model.fingerprint import fingerprint
+from nodes.model.index import ModelIndex, TensorEntry, load_index
+from nodes.model.spec import ModelSpec, RopeScaling, load_spec
+
+__all__ = [
+    "ModelError",
+    "ModelIndex",
+    "ModelSpec",
+    "RopeScaling",
+    "TensorEntry",
+    "fingerprint",
+    "load_index",
+    "load_spec",
+]

@@ -1,0 +1,235 @@
+"""`tandem make-model`: tiny random-weight HF-format models for tests and the demo.
+
+Every file is a pure function of the arguments: same arguments, byte-identical files. Weights
+come from numpy's PCG64 generator; the byte-level BPE tokenizer is trained with `tokenizers`
+on `assets/corpus.txt`. The config writes `tie_word_embeddings` and `rope_theta` explicitly
+(at the top level and in `rope_parameters`) so neither mlx-lm nor transformers guesses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from nodes.model.errors import ModelError
+from nodes.model.safetensors_format import RawTensor, encode
+from nodes.model.spec import FAMILIES, Family
+
+CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus.txt"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class MakeModelArgs:
+    arch: Family = "llama"
+    layers: int = 4
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int | None = None
+    intermediate: int = 176
+    vocab: int = 512
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    shards: int = 1
+    seed: int = 0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+
+def _to_bytes(a: np.ndarray, dtype: str) -> tuple[str, bytes]:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "float32":
+        return "F32", a.tobytes()
+    if dtype == "float16":
+        return "F16", a.astype(np.float16).tobytes()
+    # bfloat16: round to nearest even on the upper 16 bits of the float32 pattern
+    u = a.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return "BF16", u.astype(np.uint16).tobytes()
+
+
+def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Random weights in a fixed order, scaled so logits are well separated (no near-ties)."""
+    rng = np.random.default_rng(a.seed)
+    h, inter = a.hidden, a.intermediate
+    q_out, kv_out = a.heads * head_dim, a.kv_heads * head_dim
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale / cols**0.5)
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+
+    yield "model.embed_tokens.weight", rng.standard_normal((a.vocab, h), dtype=np.float32)
+    for i in range(a.layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", norm(h)
+        yield p + "self_attn.q_proj.weight", mat(q_out, h)
+        yield p + "self_attn.k_proj.weight", mat(kv_out, h)
+        yield p + "self_attn.v_proj.weight", mat(kv_out, h)
+        if a.arch == "qwen2":
+            yield p + "self_attn.q_proj.bias", 0.1 * rng.standard_normal(q_out, dtype=np.float32)
+            yield p + "self_attn.k_proj.bias", 0.1 * rng.standard_normal(kv_out, dtype=np.float32)
+            yield p + "self_attn.v_proj.bias", 0.1 * rng.standard_normal(kv_out, dtype=np.float32)
+        if a.arch == "qwen3":
+            yield p + "self_attn.q_norm.weight", norm(head_dim)
+            yield p + "self_attn.k_norm.weight", norm(head_dim)
+        yield p + "self_attn.o_proj.weight", mat(h, q_out)
+        yield p + "post_attention_layernorm.weight", norm(h)
+        yield p + "mlp.gate_proj.weight", mat(inter, h)
+        yield p + "mlp.up_proj.weight", mat(inter, h)
+        yield p + "mlp.down_proj.weight", mat(h, inter)
+    yield "model.norm.weight", norm(h)
+    if not a.tie_embeddings:
+        yield "lm_head.weight", mat(a.vocab, h, scale=3.0)
+
+
+def _shard_of(name: str, a: MakeModelArgs) -> int:
+    """Layers split evenly over the shards; the embedding first, the head last."""
+    if name.startswith("model.layers."):
+        i = int(name.split(".")[2])
+        return min(i * a.shards // a.layers, a.shards - 1)
+    return 0 if name.startswith("model.embed") else a.shards - 1
+
+
+def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, object]:
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": a.rope_theta}
+    scaling: dict[str, object] | None = None
+    if a.rope_scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+        rope = {**scaling, "rope_theta": a.rope_theta}
+    config: dict[str, object] = {
+        "architectures": [_ARCH[a.arch]],
+        "model_type": a.arch,
+        "hidden_size": a.hidden,
+        "intermediate_size": a.intermediate,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "vocab_size": a.vocab,
+        "max_position_embeddings": a.max_position_embeddings,
+        "rope_theta": a.rope_theta,
+        "rope_parameters": rope,
+        "tie_word_embeddings": a.tie_embeddings,
+        "torch_dtype": a.dtype,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "attention_bias": a.arch == "qwen2",
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    if a.arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+        config["max_window_layers"] = a.layers
+    if a.arch == "mistral":
+        config["sliding_window"] = None
+    return config
+
+
+def _train_tokenizer(vocab: int) -> str:
+    """Byte-level BPE on the committed corpus; returns tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer)
+    return tok.to_str(pretty=True)
+
+
+def _dump(obj: object) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def make_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
+    """Write a complete HF-format model directory and return its path."""
+    if args.arch not in FAMILIES:
+        raise ModelError(f"unsupported architecture {args.arch!r}; choose from {FAMILIES}")
+    if args.vocab < 300:
+        raise ModelError("--vocab must be at least 300 (256 byte tokens plus merges and specials)")
+    if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:
+        raise ModelError("--heads must be a multiple of --kv-heads and 1 <= --shards <= --layers")
+    head_dim = args.head_dim or args.hidden // args.heads
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer_json = _train_tokenizer(args.vocab)
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    bos, eos, im_end = vocab["<|im_start|>"], vocab["<|endoftext|>"], vocab["<|im_end|>"]
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    (out / "tokenizer_config.json").write_text(
+        _dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": args.max_position_embeddings,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    (out / "config.json").write_text(_dump(_config(args, head_dim, im_end, bos)))
+    (out / "generation_config.json").write_text(
+        _dump({"bos_token_id": bos, "eos_token_id": [im_end, eos], "do_sample": False})
+    )
+
+    shards: list[dict[str, RawTensor]] = [{} for _ in range(args.shards)]
+    for name, array in _weights(args, head_dim):
+        dtype, data = _to_bytes(array, args.dtype)
+        shards[_shard_of(name, args)][name] = RawTensor(dtype, tuple(array.shape), data)
+    meta = {"format": "pt"}
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+    if args.shards == 1:
+        (out / "model.safetensors").write_bytes(encode(shards[0], meta))
+        return out
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, tensors in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{args.shards:05d}.safetensors"
+        (out / fname).write_bytes(encode(tensors, meta))
+        weight_map.update({name: fname for name in tensors})
+        total += sum(len(t.data) for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(_dump(index))
+    return out

@@ -1,0 +1,172 @@
+"""Index every tensor of a checkpoint by layer from the safetensors headers, reading no data."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from nodes.model.errors import ModelError
+from nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, read_header
+from nodes.model.spec import ModelSpec, load_spec
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes live: `file` bytes [offset, offset + nbytes)."""
+
+    name: str
+    dtype: str  # safetensors spelling: "BF16", "F32", ...
+    shape: tuple[int, ...]
+    file: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    """A parsed model: its spec, the per-layer tensors (short names), and the global ones."""
+
+    spec: ModelSpec
+    layers: tuple[dict[str, TensorEntry], ...]  # "self_attn.q_proj.weight" -> entry
+    globals: dict[str, TensorEntry]  # "model.embed_tokens.weight", "model.norm.weight", ...
+    files: tuple[Path, ...]
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the transformer blocks' weights (safetensors spelling)."""
+        return self.layers[0]["self_attn.q_proj.weight"].dtype
+
+    def layer_bytes(self, i: int) -> int:
+        return sum(e.nbytes for e in self.layers[i].values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.globals.values()) + sum(
+            self.layer_bytes(i) for i in range(len(self.layers))
+        )
+
+
+def expected_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The tensors each decoder layer must hold, with their shapes."""
+    h, hd, nh, nkv, inter = (
+        spec.hidden_size,
+        spec.head_dim,
+        spec.num_heads,
+        spec.num_kv_heads,
+        spec.intermediate_size,
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (nh * hd, h),
+        "self_attn.k_proj.weight": (nkv * hd, h),
+        "self_attn.v_proj.weight": (nkv * hd, h),
+        "self_attn.o_proj.weight": (h, nh * hd),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    if spec.attention_bias:
+        shapes["self_attn.q_proj.bias"] = (nh * hd,)
+        shapes["self_attn.k_proj.bias"] = (nkv * hd,)
+        shapes["self_attn.v_proj.bias"] = (nkv * hd,)
+    if spec.qk_norm:
+        shapes["self_attn.q_norm.weight"] = (hd,)
+        shapes["self_attn.k_norm.weight"] = (hd,)
+    return shapes
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ModelError(f"{index_file}: malformed shard index ({e})") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        raise ModelError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    for f in files:
+        if not f.exists():
+            raise ModelError(f"{f}: shard listed in the index is missing")
+    return files
+
+
+def load_index(model_dir: str | Path) -> ModelIndex:
+    """Parse the spec and every shard header; check that each layer holds what its family needs."""
+    path = Path(model_dir)
+    spec = load_spec(path)
+    files = _shard_files(path)
+    layers: list[dict[str, TensorEntry]] = [{} for _ in range(spec.num_layers)]
+    globals_: dict[str, TensorEntry] = {}
+    for f in files:
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                entries, _, data_start = read_header(fh)
+        except SafetensorsError as e:
+            raise ModelError(f"{f}: corrupt safetensors header ({e})") from None
+        except OSError as e:
+            raise ModelError(f"{f}: cannot read ({e.strerror})") from None
+        for name, h in entries.items():
+            if data_start + h.end > size:
+                raise ModelError(f"{f}: tensor {name} runs past the end of the file")
+            entry = TensorEntry(name, h.dtype, h.shape, f, data_start + h.begin, h.end - h.begin)
+            m = _LAYER_RE.match(name)
+            if m is None:
+                globals_[name] = entry
+                continue
+            i = int(m.group(1))
+            if i >= spec.num_layers:
+                raise ModelError(f"{f}: tensor {name} beyond num_hidden_layers={spec.num_layers}")
+            layers[i][m.group(2)] = entry
+    _check(spec, layers, globals_, path)
+    return ModelIndex(spec=spec, layers=tuple(layers), globals=globals_, files=tuple(files))
+
+
+def _check(
+    spec: ModelSpec,
+    layers: list[dict[str, TensorEntry]],
+    globals_: dict[str, TensorEntry],
+    path: Path,
+) -> None:
+    embed = globals_.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelError(f"{path}: missing tensor model.embed_tokens.weight")
+    if embed.shape != (spec.vocab_size, spec.hidden_size):
+        raise ModelError(
+            f"{embed.file}: model.embed_tokens.weight has shape {embed.shape}, "
+            f"config says ({spec.vocab_size}, {spec.hidden_size})"
+        )
+    if "model.norm.weight" not in globals_:
+        raise ModelError(f"{path}: missing tensor model.norm.weight")
+    if not spec.tie_word_embeddings and "lm_head.weight" not in globals_:
+        raise ModelError(f"{path}: missing tensor lm_head.weight (tie_word_embeddings is false)")
+    expected = expected_layer_shapes(spec)
+    dtype = None
+    for i, tensors in enumerate(layers):
+        for short, shape in expected.items():
+            entry = tensors.get(short)
+            if entry is None:
+                raise ModelError(f"{path}: missing tensor model.layers.{i}.{short}")
+            if entry.shape != shape:
+                raise ModelError(
+                    f"{entry.file}: {entry.name} has shape {entry.shape}, expected {shape}"
+                )
+            if entry.dtype not in ("F32", "F16", "BF16"):
+                raise ModelError(f"{entry.file}: {entry.name} has unsupported dtype {entry.dtype}")
+            dtype = dtype or entry.dtype
+            if entry.dtype != dtype:
+                raise ModelError(
+                    f"{entry.file}: {entry.name} is {entry.dtype}, other layers {dtype}"
+                )

@@ -1,0 +1,198 @@
+"""Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3).
+
+Config traps (DESIGN.md, "Facts"): `rope_theta` may stand at the top level or only inside
+`rope_parameters`; a missing `tie_word_embeddings` means different things per family.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from nodes.model.errors import ModelError
+
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+# What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
+# True instead (DESIGN.md trap), so the decode side must be told explicitly.
+_TIE_DEFAULT: dict[Family, bool] = {
+    "llama": False,
+    "mistral": False,
+    "qwen2": False,
+    "qwen3": False,
+}
+_ARCHITECTURES: dict[str, Family] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (`rope_type: llama3`) or linear position scaling."""
+
+    kind: Literal["llama3", "linear"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the prefill and decode sides need to know about a model's shape."""
+
+    path: Path
+    name: str
+    family: Family
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int
+    torch_dtype: str  # as written in config.json, e.g. "bfloat16"
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers, in the model dtype (bytes)."""
+        itemsize = 4 if self.torch_dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return data
+
+
+def _family(config: dict[str, Any], where: Path) -> Family:
+    model_type = config.get("model_type")
+    if model_type in FAMILIES:
+        return model_type
+    # mlx-lm picks the model class by model_type alone; consult `architectures` only when
+    # there is none, or the two sides could run different models.
+    if model_type is None:
+        for arch in config.get("architectures") or []:
+            if arch in _ARCHITECTURES:
+                return _ARCHITECTURES[arch]
+    raise ModelError(
+        f"{where}: unsupported architecture (model_type={model_type!r}); "
+        f"tandem supports {', '.join(FAMILIES)}"
+    )
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    params = config.get("rope_parameters") or {}
+    if "rope_theta" in config:
+        return float(config["rope_theta"])
+    if "rope_theta" in params:
+        return float(params["rope_theta"])
+    return 10000.0
+
+
+def _rope_scaling(config: dict[str, Any], where: Path) -> RopeScaling | None:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    try:
+        factor = float(scaling["factor"])
+        if kind == "llama3":
+            return RopeScaling(
+                kind="llama3",
+                factor=factor,
+                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    scaling.get("original_max_position_embeddings", 8192)
+                ),
+            )
+        if kind == "linear":
+            return RopeScaling(kind="linear", factor=factor)
+    except (KeyError, TypeError, ValueError):
+        raise ModelError(f"{where}: malformed rope scaling {scaling!r}") from None
+    raise ModelError(f"{where}: unsupported rope scaling type {kind!r}")
+
+
+def _eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    eos = generation.get("eos_token_id", config.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Read `config.json` (and `generation_config.json` if present) into a ModelSpec."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a model directory")
+    where = path / "config.json"
+    config = _read_json(where)
+    gen_path = path / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.exists() else {}
+    family = _family(config, where)
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        spec = ModelSpec(
+            path=path,
+            name=path.name,
+            family=family,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(config),
+            rope_scaling=_rope_scaling(config, where),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[family])),
+            attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+            eos_token_ids=_eos_ids(config, generation),
+            bos_token_id=config.get("bos_token_id"),
+        )
+    except KeyError as e:
+        raise ModelError(f"{where}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{where}: malformed value ({e})") from None
+    if spec.num_heads % spec.num_kv_heads:
+        raise ModelError(f"{where}: num_attention_heads is not a multiple of num_key_value_heads")
+    if spec.num_layers <= 0 or spec.hidden_size <= 0:
+        raise ModelError(f"{where}: num_hidden_layers and hidden_size must be positive")
+    return spec

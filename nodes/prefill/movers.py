@@ -1,0 +1,191 @@
+"""Movers put a load's bytes into slot memory: disk → host → device.
+
+Both movers read straight into preallocated memory with `preadv` at the safetensors offsets —
+no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap (which only moves
+the disk reads into compute time).
+
+- `CpuMover`: the slot *is* host memory; the loader thread reads into it, then waits out the
+  emulated host→device link (`--link-gbps`).
+- `CudaMover`: the loader thread reads into a pinned staging buffer per slot, then enqueues
+  `slot.copy_(staging, non_blocking=True)` on a dedicated copy stream and records an event;
+  compute waits on that event, and the copy stream waits on the compute-done event of the
+  slot's previous occupant. No per-layer `empty_cache`.
+
+fastsafetensors and runai-model-streamer were considered for the CUDA reader: both allocate
+their own device tensors per file or per tensor, which does not fit a fixed slot pool with
+row/column slices. Plain `preadv` into pinned staging keeps the pool the only device memory.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from nodes.prefill.plan import Load
+
+
+@dataclass
+class FillTimes:
+    disk_s: float = 0.0  # reading file bytes into host memory
+    h2d_s: float = 0.0  # host → device copy (or the emulated link)
+    nbytes: int = 0
+
+
+def read_load(fds: dict[str, int], load: Load, dest: memoryview) -> int:
+    """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes."""
+    total = 0
+    for piece, off in zip(load.pieces, load.offsets, strict=True):
+        fd = fds[str(piece.entry.file)]
+        pos = off
+        for file_offset, n in piece.segments():
+            _pread_exact(fd, dest[pos : pos + n], file_offset)
+            pos += n
+        total += piece.nbytes
+    return total
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.preadv(fd, [buf], offset)
+        if n <= 0:
+            raise OSError(f"short read at offset {offset}")
+        buf, offset = buf[n:], offset + n
+
+
+class Mover(Protocol):
+    device: torch.device
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """Weight memory on the device (uint8)."""
+        ...
+
+    def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
+        """On the loader thread: put `load` into `region`.
+
+        `slot` is the ring index, or negative for a resident load.
+        """
+        ...
+
+    def wait_ready(self, slot: int) -> None:
+        """On the compute thread, before computing on `slot`."""
+        ...
+
+    def mark_done(self, slot: int) -> None:
+        """On the compute thread, after the last kernel that reads `slot` was issued."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _Throttle:
+    """Emulates a slower host→device link: a copy of n bytes takes at least n / rate."""
+
+    def __init__(self, link_gbps: float | None) -> None:
+        self.rate = link_gbps * 1e9 / 8 if link_gbps else None  # bytes/s
+
+    def wait(self, nbytes: int, started: float) -> None:
+        if self.rate:
+            left = nbytes / self.rate - (time.perf_counter() - started)
+            if left > 0:
+                time.sleep(left)
+
+
+@dataclass
+class CpuMover:
+    """Slots in host memory; the loader thread reads straight into them."""
+
+    files: list[str]
+    link_gbps: float | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        self._fds = {f: os.open(f, os.O_RDONLY) for f in self.files}
+        self._throttle = _Throttle(self.link_gbps)
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
+        t0 = time.perf_counter()
+        n = read_load(self._fds, load, memoryview(region.numpy()))
+        t1 = time.perf_counter()
+        self._throttle.wait(n, t1)  # the copy itself is free: the slot is host memory
+        return FillTimes(disk_s=t1 - t0, h2d_s=time.perf_counter() - t1, nbytes=n)
+
+    def wait_ready(self, slot: int) -> None:
+        return None
+
+    def mark_done(self, slot: int) -> None:
+        return None
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+class CudaMover:
+    """Pinned staging per slot, a dedicated copy stream, events between copy and compute."""
+
+    def __init__(self, files: list[str], device: torch.device, link_gbps: float | None = None):
+        self.device = device
+        self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        self._throttle = _Throttle(link_gbps)
+        self._stream = torch.cuda.Stream(device=device)
+        self._staging: dict[int, torch.Tensor] = {}
+        self._copied: dict[int, torch.cuda.Event] = {}  # per slot id: its last h2d copy
+        self._staged: dict[int, torch.cuda.Event] = {}  # per staging buffer: its last copy
+        self._computed: dict[int, torch.cuda.Event] = {}
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
+        key = max(slot, -1)  # ring slots have their own staging; resident loads share one
+        staging = self._staging.get(key)
+        if staging is None or staging.numel() < load.nbytes:
+            staging = torch.empty(load.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._staging[key] = staging
+        previous = self._staged.get(key)
+        if previous is not None:
+            previous.synchronize()  # the staging buffer is free once its last copy finished
+        t0 = time.perf_counter()
+        n = read_load(self._fds, load, memoryview(staging.numpy()))
+        t1 = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            done = self._computed.get(slot)
+            if done is not None:
+                self._stream.wait_event(done)  # previous occupant's kernels have finished
+            region[: load.nbytes].copy_(staging[: load.nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._copied[slot] = event
+        self._staged[key] = event
+        event.synchronize()  # h2d time is measured; the compute stream still waits on the event
+        self._throttle.wait(n, t1)
+        return FillTimes(disk_s=t1 - t0, h2d_s=time.perf_counter() - t1, nbytes=n)
+
+    def wait_ready(self, slot: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+
+    def mark_done(self, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._computed[slot] = event
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        self._staging.clear()
+
+
+def make_mover(files: list[str], device: torch.device, link_gbps: float | None) -> Mover:
+    if device.type == "cuda":
+        return CudaMover(files, device, link_gbps)
+    return CpuMover(files, link_gbps, device)

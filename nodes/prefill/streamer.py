@@ -1,0 +1,235 @@
+"""The layer streamer: a ring of weight slots fed in order by a loader thread, plus a fixed
+resident set that stays loaded across requests.
+
+Load j of a request goes to ring slot `j mod n_slots` (loads are consumed in order, so
+round-robin *is* the ring). Each slot carries two counters: `filled[s]`, the sequence number
+of the load now in it, and `released[s]`, the last load whose compute finished. The loader
+waits for `released[s] == j - n_slots` before overwriting; compute waits for
+`filled[s] == j` — so no slot is ever reused before its compute is done, however slow or
+fast the mover is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from nodes.prefill.movers import FillTimes, Mover
+from nodes.prefill.plan import Load, Plan
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class StreamCancelled(Exception):
+    """The request stopped while the loader was waiting."""
+
+
+@dataclass
+class StreamStats:
+    load_busy_s: float = 0.0  # loader thread time spent reading and copying
+    disk_s: float = 0.0
+    h2d_s: float = 0.0
+    bytes_streamed: int = 0
+
+
+@dataclass
+class LoaderHooks:
+    """Callbacks the streamer fires on the loader thread (the engine turns them into events)."""
+
+    on_loading: Callable[[Load, int | None], None] = lambda load, slot: None
+    on_ready: Callable[[Load, int | None, FillTimes], None] = lambda load, slot, t: None
+
+
+@dataclass
+class _Ring:
+    n: int
+    filled: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.filled = [-1] * self.n
+        self.released = [-1] * self.n
+
+
+class LayerStreamer:
+    """Owns the weight pool (allocated once) and streams a plan's loads through it."""
+
+    def __init__(self, plan: Plan, mover: Mover) -> None:
+        self.plan = plan
+        self.mover = mover
+        self._ring_mem = [mover.alloc(plan.slot_bytes) for _ in range(plan.n_slots)]
+        self._resident_mem = {ld.seq: mover.alloc(ld.nbytes) for ld in plan.loads if ld.resident}
+        self._resident_ready: set[int] = set()
+        self._streamed = [ld for ld in plan.loads if not ld.resident]
+        self._ring_index = {ld.seq: k for k, ld in enumerate(self._streamed)}
+        self.last_stats = StreamStats()
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.plan.pool_bytes
+
+    def slot_of(self, load: Load) -> int | None:
+        """Ring slot index of a streamed load; None for a resident one."""
+        k = self._ring_index.get(load.seq)
+        return None if k is None else k % self.plan.n_slots
+
+    @contextmanager
+    def stream(
+        self, hooks: LoaderHooks | None = None, synchronous: bool = False
+    ) -> Iterator[Iterator[tuple[Load, dict[str, torch.Tensor]]]]:
+        """Yield an iterator of (load, weight views) in plan order, each ready to compute on.
+
+        The consumer must finish with a load before asking for the next one: that is when
+        its slot is released. `synchronous=True` loads each load only when asked for it, so
+        no copy overlaps compute (the bench's `compute_s` denominator).
+        """
+        run = _Run(self, hooks or LoaderHooks(), synchronous)
+        try:
+            yield run.iterate()
+        finally:
+            run.stop()
+
+    def load_only(self, hooks: LoaderHooks | None = None) -> StreamStats:
+        """Stream every load through the pool with compute switched off (bench `load_s`)."""
+        with self.stream(hooks) as it:
+            for _ in it:
+                pass
+        return self.last_stats
+
+    def views(self, load: Load) -> dict[str, torch.Tensor]:
+        """Typed views into the load's memory, keyed `"{op}:{lo}:{short name}"`."""
+        mem = self._memory(load)
+        views: dict[str, torch.Tensor] = {}
+        offsets = iter(load.offsets)
+        for part in load.parts:
+            for piece in part.pieces:
+                off = next(offsets)
+                raw = mem[off : off + piece.nbytes]
+                dtype = TORCH_DTYPES[piece.entry.dtype]
+                views[f"{part.op}:{part.lo}:{piece.key}"] = raw.view(dtype).view(piece.shape)
+        return views
+
+    def slot_id(self, load: Load) -> int:
+        """The mover's key for a load's memory: ring slots are 0..n-1, resident loads < 0."""
+        slot = self.slot_of(load)
+        return -1 - load.seq if slot is None else slot
+
+    def _memory(self, load: Load) -> torch.Tensor:
+        if load.resident:
+            return self._resident_mem[load.seq]
+        slot = self.slot_of(load)
+        assert slot is not None
+        return self._ring_mem[slot]
+
+    def close(self) -> None:
+        self.mover.close()
+        self._ring_mem.clear()
+        self._resident_mem.clear()
+
+
+def part_weights(views: dict[str, torch.Tensor], op: str, lo: int) -> dict[str, torch.Tensor]:
+    """The views of one part, keyed by the tensor's short name."""
+    prefix = f"{op}:{lo}:"
+    return {k[len(prefix) :]: v for k, v in views.items() if k.startswith(prefix)}
+
+
+class _Run:
+    """One pass over the plan: a loader thread ahead of the consuming (compute) thread."""
+
+    def __init__(self, streamer: LayerStreamer, hooks: LoaderHooks, synchronous: bool) -> None:
+        self.s = streamer
+        self.hooks = hooks
+        self.synchronous = synchronous
+        self.ring = _Ring(max(streamer.plan.n_slots, 1))
+        self.cond = threading.Condition()
+        self.asked = -1  # synchronous mode: highest seq the consumer asked for
+        self.ready: set[int] = set()
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.stats = StreamStats()
+        self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
+        self.thread.start()
+
+    def _loader(self) -> None:
+        try:
+            for load in self.s.plan.loads:
+                if load.resident and load.seq in self.s._resident_ready:
+                    self._mark_ready(load)
+                    continue
+                slot = self.s.slot_of(load)
+                k = self.s._ring_index.get(load.seq, 0)
+                with self.cond:
+                    self.cond.wait_for(
+                        lambda ld=load, s=slot, k=k: self.cancelled or self._may_fill(ld, s, k)
+                    )
+                    if self.cancelled:
+                        return
+                self.hooks.on_loading(load, slot)
+                t0 = time.perf_counter()
+                times = self.s.mover.fill(self.s.slot_id(load), self.s._memory(load), load)
+                self.stats.load_busy_s += time.perf_counter() - t0
+                self.stats.disk_s += times.disk_s
+                self.stats.h2d_s += times.h2d_s
+                self.stats.bytes_streamed += times.nbytes
+                if load.resident:
+                    self.s._resident_ready.add(load.seq)
+                with self.cond:
+                    if slot is not None:
+                        self.ring.filled[slot] = load.seq
+                self.hooks.on_ready(load, slot, times)
+                self._mark_ready(load)
+        except BaseException as e:  # surfaced on the compute thread
+            log.exception("loader failed")
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _may_fill(self, load: Load, slot: int | None, k: int) -> bool:
+        if self.synchronous and load.seq > self.asked:
+            return False
+        if slot is None:
+            return True
+        previous = k - self.s.plan.n_slots  # ring position of the slot's previous occupant
+        if previous < 0:
+            return True
+        return self.ring.released[slot] == self.s._streamed[previous].seq
+
+    def _mark_ready(self, load: Load) -> None:
+        with self.cond:
+            self.ready.add(load.seq)
+            self.cond.notify_all()
+
+    def iterate(self) -> Iterator[tuple[Load, dict[str, torch.Tensor]]]:
+        for load in self.s.plan.loads:
+            slot = self.s.slot_of(load)
+            with self.cond:
+                self.asked = load.seq
+                self.cond.notify_all()
+                self.cond.wait_for(lambda seq=load.seq: seq in self.ready or self.error is not None)
+                if self.error is not None:
+                    raise self.error
+                if slot is not None and self.ring.filled[slot] != load.seq:
+                    raise RuntimeError(f"slot {slot} holds load {self.ring.filled[slot]}")
+            self.s.mover.wait_ready(self.s.slot_id(load))
+            yield load, self.s.views(load)
+            if slot is not None:
+                self.s.mover.mark_done(slot)
+                with self.cond:
+                    self.ring.released[slot] = load.seq
+                    self.cond.notify_all()
+        self.s.last_stats = self.stats
+
+    def stop(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify_all()
+        self.thread.join()
+        self.s.last_stats = self.stats
