@@ -18,12 +18,7 @@ FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
 # What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
 # True instead (DESIGN.md trap), so the decode side must be told explicitly.
-_TIE_DEFAULT: dict[Family, bool] = {
-    "llama": False,
-    "mistral": False,
-    "qwen2": False,
-    "qwen3": False,
-}
+_TIE_DEFAULT: dict[Family, bool] = dict.fromkeys(FAMILIES, False)
 _ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

@@ -1,0 +1,415 @@
+"""KV frames: the streamed body of a `/v1/prefill` response (DESIGN.md "KV frames").
+
+A frame is `u8 kind` + `u64` little-endian payload length + payload. Header, done and error
+payloads are JSON; a layer payload is a safetensors blob holding `k` and `v`, each
+`[1, n_kv_heads, count, head_dim]` in the header's dtype, metadata `{"layer": "i"}`.
+`FrameWriter` produces a valid stream; `FrameReader` checks one, fed in chunks of any size.
+Stdlib and numpy only: both the torch and the mlx side import this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from nodes.model.safetensors_format import RawTensor, encode, nbytes_of, parse_header
+
+PROTO = 1
+KIND_HEADER, KIND_LAYER, KIND_DONE, KIND_ERROR = 1, 2, 3, 4
+PREFIX = struct.Struct("<BQ")  # kind, payload length: 9 bytes
+MAX_JSON_BYTES = 64 * 1024  # header, done and error payloads
+LAYER_EXTRA_BYTES = 64 * 1024  # a layer payload's allowance beyond its K and V bytes
+WIRE_DTYPES = ("F32", "F16", "BF16")
+_HEADER_SIZES = {"layers": 1, "start": 0, "count": 0, "n_kv_heads": 1, "head_dim": 1}  # least
+_NUMPY_DTYPE = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+class ProtocolError(Exception):
+    """A KV frame stream that breaks the format; the message says how."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """First frame: what the layer frames that follow hold."""
+
+    proto: int
+    fingerprint: str
+    request_id: str
+    dtype: str  # safetensors spelling: F32, F16, BF16
+    layers: int
+    start: int  # first token position covered
+    count: int  # tokens covered: positions start..start+count-1
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Shape of each of K and V: [1, n_kv_heads, count, head_dim]."""
+        return (1, self.n_kv_heads, self.count, self.head_dim)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's K and V as raw row-major bytes (views into `payload`, the safetensors blob)."""
+
+    layer: int
+    k: bytes | memoryview
+    v: bytes | memoryview
+    payload: bytes = b""
+
+
+@dataclass(frozen=True)
+class Done:
+    """Last frame: layer count and the chained zlib.crc32 of all layer payloads."""
+
+    layers: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class ErrorFrame:
+    """The sender gave up; nothing follows it."""
+
+    code: str
+    message: str
+
+
+Frame = Header | LayerKV | Done | ErrorFrame
+
+
+def max_layer_payload(header: Header, extra: int = LAYER_EXTRA_BYTES) -> int:
+    """Largest acceptable layer payload in bytes: K and V plus `extra` for the blob header."""
+    return 2 * nbytes_of(header.dtype, header.shape) + extra
+
+
+def _frame(kind: int, payload: bytes) -> bytes:
+    return PREFIX.pack(kind, len(payload)) + payload
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def encode_header(h: Header) -> bytes:
+    """The header frame for `h`."""
+    return _frame(KIND_HEADER, _json(dataclasses.asdict(h)))
+
+
+def encode_layer(layer: int, k: bytes | memoryview, v: bytes | memoryview, header: Header) -> bytes:
+    """The whole frame for one layer.
+
+    `k` and `v` hold `header.shape` in `header.dtype`, row-major: bytes or any C-contiguous
+    buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`).
+    """
+    k, v = memoryview(k).cast("B"), memoryview(v).cast("B")  # lengths in bytes
+    want = nbytes_of(header.dtype, header.shape)
+    if len(k) != want or len(v) != want:
+        raise ProtocolError(f"layer {layer}: K/V are {len(k)}/{len(v)} bytes, header says {want}")
+    blob = encode(
+        {
+            "k": RawTensor(header.dtype, header.shape, k),
+            "v": RawTensor(header.dtype, header.shape, v),
+        },
+        {"layer": str(layer)},
+    )
+    return _frame(KIND_LAYER, blob)
+
+
+def encode_done(layers: int, crc32: int) -> bytes:
+    """The done frame; `crc32` chains zlib.crc32 over the layer payloads in order."""
+    return _frame(KIND_DONE, _json({"layers": layers, "crc32": crc32}))
+
+
+def encode_error(code: str, message: str) -> bytes:
+    """An error frame: the stream ends here."""
+    return _frame(KIND_ERROR, _json({"code": code, "message": message}))
+
+
+class FrameWriter:
+    """Builds one stream in order: `start()`, `layer(0..layers-1)`, then `done()` (or `error()`)."""
+
+    def __init__(self, header: Header) -> None:
+        _check_header(header)
+        self.header = header
+        self.crc32 = 0  # chained over layer payloads so far
+        self.next_layer = 0
+        self._started = False
+        self._closed = False
+
+    def _expect(self, ok: bool, what: str) -> None:
+        if self._closed or not ok:
+            raise ProtocolError(f"FrameWriter: {what} out of order")
+
+    def start(self) -> bytes:
+        """The header frame."""
+        self._expect(not self._started, "header")
+        self._started = True
+        return encode_header(self.header)
+
+    def layer(self, layer: int, k: bytes | memoryview, v: bytes | memoryview) -> bytes:
+        """The frame for the next layer; layers must come 0, 1, 2, ..."""
+        self._expect(self._started and layer == self.next_layer < self.header.layers, "layer")
+        frame = encode_layer(layer, k, v, self.header)
+        self.crc32 = zlib.crc32(memoryview(frame)[PREFIX.size :], self.crc32)
+        self.next_layer += 1
+        return frame
+
+    def done(self) -> bytes:
+        """The done frame, once every layer has been written."""
+        self._expect(self._started and self.next_layer == self.header.layers, "done")
+        self._closed = True
+        return encode_done(self.header.layers, self.crc32)
+
+    def error(self, code: str, message: str) -> bytes:
+        """An error frame; nothing may be written after it."""
+        self._expect(True, "error")
+        self._closed = True
+        return encode_error(code, message)
+
+
+# Values from the wire are checked for type before they go into a message: the repr of
+# deeply nested JSON could itself raise RecursionError.
+def _check_uint(value: object, what: str, least: int = 0) -> int:
+    if type(value) is not int or value < least:
+        raise ProtocolError(f"{what} must be an integer >= {least}")
+    return value
+
+
+def _check_str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{what} must be a string")
+    return value
+
+
+def _check_proto(proto: object) -> None:
+    if type(proto) is not int or proto != PROTO:
+        shown = (
+            proto if type(proto) is int else "missing" if proto is None else type(proto).__name__
+        )
+        raise ProtocolError(f"protocol version {shown}, this node speaks {PROTO}")
+
+
+def _check_header(h: Header) -> None:
+    _check_proto(h.proto)
+    _check_str(h.fingerprint, "header fingerprint")
+    _check_str(h.request_id, "header request_id")
+    if _check_str(h.dtype, "header dtype") not in WIRE_DTYPES:
+        raise ProtocolError(f"header dtype {h.dtype!r} is not one of {WIRE_DTYPES}")
+    for name, least in _HEADER_SIZES.items():
+        _check_uint(getattr(h, name), f"header {name}", least)
+
+
+def _load_json(payload: bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
+        raise ProtocolError(f"{what} frame is not JSON ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what} frame is not a JSON object")
+    return obj
+
+
+def _fields(obj: dict[str, Any], cls: type, what: str) -> dict[str, Any]:
+    """The values of `cls`'s fields from a JSON object; extra keys are ignored."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    missing = [k for k in names if k not in obj]
+    if missing:
+        raise ProtocolError(f"{what} frame lacks {missing}")
+    return {k: obj[k] for k in names}
+
+
+class FrameReader:
+    """Incremental, validating decoder: `feed()` chunks, then `finish()` at end of stream."""
+
+    def __init__(self, max_layer_extra: int = LAYER_EXTRA_BYTES) -> None:
+        self.max_layer_extra = max_layer_extra
+        self.header: Header | None = None
+        self.crc32 = 0
+        self.next_layer = 0
+        self._buf = bytearray()
+        self._pending: tuple[int, int] | None = None  # (kind, length) once a prefix is read
+        self._ended: Done | ErrorFrame | None = None
+        self._failed = False
+
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
+        """Add bytes; return the frames they complete, in order. Raises ProtocolError."""
+        if self._failed:
+            raise ProtocolError("reader already failed")
+        try:
+            return self._feed(data)
+        except ProtocolError:
+            self._failed = True
+            raise
+
+    def finish(self) -> None:
+        """End of stream: raises ProtocolError unless it ended cleanly on done or error."""
+        if self._failed:
+            raise ProtocolError("reader already failed")
+        if self._buf or self._pending is not None:
+            raise ProtocolError("stream ends inside a frame (truncated)")
+        if self._ended is None:
+            raise ProtocolError("stream ends without a done frame")
+
+    def _feed(self, data: bytes | memoryview) -> list[Frame]:
+        if data and self._ended is not None:
+            raise ProtocolError(f"data after the {self._end_name()} frame")
+        self._buf += data
+        frames: list[Frame] = []
+        while True:
+            if self._pending is None:
+                if not self._buf:
+                    break
+                self._check_kind(self._buf[0])  # fail on the first byte, not the ninth
+                if len(self._buf) < PREFIX.size:
+                    break
+                kind, n = PREFIX.unpack_from(self._buf)
+                self._check_length(kind, n)  # before buffering any of the payload
+                self._pending = (kind, n)
+                del self._buf[: PREFIX.size]
+            kind, n = self._pending
+            if len(self._buf) < n:
+                break
+            with memoryview(self._buf) as mv:
+                payload = bytes(mv[:n])
+            del self._buf[:n]
+            self._pending = None
+            frames.append(self._decode(kind, payload))
+            if self._ended is not None and self._buf:
+                raise ProtocolError(f"data after the {self._end_name()} frame")
+        return frames
+
+    def _end_name(self) -> str:
+        return "done" if isinstance(self._ended, Done) else "error"
+
+    def _check_kind(self, kind: int) -> None:
+        if kind not in (KIND_HEADER, KIND_LAYER, KIND_DONE, KIND_ERROR):
+            raise ProtocolError(f"unknown frame kind {kind}")
+        if self.header is None and kind not in (KIND_HEADER, KIND_ERROR):
+            raise ProtocolError(f"first frame must be a header, got kind {kind}")
+        if self.header is not None and kind == KIND_HEADER:
+            raise ProtocolError("a second header frame")
+
+    def _check_length(self, kind: int, n: int) -> None:
+        if kind == KIND_LAYER:
+            assert self.header is not None  # _check_kind saw to it
+            limit = max_layer_payload(self.header, self.max_layer_extra)
+        else:
+            limit = MAX_JSON_BYTES
+        if n > limit:
+            raise ProtocolError(f"oversized frame: kind {kind}, {n} bytes, limit {limit}")
+
+    def _decode(self, kind: int, payload: bytes) -> Frame:
+        if kind == KIND_HEADER:
+            obj = _load_json(payload, "header")
+            _check_proto(obj.get("proto"))  # first: another version may have other keys
+            header = Header(**_fields(obj, Header, "header"))
+            _check_header(header)
+            self.header = header
+            return header
+        if kind == KIND_LAYER:
+            return self._decode_layer(payload)
+        if kind == KIND_DONE:
+            done = Done(**_fields(_load_json(payload, "done"), Done, "done"))
+            _check_uint(done.layers, "done layers")
+            _check_uint(done.crc32, "done crc32")
+            assert self.header is not None
+            if done.layers != self.header.layers or self.next_layer != self.header.layers:
+                raise ProtocolError(
+                    f"done after {self.next_layer} layers says {done.layers}, "
+                    f"header says {self.header.layers}"
+                )
+            if done.crc32 != self.crc32:
+                raise ProtocolError(f"crc32 mismatch: done says {done.crc32}, got {self.crc32}")
+            self._ended = done
+            return done
+        error = ErrorFrame(**_fields(_load_json(payload, "error"), ErrorFrame, "error"))
+        _check_str(error.code, "error code")
+        _check_str(error.message, "error message")
+        self._ended = error
+        return error
+
+    def _decode_layer(self, payload: bytes) -> LayerKV:
+        h = self.header
+        assert h is not None
+        try:
+            entries, metadata, data_start = parse_header(payload)
+        # parse_header raises SafetensorsError (a ValueError) for what it checks; hostile
+        # JSON can still surface as these (deep nesting, Infinity, metadata not an object).
+        except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:
+            raise ProtocolError(f"layer frame is not a safetensors blob ({e})") from None
+        if set(entries) != {"k", "v"}:
+            raise ProtocolError(f"layer blob holds {sorted(entries)}, want ['k', 'v']")
+        for e in entries.values():
+            if e.dtype != h.dtype or e.shape != h.shape:
+                raise ProtocolError(
+                    f"layer tensor {e.name}: {e.dtype}{list(e.shape)}, "
+                    f"header says {h.dtype}{list(h.shape)}"
+                )
+            if data_start + e.end > len(payload):
+                raise ProtocolError(f"layer tensor {e.name} runs past the end of the blob")
+        layer = metadata.get("layer")
+        if layer is None:
+            raise ProtocolError('layer blob lacks its {"layer": "i"} metadata')
+        if layer != str(self.next_layer):
+            raise ProtocolError(f"layer {layer!r} out of order, want {self.next_layer}")
+        if self.next_layer >= h.layers:
+            raise ProtocolError(f"more layers than the header's {h.layers}")
+        self.crc32 = zlib.crc32(payload, self.crc32)
+        self.next_layer += 1
+        mv = memoryview(payload)
+        k, v = entries["k"], entries["v"]
+        return LayerKV(
+            self.next_layer - 1,
+            mv[data_start + k.begin : data_start + k.end],
+            mv[data_start + v.begin : data_start + v.end],
+            payload,
+        )
+
+
+@runtime_checkable
+class ChunkStream(Protocol):
+    """aiohttp's StreamReader and the like."""
+
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class ReadStream(Protocol):
+    """Anything with `await read(n)` returning b"" at end of stream."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+async def read_frames(
+    stream: ChunkStream | ReadStream, reader: FrameReader | None = None
+) -> AsyncIterator[Frame]:
+    """Yield frames from a byte stream as they complete; checks the end of stream too."""
+    if reader is None:
+        reader = FrameReader()
+    if isinstance(stream, ChunkStream):
+        async for chunk in stream.iter_any():
+            for frame in reader.feed(chunk):
+                yield frame
+    else:
+        while chunk := await stream.read(64 * 1024):
+            for frame in reader.feed(chunk):
+                yield frame
+    reader.finish()
+
+
+def layer_to_numpy(lkv: LayerKV, header: Header) -> tuple[np.ndarray, np.ndarray]:
+    """K and V as read-only numpy views `[1, n_kv_heads, count, head_dim]`.
+
+    numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it into
+    bf16 with `mx.array(a).view(mx.bfloat16)`.
+    """
+    dt = _NUMPY_DTYPE[header.dtype]
+    k = np.frombuffer(lkv.k, dtype=dt).reshape(header.shape)
+    v = np.frombuffer(lkv.v, dtype=dt).reshape(header.shape)
+    return k, v

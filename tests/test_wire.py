@@ -1,0 +1,497 @@
+"""KV frames (nodes/wire.py): exact bytes, round trips, every malformed stream, mx.load."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nodes.wire import (
+    PROTO,
+    Done,
+    ErrorFrame,
+    Frame,
+    FrameReader,
+    FrameWriter,
+    Header,
+    LayerKV,
+    ProtocolError,
+    encode_done,
+    encode_error,
+    encode_header,
+    encode_layer,
+    layer_to_numpy,
+    max_layer_payload,
+    read_frames,
+)
+
+H = Header(PROTO, "fp", "r1", "F32", layers=3, start=0, count=5, n_kv_heads=2, head_dim=4)
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def kv_bytes(h: Header, seed: int) -> tuple[bytes, bytes]:
+    """Random K and V bytes of the header's shape and dtype (any bit pattern, NaNs included)."""
+    n = 2 * int(np.prod(h.shape)) * {"F32": 4, "F16": 2, "BF16": 2}[h.dtype]
+    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    return raw[: n // 2], raw[n // 2 :]
+
+
+def make_stream(h: Header, end: str = "done") -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """A whole valid stream and the K/V bytes it carries."""
+    w = FrameWriter(h)
+    parts, kvs = [w.start()], []
+    for i in range(h.layers):
+        k, v = kv_bytes(h, i)
+        kvs.append((k, v))
+        parts.append(w.layer(i, k, v))
+    parts.append(w.done() if end == "done" else w.error("oom", "out of memory"))
+    return b"".join(parts), kvs
+
+
+def decode_all(data: bytes, chunks: list[int] | None = None) -> list[Frame]:
+    """Feed `data` cut at the offsets in `chunks` (or whole), then finish."""
+    r = FrameReader()
+    cuts = [0, *sorted(chunks or []), len(data)]
+    frames: list[Frame] = []
+    for a, b in itertools.pairwise(cuts):
+        frames += r.feed(data[a:b])
+    r.finish()
+    return frames
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return bytes([kind]) + struct.pack("<Q", len(payload)) + payload
+
+
+def blob(header_json: bytes, data: bytes = b"") -> bytes:
+    """A hand-made safetensors blob (no padding, no checks)."""
+    return struct.pack("<Q", len(header_json)) + header_json + data
+
+
+# --- exact bytes -----------------------------------------------------------------------------
+
+
+def test_header_frame_bytes() -> None:
+    h = Header(PROTO, "fp", "r1", "F32", layers=1, start=0, count=1, n_kv_heads=1, head_dim=2)
+    body = (
+        b'{"proto":1,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":1,'
+        b'"start":0,"count":1,"n_kv_heads":1,"head_dim":2}'
+    )
+    assert encode_header(h) == b"\x01\x79\x00\x00\x00\x00\x00\x00\x00" + body
+    assert len(body) == 0x79
+
+
+def test_layer_frame_bytes() -> None:
+    h = Header(PROTO, "fp", "r1", "F32", layers=1, start=0, count=1, n_kv_heads=1, head_dim=2)
+    f = encode_layer(0, struct.pack("<2f", 1, 2), struct.pack("<2f", 3, 4), h)
+    st_header = (
+        b'{"__metadata__":{"layer":"0"},'
+        b'"k":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[0,8]},'
+        b'"v":{"dtype":"F32","shape":[1,1,1,2],"data_offsets":[8,16]}}   '  # padded to 8
+    )
+    data = b"\x00\x00\x80?\x00\x00\x00@\x00\x00@@\x00\x00\x80@"  # 1.0 2.0 3.0 4.0 as <f4
+    assert f[:9] == b"\x02\xb0\x00\x00\x00\x00\x00\x00\x00"  # kind 2, 176-byte payload
+    assert f[9:17] == b"\x98\x00\x00\x00\x00\x00\x00\x00"  # 152-byte safetensors header
+    assert f[17:] == st_header + data
+    assert len(f) == 9 + 176
+
+
+def test_done_and_error_frame_bytes() -> None:
+    assert encode_done(2, 0xDEADBEEF) == (
+        b"\x03\x1f\x00\x00\x00\x00\x00\x00\x00" + b'{"layers":2,"crc32":3735928559}'
+    )
+    assert encode_error("oom", "x") == (
+        b"\x04\x1c\x00\x00\x00\x00\x00\x00\x00" + b'{"code":"oom","message":"x"}'
+    )
+
+
+# --- round trips -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_round_trip(dtype: str) -> None:
+    h = dataclasses.replace(H, dtype=dtype)
+    data, kvs = make_stream(h)
+    frames = decode_all(data)
+    assert frames[0] == h
+    layers = frames[1:-1]
+    assert [f.layer for f in layers if isinstance(f, LayerKV)] == [0, 1, 2]
+    crc = 0
+    for f, (k, v) in zip(layers, kvs, strict=True):
+        assert isinstance(f, LayerKV)
+        assert bytes(f.k) == k and bytes(f.v) == v  # raw bits, NaN payloads included
+        crc = zlib.crc32(f.payload, crc)
+        nk, nv = layer_to_numpy(f, h)
+        assert nk.shape == nv.shape == (1, 2, 5, 4)
+        assert nk.dtype == {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[dtype]
+        assert nk.tobytes() == k and nv.tobytes() == v
+    assert frames[-1] == Done(3, crc)
+
+
+def test_bf16_is_never_widened() -> None:
+    h = dataclasses.replace(H, dtype="BF16", layers=1, count=1, n_kv_heads=1, head_dim=4)
+    bits = np.array([[[[0x3F80, 0x7FC1, 0xFF81, 0x0001]]]], dtype="<u2")  # 1.0, NaNs, denormal
+    w = FrameWriter(h)
+    data = w.start() + w.layer(0, bits, bits[..., ::-1].copy()) + w.done()
+    lkv = decode_all(data)[1]
+    assert isinstance(lkv, LayerKV)
+    k, v = layer_to_numpy(lkv, h)
+    assert k.tolist() == bits.tolist() and v.tolist() == bits[..., ::-1].tolist()
+
+
+def test_one_byte_at_a_time() -> None:
+    data, _ = make_stream(H)
+    r = FrameReader()
+    frames: list[Frame] = []
+    for i in range(len(data)):
+        frames += r.feed(data[i : i + 1])
+    r.finish()
+    assert frames == decode_all(data)
+    assert [type(f) for f in frames] == [Header, LayerKV, LayerKV, LayerKV, Done]
+
+
+def test_error_frame_ends_the_stream() -> None:
+    data, _ = make_stream(H, end="error")
+    frames = decode_all(data)
+    assert frames[-1] == ErrorFrame("oom", "out of memory")
+    assert decode_all(encode_error("busy", "later")) == [ErrorFrame("busy", "later")]
+    with pytest.raises(ProtocolError, match="after"):
+        decode_all(data + encode_done(3, 0))
+
+
+def test_reader_stays_failed() -> None:
+    r = FrameReader()
+    with pytest.raises(ProtocolError):
+        r.feed(b"\x09")
+    with pytest.raises(ProtocolError, match="already failed"):
+        r.feed(encode_header(H))
+    with pytest.raises(ProtocolError, match="already failed"):
+        r.finish()
+
+
+def test_zero_token_layers() -> None:
+    h = dataclasses.replace(H, count=0)
+    data, _ = make_stream(h)
+    frames = decode_all(data)
+    assert all(len(f.k) == 0 for f in frames if isinstance(f, LayerKV))
+
+
+# --- malformed streams -----------------------------------------------------------------------
+
+
+def _layer(i: int, h: Header = H, **change: object) -> bytes:
+    """Layer frame `i` written as if the header were `h` with `change`."""
+    h2 = dataclasses.replace(h, **change)
+    return encode_layer(i, *kv_bytes(h2, i), h2)
+
+
+def _crc(*frames: bytes) -> int:
+    crc = 0
+    for f in frames:
+        crc = zlib.crc32(f[9:], crc)
+    return crc
+
+
+def _good_layers(n: int = 3) -> bytes:
+    return b"".join(_layer(i) for i in range(n))
+
+
+def _header_json(**change: object) -> bytes:
+    return frame(1, json.dumps({**dataclasses.asdict(H), **change}).encode())
+
+
+_KV_JSON = '"dtype":"F32","shape":[1,2,5,4]'  # H.shape in F32: 160 bytes each
+_BAD_BLOBS = {
+    "blob not safetensors": b"garbage!" * 4,
+    "blob too short": b"\x01\x02",
+    "blob header not json": blob(b"{nope"),
+    "blob missing v": blob(
+        b'{"__metadata__":{"layer":"0"},"k":{' + _KV_JSON.encode() + b',"data_offsets":[0,160]}}',
+        bytes(160),
+    ),
+    "blob extra tensor": blob(
+        (
+            '{"__metadata__":{"layer":"0"},'
+            f'"k":{{{_KV_JSON},"data_offsets":[0,160]}},"v":{{{_KV_JSON},"data_offsets":[160,320]}},'
+            '"x":{"dtype":"U8","shape":[1],"data_offsets":[320,321]}}'
+        ).encode(),
+        bytes(321),
+    ),
+    "blob data past end": _layer(0)[9:-1],
+    "blob metadata a list": blob(b'{"__metadata__":[1]}'),
+    "blob infinite shape": blob(b'{"k":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}}'),
+    "blob deep nesting": blob(b'{"k":' + b"[" * 20000),
+    "blob no layer metadata": blob(
+        (
+            f'{{"k":{{{_KV_JSON},"data_offsets":[0,160]}},'
+            f'"v":{{{_KV_JSON},"data_offsets":[160,320]}}}}'
+        ).encode(),
+        bytes(320),
+    ),
+}
+
+MALFORMED: dict[str, bytes] = {
+    "empty stream": b"",
+    "bad kind": b"\x07" + bytes(8),
+    "kind zero": bytes(9),
+    "garbage bytes": b"\xde\xad\xbe\xef garbage",
+    "layer before header": _layer(0) + encode_header(H),
+    "done before header": encode_done(0, 0),
+    "huge header length": b"\x01" + struct.pack("<Q", 2**63),
+    "header json too long": b"\x01" + struct.pack("<Q", 64 * 1024 + 1),
+    "header not json": frame(1, b"{not json"),
+    "header not utf8": frame(1, b"\xff\xfe\x00"),
+    "header json array": frame(1, b"[1, 2]"),
+    "header deep nesting": frame(1, b"[" * 60000),
+    "header missing key": frame(1, json.dumps({"proto": PROTO, "dtype": "F32"}).encode()),
+    "other proto version": _header_json(proto=2),
+    "proto missing": frame(1, b'{"dtype":"F32"}'),
+    "proto is true": _header_json(proto=True),
+    "header unknown dtype": _header_json(dtype="F64"),
+    "header negative count": _header_json(count=-1),
+    "header zero layers": _header_json(layers=0),
+    "header string size": _header_json(head_dim="4"),
+    "header nested fingerprint": _header_json(fingerprint=[[[]]]),
+    "second header": encode_header(H) + encode_header(H),
+    "truncated prefix": encode_header(H)[:5],
+    "truncated payload": encode_header(H) + _layer(0)[:-1],
+    "no done frame": encode_header(H) + _good_layers(),
+    "dtype mismatch": encode_header(H) + _layer(0, dtype="F16", head_dim=8),
+    "shape mismatch": encode_header(H) + _layer(0, count=4),
+    "layer out of order": encode_header(H) + _layer(1),
+    "layer repeated": encode_header(H) + _layer(0) + _layer(0),
+    "too many layers": encode_header(H) + _good_layers() + _layer(3),
+    "oversized layer": encode_header(H) + b"\x02" + struct.pack("<Q", max_layer_payload(H) + 1),
+    "crc mismatch": encode_header(H) + _good_layers() + encode_done(3, _crc(_good_layers()) ^ 1),
+    "done early": encode_header(H) + _good_layers(2) + encode_done(2, 0),
+    "done wrong count": encode_header(H) + _good_layers() + encode_done(4, 0),
+    "done bad json": encode_header(H) + _good_layers() + frame(3, b'{"layers":3}'),
+    "done crc a string": encode_header(H) + _good_layers() + frame(3, b'{"layers":3,"crc32":"0"}'),
+    "frame after done": make_stream(H)[0] + encode_header(H),
+    "byte after done": make_stream(H)[0] + b"\x00",
+    "frame after error": encode_header(H) + encode_error("e", "m") + _layer(0),
+    "error code not str": frame(4, b'{"code":[1],"message":"m"}'),
+    **{name: encode_header(H) + frame(2, b) for name, b in _BAD_BLOBS.items()},
+}
+
+
+@pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_raises(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_all(data)
+
+
+def test_malformed_messages() -> None:
+    def err(name: str) -> str:
+        with pytest.raises(ProtocolError) as e:
+            decode_all(MALFORMED[name])
+        return str(e.value)
+
+    assert "protocol version 2" in err("other proto version")
+    assert "unknown frame kind 7" in err("bad kind")
+    assert "truncated" in err("truncated payload")
+    assert "without a done" in err("no done frame")
+    assert "crc32 mismatch" in err("crc mismatch")
+    assert "oversized" in err("oversized layer")
+    assert "out of order" in err("layer out of order")
+    assert "F16" in err("dtype mismatch")
+    assert "[1, 2, 4, 4]" in err("shape mismatch")
+
+
+def test_length_checked_before_buffering() -> None:
+    r = FrameReader()
+    r.feed(encode_header(H))
+    with pytest.raises(ProtocolError, match="oversized"):
+        r.feed(b"\x02" + struct.pack("<Q", max_layer_payload(H) + 1))  # the prefix alone
+    r = FrameReader(max_layer_extra=0)  # no room for the blob's own header
+    r.feed(encode_header(H))
+    with pytest.raises(ProtocolError, match="oversized"):
+        r.feed(_layer(0))
+
+
+def test_bad_kind_fails_on_first_byte() -> None:
+    with pytest.raises(ProtocolError, match="unknown frame kind"):
+        FrameReader().feed(b"\x05")
+
+
+def test_writer_enforces_order() -> None:
+    k, v = kv_bytes(H, 0)
+    w = FrameWriter(H)
+    with pytest.raises(ProtocolError):
+        w.layer(0, k, v)  # before the header
+    w.start()
+    with pytest.raises(ProtocolError):
+        w.start()
+    with pytest.raises(ProtocolError):
+        w.layer(1, k, v)
+    with pytest.raises(ProtocolError):
+        w.done()  # layers missing
+    with pytest.raises(ProtocolError, match="bytes"):
+        w.layer(0, k[:-1], v)
+    for i in range(3):
+        w.layer(i, k, v)
+    with pytest.raises(ProtocolError):
+        w.layer(3, k, v)
+    w.done()
+    with pytest.raises(ProtocolError):
+        w.error("late", "after done")
+    with pytest.raises(ProtocolError, match="dtype"):
+        FrameWriter(dataclasses.replace(H, dtype="F64"))
+    with pytest.raises(ProtocolError, match="protocol version"):
+        FrameWriter(dataclasses.replace(H, proto=PROTO + 1))
+
+
+# --- streams ---------------------------------------------------------------------------------
+
+
+class ChunkedStream:
+    """An aiohttp-like StreamReader: `iter_any()` yields whatever has arrived."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.data, self.size = data, size
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for i in range(0, len(self.data), self.size):
+            yield self.data[i : i + self.size]
+
+
+class ReadStream:
+    """A plain `await read(n)` stream."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def read(self, n: int = -1) -> bytes:
+        out, self.data = self.data[:7], self.data[7:]  # short reads on purpose
+        return out
+
+
+async def test_read_frames() -> None:
+    data, _ = make_stream(H)
+    want = decode_all(data)
+    assert [f async for f in read_frames(ChunkedStream(data, 13))] == want
+    assert [f async for f in read_frames(ReadStream(data))] == want
+    with pytest.raises(ProtocolError, match="truncated"):
+        _ = [f async for f in read_frames(ChunkedStream(data[:-3], 100))]
+
+
+async def test_read_frames_over_aiohttp() -> None:
+    data, _ = make_stream(dataclasses.replace(H, dtype="BF16"))
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(0, len(data), 100):
+            await resp.write(data[i : i + 100])
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/prefill", prefill)
+    async with TestClient(TestServer(app)) as client, client.post("/v1/prefill") as resp:
+        frames = [f async for f in read_frames(resp.content)]
+    assert frames == decode_all(data)
+
+
+# --- properties ------------------------------------------------------------------------------
+
+headers = st.builds(
+    Header,
+    proto=st.just(PROTO),
+    fingerprint=st.text(max_size=8),
+    request_id=st.text(max_size=8),
+    dtype=st.sampled_from(["F32", "F16", "BF16"]),
+    layers=st.integers(1, 3),
+    start=st.integers(0, 2**40),
+    count=st.integers(0, 3),
+    n_kv_heads=st.integers(1, 2),
+    head_dim=st.integers(1, 3),
+)
+
+
+@FAST
+@given(h=headers, end=st.sampled_from(["done", "error"]), data=st.data())
+def test_any_chunking_decodes_the_same(h: Header, end: str, data: st.DataObject) -> None:
+    stream, kvs = make_stream(h, end)
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=20))
+    frames = decode_all(stream, cuts)
+    assert frames[0] == h
+    got = [(bytes(f.k), bytes(f.v)) for f in frames if isinstance(f, LayerKV)]
+    assert got == kvs
+    assert isinstance(frames[-1], Done if end == "done" else ErrorFrame)
+    assert frames == decode_all(stream)
+
+
+def _decode_or_protocol_error(data: bytes, cuts: list[int]) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode_all(data, cuts)
+
+
+@FAST
+@given(data=st.binary(max_size=300), cuts=st.lists(st.integers(0, 300), max_size=5))
+def test_random_bytes_only_raise_protocol_error(data: bytes, cuts: list[int]) -> None:
+    _decode_or_protocol_error(data, [c for c in cuts if c <= len(data)])
+
+
+_VALID = make_stream(dataclasses.replace(H, layers=2, count=2, n_kv_heads=1, head_dim=2))[0]
+
+
+@FAST
+@given(
+    edits=st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), max_size=4),
+    cut=st.integers(0, len(_VALID)),
+    tail=st.binary(max_size=16),
+)
+def test_corrupted_stream_only_raises_protocol_error(
+    edits: list[tuple[int, int]], cut: int, tail: bytes
+) -> None:
+    data = bytearray(_VALID)
+    for i, b in edits:
+        data[i] = b
+    _decode_or_protocol_error(bytes(data[:cut]) + tail, [])
+
+
+# --- the decode side's view ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+def test_mx_load_reads_a_layer_payload(dtype: str, tmp_path: Path) -> None:
+    mx = pytest.importorskip("mlx.core")
+    h = dataclasses.replace(H, dtype=dtype)
+    lkv = next(f for f in decode_all(make_stream(h)[0]) if isinstance(f, LayerKV))
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(lkv.payload)
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    assert metadata == {"layer": "0"}
+    want_dtype = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}[dtype]
+    bits = mx.uint32 if dtype == "F32" else mx.uint16
+    for name, want in zip("kv", layer_to_numpy(lkv, h), strict=True):
+        a = arrays[name]
+        assert a.shape == (1, 2, 5, 4) and a.dtype == want_dtype
+        got = np.array(a.view(bits))  # compare bits: NaN payloads must survive too
+        assert got.tobytes() == want.tobytes()
+    if dtype != "BF16":
+        np.testing.assert_array_equal(np.array(arrays["k"]), layer_to_numpy(lkv, h)[0])
+
+
+def test_wire_imports_no_framework() -> None:
+    code = (
+        "import sys, nodes.wire; "
+        "bad = {m.split('.')[0] for m in sys.modules} & {'torch', 'mlx', 'aiohttp', 'mlx_lm'}; "
+        "assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
