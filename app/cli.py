@@ -9,9 +9,13 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nodes.model.errors import ModelError
 from nodes.units import parse_size
+
+if TYPE_CHECKING:
+    from nodes.node import NodeConfig
 
 log = logging.getLogger("tandem")
 
@@ -131,6 +135,72 @@ def cmd_prefill(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_node(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="run a prefill and/or decode node")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
+    p.add_argument("--budget", type=_size, default=None, help="weight slots on the device")
+    p.add_argument("--host-budget", type=_size, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
+    p.add_argument("--peer", action="append", default=[], metavar="URL")
+    p.add_argument("--no-mdns", action="store_true")
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument("--remote-prefill", choices=["auto", "always", "never"], default="auto")
+    p.add_argument("--name", default="")
+    p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
+    p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
+    p.set_defaults(func=cmd_node)
+
+
+def node_config(a: argparse.Namespace) -> NodeConfig:
+    """The node's configuration from parsed arguments (also used by packaging tests)."""
+    from app.paths import config_dir
+    from nodes.auth import AuthError, load_token
+    from nodes.node import NodeConfig, node_id_for
+
+    try:
+        token = load_token(a.token_file, config_dir() / "token")
+    except AuthError as e:
+        raise UsageError(str(e)) from None
+    roles = ("prefill", "decode") if a.role == "both" else (a.role,)
+    return NodeConfig(
+        model=a.model,
+        roles=roles,
+        host=a.host,
+        port=a.port,
+        name=a.name,
+        node_id=node_id_for(a.port, config_dir()),
+        token=token,
+        budget=a.budget,
+        chunk_tokens=a.chunk_tokens,
+        device=a.device,
+        link_gbps=a.link_gbps,
+        net_gbps=a.net_gbps,
+        peers=tuple(a.peer),
+        mdns=not a.no_mdns,
+        remote_prefill=a.remote_prefill,
+    )
+
+
+def cmd_node(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from nodes.auth import AuthError
+    from nodes.node import serve
+
+    config = node_config(a)
+    try:
+        asyncio.run(serve(config))
+    except AuthError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="make the demo model and run a local cluster on it")
     p.add_argument("--headless", action="store_true", help="one chat exchange, printed")
@@ -157,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_make_model,
     _add_prefill,
+    _add_node,
     _add_demo,
 ]
 

@@ -1,0 +1,399 @@
+"""The decode node's OpenAI-compatible API: `/v1/models`, `/v1/chat/completions`,
+`/v1/completions`, streamed (SSE) or not, each reply carrying the `tandem` object.
+
+A request: tokenize (chat template) → route the prefill (local mlx or a trusted prefill
+node over `/v1/prefill`) → decode with mlx-lm from the filled cache. A remote failure of any
+kind falls back to a local prefill: the client gets the right answer, and a `request` event
+with phase `failed` says why. A client that disconnects cancels its decode and its remote
+prefill (aiohttp cancels the handler; the mlx thread sees the cancel flag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from nodes.decode.host import Cancelled, Generation, ModelHost, SamplingParams
+from nodes.decode.remote import RemotePrefillError, remote_prefill
+from nodes.decode.router import Mode, choose
+from nodes.events import EventBus, RequestEvent, TokenEvent
+from nodes.model.spec import ModelSpec
+from nodes.peers import PeerTable
+
+log = logging.getLogger(__name__)
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """A request we refuse; becomes an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def error_response(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": code, "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    tokens: list[int]
+    params: SamplingParams
+    stream: bool
+    chat: bool
+
+
+@dataclass
+class PrefillInfo:
+    where: str = "local"
+    node: str | None = None
+    tokens: int = 0
+    seconds: float = 0.0
+    kv_bytes: int = 0
+
+
+class DecodeService:
+    """Handlers for the OpenAI routes; one per node."""
+
+    def __init__(
+        self,
+        host: ModelHost,
+        spec: ModelSpec,
+        fingerprint: str,
+        events: EventBus,
+        peers: PeerTable,
+        session_factory: Any,
+        token: str | None,
+        mode: Mode = "auto",
+        max_tokens_limit: int = 4096,
+    ) -> None:
+        self.host = host
+        self.spec = spec
+        self.fingerprint = fingerprint
+        self.events = events
+        self.peers = peers
+        self.session_factory = session_factory  # () -> aiohttp.ClientSession
+        self.token = token
+        self.mode = mode
+        self.max_tokens_limit = max_tokens_limit
+        self.local_tok_s: float | None = None  # measured mlx prefill rate (tokens/s)
+        self.model_name = spec.name
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "tandem"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _json_body(request)
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "messages must be a non-empty list")
+            for m in messages:
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise ApiError(400, "each message needs a role and a content")
+                if not isinstance(m.get("content"), str):
+                    raise ApiError(400, "message content must be a string")
+            msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+            tokens = await self.host.call(self.host.chat_tokens, msgs)
+            req = self._completion(body, tokens, chat=True)
+        except ApiError as e:
+            return error_response(e.status, str(e), e.code)
+        return await self._respond(request, req)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await _json_body(request)
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise ApiError(400, "prompt must be a non-empty string")
+            tokens = await self.host.call(self.host.encode, prompt)
+            req = self._completion(body, tokens, chat=False)
+        except ApiError as e:
+            return error_response(e.status, str(e), e.code)
+        return await self._respond(request, req)
+
+    def _completion(self, body: dict[str, Any], tokens: list[int], chat: bool) -> Completion:
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens")) or 256
+        if type(max_tokens) is not int or not 1 <= max_tokens <= self.max_tokens_limit:
+            raise ApiError(400, f"max_tokens must be an integer in 1..{self.max_tokens_limit}")
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stop, list | tuple) or len(stop) > MAX_STOP:
+            raise ApiError(400, f"stop must be a string or a list of up to {MAX_STOP}")
+        if not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "stop strings must be strings")
+        seed = body.get("seed")
+        if seed is not None and type(seed) is not int:
+            raise ApiError(400, "seed must be an integer")
+        if not tokens:
+            raise ApiError(400, "the prompt is empty after tokenization")
+        context = self.spec.max_position_embeddings
+        if len(tokens) + max_tokens > context:
+            raise ApiError(
+                400,
+                f"prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {context} tokens",
+                "context_length_exceeded",
+            )
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Completion(
+            request_id=prefix + uuid.uuid4().hex[:24],
+            tokens=tokens,
+            params=SamplingParams(max_tokens, temperature, top_p, tuple(stop), seed),
+            stream=bool(body.get("stream", False)),
+            chat=chat,
+        )
+
+    async def _respond(self, request: web.Request, req: Completion) -> web.StreamResponse:
+        rid = req.request_id
+        self.events.publish(RequestEvent(rid, phase="queued", tokens=len(req.tokens)))
+        cancel = threading.Event()
+        t0 = time.perf_counter()
+        response: web.StreamResponse | None = None
+        try:
+            caches, info = await self._prefill(req)
+            loop = asyncio.get_running_loop()
+            texts: asyncio.Queue[str] = asyncio.Queue()
+            ticker = _TokenTicker(self.events, rid)
+
+            def on_text(text: str) -> None:
+                ticker.tick()
+                loop.call_soon_threadsafe(texts.put_nowait, text)
+
+            prompt = req.tokens[-1:] if caches is not None else req.tokens
+            job = loop.run_in_executor(
+                self.host.thread, self.host.generate, prompt, caches, req.params, cancel, on_text
+            )
+            first: list[float] = []
+            if req.stream:
+                response = await self._stream(request, req, job, texts, first, t0)
+            gen = await job
+            if not first:
+                first.append(time.perf_counter())
+            ticker.flush(gen.tokens)
+            if info.where == "local":
+                info.seconds = gen.first_token_s
+            self.events.publish(
+                RequestEvent(rid, phase="done", tokens=gen.tokens, where=info.where)
+            )
+            extra = self._tandem(req, info, gen, first[0] - t0)
+            if response is not None:
+                await self._finish_stream(response, req, gen, extra)
+                return response
+            return web.json_response(self._body(req, gen, extra))
+        except (asyncio.CancelledError, ConnectionResetError, Cancelled):
+            cancel.set()
+            self.events.publish(RequestEvent(rid, phase="cancelled", detail="client went away"))
+            raise
+        finally:
+            cancel.set()
+
+    async def _prefill(self, req: Completion) -> tuple[list[Any] | None, PrefillInfo]:
+        """Fill a cache with tokens 0..n-2 remotely; None means mlx-lm prefills locally."""
+        rid, n = req.request_id, len(req.tokens) - 1
+        peers = self.peers.trusted("prefill")
+        decision = choose(
+            self.mode, n, self.spec.kv_bytes_per_token, self.spec.num_layers,
+            self.local_tok_s, peers,
+        )  # fmt: skip
+        if decision.where == "local":
+            if self.mode == "always" and n > 0:
+                self.events.publish(RequestEvent(rid, phase="failed", detail=decision.reason))
+            self.events.publish(RequestEvent(rid, phase="prefill_start", tokens=n, where="local"))
+            return None, PrefillInfo("local", None, n)
+        peer = decision.peer
+        assert peer is not None
+        self.events.publish(RequestEvent(rid, phase="prefill_start", tokens=n, where=peer.address))
+        caches = await self.host.call(self.host.new_cache)
+        try:
+            result = await remote_prefill(
+                self.session_factory(),
+                peer.address,
+                self.token,
+                fingerprint=self.fingerprint,
+                request_id=rid,
+                tokens=req.tokens[:-1],
+                start=0,
+                host=self.host,
+                caches=caches,
+                events=self.events,
+            )
+        except RemotePrefillError as e:
+            log.warning("remote prefill failed, prefilling locally: %s", e)
+            self.events.publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
+            return None, PrefillInfo("local", None, n)
+        rate = result.tokens / result.seconds if result.seconds > 0 else None
+        link = result.kv_bytes / result.seconds if result.seconds > 0 else None
+        self.peers.update_rates(peer.address, rate, link)
+        self.events.publish(RequestEvent(rid, phase="prefill_done", tokens=n, where=peer.address))
+        return caches, PrefillInfo("remote", peer.address, n, result.seconds, result.kv_bytes)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: Completion,
+        job: asyncio.Future[Generation],
+        texts: asyncio.Queue[str],
+        first: list[float],
+        t0: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        if req.chat:
+            await _sse(response, self._chunk(req, {"role": "assistant", "content": ""}, None))
+        while True:
+            getter = asyncio.ensure_future(texts.get())
+            await asyncio.wait({getter, job}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                while not texts.empty():
+                    await self._send_text(response, req, texts.get_nowait(), first)
+                return response
+            await self._send_text(response, req, getter.result(), first)
+
+    async def _send_text(
+        self, response: web.StreamResponse, req: Completion, text: str, first: list[float]
+    ) -> None:
+        if not first:
+            first.append(time.perf_counter())
+            self.events.publish(RequestEvent(req.request_id, phase="first_token"))
+        delta = {"content": text} if req.chat else text
+        await _sse(response, self._chunk(req, delta, None))
+
+    async def _finish_stream(
+        self,
+        response: web.StreamResponse,
+        req: Completion,
+        gen: Generation,
+        extra: dict[str, Any],
+    ) -> None:
+        last = self._chunk(req, {} if req.chat else "", gen.finish_reason)
+        last["usage"] = _usage(req, gen)
+        last["tandem"] = extra
+        await _sse(response, last)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+    def _chunk(self, req: Completion, delta: Any, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if req.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+            choice["logprobs"] = None
+        return {
+            "id": req.request_id,
+            "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+        }
+
+    def _body(self, req: Completion, gen: Generation, extra: dict[str, Any]) -> dict[str, Any]:
+        if req.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": gen.text},
+                "finish_reason": gen.finish_reason,
+            }
+        else:
+            choice = {
+                "index": 0, "text": gen.text, "logprobs": None,
+                "finish_reason": gen.finish_reason,
+            }  # fmt: skip
+        return {
+            "id": req.request_id,
+            "object": "chat.completion" if req.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(req, gen),
+            "tandem": extra,
+        }
+
+    def _tandem(
+        self, req: Completion, info: PrefillInfo, gen: Generation, ttft_s: float
+    ) -> dict[str, Any]:
+        if info.where == "local" and info.seconds and info.tokens:
+            self.local_tok_s = info.tokens / info.seconds
+        return {
+            "request_id": req.request_id,
+            "prefill": info.where,
+            "prefill_node": info.node,
+            "prefill_tokens": info.tokens,
+            "prefill_s": info.seconds,
+            "kv_bytes": info.kv_bytes,
+            "ttft_s": ttft_s,
+            "decode_tokens": gen.tokens,
+            "decode_s": gen.decode_s,
+        }
+
+
+class _TokenTicker:
+    """`token` events, at most ten a second (called from the mlx thread)."""
+
+    def __init__(self, events: EventBus, rid: str) -> None:
+        self.events, self.rid = events, rid
+        self.count = 0
+        self.last = 0.0
+
+    def tick(self) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= 0.1:
+            self.last = now
+            self.events.publish(TokenEvent(self.rid, count=self.count))
+
+    def flush(self, total: int) -> None:
+        self.events.publish(TokenEvent(self.rid, count=total))
+
+
+def _usage(req: Completion, gen: Generation) -> dict[str, int]:
+    n = len(req.tokens)
+    return {"prompt_tokens": n, "completion_tokens": gen.tokens, "total_tokens": n + gen.tokens}
+
+
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise ApiError(400, f"{key} must be a number in [{lo}, {hi}]")
+    return float(value)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "request body too large", "request_too_large") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object")
+    return body
+
+
+async def _sse(response: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

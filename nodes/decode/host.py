@@ -1,0 +1,149 @@
+"""The decode node's model: mlx-lm weights and tokenizer, owned by one thread.
+
+Everything that touches mlx runs on `ModelHost.thread` (a single-worker executor); async code
+reaches it with `await host.call(fn, ...)`. Generation checks a cancel flag between tokens,
+so a client that disconnects stops its decode within one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Generation:
+    """What one decode produced; `text` excludes any stop string."""
+
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str = "length"
+    first_token_s: float = 0.0  # from the call to the first token (includes local prefill)
+    decode_s: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Cancelled(Exception):
+    """The request was cancelled while decoding."""
+
+
+class ModelHost:
+    """mlx-lm model + tokenizer behind a single device thread."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, "tandem-mlx")
+        self.model: Any = None
+        self.tokenizer: Any = None
+
+    async def start(self) -> None:
+        self.model, self.tokenizer = await self.call(mlx_load, str(self.model_dir))
+        log.info("decode model loaded from %s", self.model_dir)
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True, cancel_futures=True)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of the chat-templated prompt, ready for the assistant's reply."""
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def new_cache(self) -> list[KVCache]:
+        return make_prompt_cache(self.model)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        cache: list[Any] | None,
+        params: SamplingParams,
+        cancel: threading.Event,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """On the mlx thread. With `cache` holding tokens 0..n-2, `prompt` is `[t_{n-1}]`;
+        with no cache, `prompt` is every token and mlx-lm prefills locally."""
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
+        cache = cache if cache is not None else self.new_cache()
+        out = Generation()
+        t0 = time.perf_counter()
+        pending = ""  # text held back while it could still be the start of a stop string
+        hold = max((len(s) for s in params.stop), default=0)
+        for r in stream_generate(
+            self.model,
+            self.tokenizer,
+            mx.array(list(prompt)),
+            max_tokens=params.max_tokens,
+            sampler=sampler,
+            prompt_cache=cache,
+        ):
+            if cancel.is_set():
+                raise Cancelled
+            if out.tokens == 0:
+                out.first_token_s = time.perf_counter() - t0
+            out.tokens = r.generation_tokens
+            out.token_ids.append(int(r.token))
+            pending += r.text
+            stop_at = _find_stop(pending, params.stop)
+            if stop_at is not None:
+                pending = pending[:stop_at]
+                out.finish_reason = "stop"
+                self._emit(out, pending, on_text)
+                break
+            if r.finish_reason is not None:
+                out.finish_reason = r.finish_reason
+                self._emit(out, pending, on_text)
+                break
+            ready = len(pending) - (hold - 1 if hold else 0)
+            if ready > 0:
+                self._emit(out, pending[:ready], on_text)
+                pending = pending[ready:]
+        out.decode_s = time.perf_counter() - t0 - out.first_token_s
+        return out
+
+    @staticmethod
+    def _emit(out: Generation, text: str, on_text: Callable[[str], None] | None) -> None:
+        if text:
+            out.text += text
+            if on_text is not None:
+                on_text(text)
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for s in stops if s and (i := text.find(s)) >= 0]
+    return min(hits) if hits else None

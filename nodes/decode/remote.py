@@ -1,0 +1,118 @@
+"""The decode node's side of `/v1/prefill`: ask a prefill node for K/V and fill mlx caches
+layer by layer as frames arrive, while the prefill node computes the next layer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from nodes.auth import auth_headers
+from nodes.decode.host import ModelHost
+from nodes.decode.kv import CacheBuilder
+from nodes.events import EventBus, LayerEvent, LinkEvent
+from nodes.wire import PREFIX, PROTO, Done, ErrorFrame, FrameReader, Header, LayerKV
+
+log = logging.getLogger(__name__)
+
+
+class RemotePrefillError(Exception):
+    """The prefill node could not deliver: unreachable, refused, garbage, or died mid-stream."""
+
+
+@dataclass(frozen=True)
+class RemoteResult:
+    node: str  # the prefill node's address
+    tokens: int  # positions computed remotely
+    kv_bytes: int  # response body bytes
+    seconds: float
+
+
+async def remote_prefill(
+    session: aiohttp.ClientSession,
+    url: str,
+    token: str | None,
+    *,
+    fingerprint: str,
+    request_id: str,
+    tokens: list[int],
+    start: int,
+    host: ModelHost,
+    caches: list[Any],
+    events: EventBus,
+    timeout_s: float = 300.0,
+) -> RemoteResult:
+    """Fill `caches` (holding positions 0..start-1) with positions start..len(tokens)-1."""
+    body = {
+        "proto": PROTO,
+        "fingerprint": fingerprint,
+        "request_id": request_id,
+        "tokens": tokens,
+        "start": start,
+    }
+    t0 = time.perf_counter()
+    reader = FrameReader()
+    builder: CacheBuilder | None = None
+    total = 0
+    try:
+        async with session.post(
+            f"{url}/v1/prefill",
+            json=body,
+            headers=auth_headers(token),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=60),
+        ) as resp:
+            if resp.status != 200:
+                detail = (await resp.text())[:300]
+                raise RemotePrefillError(f"{url} answered {resp.status}: {detail}")
+            frame_start: float | None = None
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                frame_start = frame_start or now
+                total += len(chunk)
+                for frame in reader.feed(chunk):
+                    done_at = time.perf_counter()
+                    builder = await _apply(frame, builder, host, caches, events, request_id, start)
+                    if isinstance(frame, LayerKV):
+                        n = PREFIX.size + len(frame.payload)
+                        seconds = done_at - frame_start
+                        events.publish(
+                            LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
+                        )
+                    frame_start = None
+            reader.finish()
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
+    except Exception as e:  # ProtocolError and friends: the stream is unusable
+        if isinstance(e, RemotePrefillError):
+            raise
+        raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
+    return RemoteResult(url, len(tokens) - start, total, time.perf_counter() - t0)
+
+
+async def _apply(
+    frame: object,
+    builder: CacheBuilder | None,
+    host: ModelHost,
+    caches: list[Any],
+    events: EventBus,
+    request_id: str,
+    start: int,
+) -> CacheBuilder | None:
+    if isinstance(frame, ErrorFrame):
+        raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
+    if isinstance(frame, Header):
+        if frame.start != start:
+            raise RemotePrefillError(f"asked for positions from {start}, got {frame.start}")
+        return CacheBuilder(frame, caches)
+    if isinstance(frame, LayerKV):
+        assert builder is not None  # the reader guarantees a header first
+        await host.call(builder.add, frame)
+        events.publish(
+            LayerEvent(request_id, layer=frame.layer, state="received", bytes=len(frame.payload))
+        )
+    if isinstance(frame, Done):
+        log.debug("request %s: %d layers received", request_id, frame.layers)
+    return builder

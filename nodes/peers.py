@@ -1,0 +1,189 @@
+"""Known peers: health-checked every 2 s, trusted only after `/v1/hello` proves the token.
+
+A peer is *trusted* when its proof verifies and its model fingerprint equals ours. The token
+is never sent to a peer before that (DESIGN.md): `/health` and `/v1/hello` carry none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import aiohttp
+
+from nodes.auth import proof, verify_proof
+
+log = logging.getLogger(__name__)
+Reason = Literal["unauthorized", "model_mismatch", "unreachable", "protocol_mismatch"]
+HEALTH_INTERVAL_S = 2.0
+UNREACHABLE_AFTER_S = 6.0  # well inside the 10 s DESIGN.md allows
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One node as `/v1/cluster` shows it (DESIGN.md Peer shape)."""
+
+    address: str
+    id: str = ""
+    name: str = ""
+    roles: tuple[str, ...] = ()
+    device: str = ""
+    mem_bytes: int = 0
+    budget_bytes: int = 0
+    model: dict[str, str] = field(default_factory=dict)
+    proto: int = 0
+    trusted: bool = False
+    reason: Reason | None = "unreachable"
+    last_seen: float = 0.0
+    prefill_tok_s: float | None = None
+    link_Bps: float | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "roles": list(self.roles),
+            "address": self.address,
+            "device": self.device,
+            "mem_bytes": self.mem_bytes,
+            "budget_bytes": self.budget_bytes,
+            "model": dict(self.model),
+            "proto": self.proto,
+            "trusted": self.trusted,
+            "reason": self.reason,
+            "last_seen": self.last_seen,
+            "prefill_tok_s": self.prefill_tok_s,
+            "link_Bps": self.link_Bps,
+        }
+
+
+class PeerTable:
+    """The peers this node knows, keyed by address; a background task keeps them fresh."""
+
+    def __init__(self, own_id: str, fingerprint: str, token: str | None, proto: int = 1) -> None:
+        self.own_id = own_id
+        self.fingerprint = fingerprint
+        self.token = token
+        self.proto = proto
+        self.peers: dict[str, Peer] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        self._task = asyncio.create_task(self._loop(), name="peer-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def add(self, address: str) -> None:
+        address = address.rstrip("/")
+        self.peers.setdefault(address, Peer(address=address))
+
+    def remove(self, address: str) -> None:
+        self.peers.pop(address.rstrip("/"), None)
+
+    def trusted(self, role: str) -> list[Peer]:
+        return [p for p in self.peers.values() if p.trusted and role in p.roles]
+
+    def update_rates(
+        self, address: str, prefill_tok_s: float | None, link_Bps: float | None
+    ) -> None:
+        p = self.peers.get(address)
+        if p is not None:
+            self.peers[address] = replace(
+                p,
+                prefill_tok_s=prefill_tok_s or p.prefill_tok_s,
+                link_Bps=link_Bps or p.link_Bps,
+            )
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(a) for a in list(self.peers)))
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def check(self, address: str) -> Peer | None:
+        """Health-check one peer; (re)verify its proof when it was not trusted."""
+        assert self._session is not None
+        peer = self.peers.get(address)
+        if peer is None:
+            return None
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        try:
+            async with self._session.get(f"{address}/health", timeout=timeout) as r:
+                health = await r.json()
+            updated = replace(
+                peer,
+                id=str(health.get("id", "")),
+                name=str(health.get("name", "")),
+                roles=tuple(health.get("roles", ())),
+                device=str(health.get("device", "")),
+                mem_bytes=int(health.get("mem_bytes") or 0),
+                budget_bytes=int(health.get("budget_bytes") or 0),
+                model={
+                    "name": str((health.get("model") or {}).get("name", "")),
+                    "fingerprint": str((health.get("model") or {}).get("fingerprint", "")),
+                },
+                proto=int(health.get("proto") or 0),
+                last_seen=time.time(),
+            )
+            if not peer.trusted or peer.id != updated.id:
+                updated = await self._hello(updated)
+            else:
+                updated = replace(updated, reason=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            stale = time.time() - peer.last_seen > UNREACHABLE_AFTER_S
+            if stale or not peer.last_seen:
+                if peer.reason != "unreachable":
+                    log.warning("peer %s unreachable: %s", address, e)
+                updated = replace(peer, trusted=False, reason="unreachable")
+            else:
+                updated = peer
+        if address in self.peers:
+            self.peers[address] = updated
+        return updated
+
+    async def _hello(self, peer: Peer) -> Peer:
+        assert self._session is not None
+        if peer.proto != self.proto:
+            return replace(peer, trusted=False, reason="protocol_mismatch")
+        nonce = secrets.token_hex(16)
+        async with self._session.post(
+            f"{peer.address}/v1/hello",
+            json={"nonce": nonce, "id": self.own_id},
+            timeout=aiohttp.ClientTimeout(total=3.0),
+        ) as r:
+            if r.status != 200:
+                return replace(peer, trusted=False, reason="unauthorized")
+            answer = await r.json()
+        peer_id = str(answer.get("id", ""))
+        fp = str(answer.get("fingerprint", ""))
+        ok = verify_proof(self.token or "", nonce, self.own_id, peer_id, fp, answer.get("proof"))
+        if not ok:
+            return replace(peer, trusted=False, reason="unauthorized")
+        if fp != self.fingerprint:
+            return replace(peer, trusted=False, reason="model_mismatch")
+        if not peer.trusted:
+            log.info("peer %s (%s) trusted", peer.address, peer.name or peer_id)
+        return replace(peer, id=peer_id, trusted=True, reason=None)
+
+
+def hello_answer(token: str | None, own_id: str, fingerprint: str, body: object) -> dict[str, str]:
+    """This node's answer to `/v1/hello`. Raises ValueError on a malformed body."""
+    if not isinstance(body, dict) or not isinstance(body.get("nonce"), str):
+        raise ValueError("hello needs {nonce, id}")
+    nonce, caller = body["nonce"], str(body.get("id", ""))
+    if not 8 <= len(nonce) <= 256:
+        raise ValueError("nonce must be 8..256 characters")
+    return {
+        "id": own_id,
+        "fingerprint": fingerprint,
+        "proof": proof(token or "", nonce, caller, own_id, fingerprint),
+    }

@@ -1,0 +1,240 @@
+"""`POST /v1/prefill`: the prefill node's HTTP route (DESIGN.md).
+
+The streamed prefill runs on the node's single device thread; each finished layer crosses to
+the event loop through a small bounded queue (back-pressure: a slow network pauses compute
+rather than piling K/V up in memory) and is written as a KV frame at once. One prefill at a
+time per device; up to `queue_limit` more wait; beyond that the answer is 503 + Retry-After.
+A client that goes away cancels the prefill: the device thread stops after its current layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from aiohttp import web
+
+from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
+from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
+from nodes.wire import PROTO, FrameWriter, Header
+
+log = logging.getLogger(__name__)
+CONTENT_TYPE = "application/x-tandem-kv"
+_WIRE_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    tokens: list[int]
+    start: int
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """Row-major bytes of a host tensor; bf16 as its raw bits."""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16)
+    return memoryview(t.numpy()).cast("B")
+
+
+class _Throttle:
+    """Caps bytes sent per second (`--net-gbps`), to emulate 1 GbE / 10 GbE on one machine."""
+
+    def __init__(self, net_gbps: float | None) -> None:
+        self.rate = net_gbps * 1e9 / 8 if net_gbps else None  # bytes/s
+
+    async def wait(self, nbytes: int, started: float) -> None:
+        if self.rate:
+            left = nbytes / self.rate - (time.perf_counter() - started)
+            if left > 0:
+                await asyncio.sleep(left)
+
+
+class PrefillService:
+    """Owns the engine, its device thread and the request queue."""
+
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        fingerprint: str,
+        events: EventBus,
+        queue_limit: int = 32,
+        net_gbps: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.fingerprint = fingerprint
+        self.events = events
+        self.queue_limit = queue_limit
+        self.device_thread = concurrent.futures.ThreadPoolExecutor(1, "tandem-device")
+        self._busy = asyncio.Semaphore(1)
+        self._waiting = 0
+        self._throttle = _Throttle(net_gbps)
+        self.served_tokens = 0
+        self.served_s = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        """Measured prefill rate over the requests served so far (tokens/s)."""
+        return self.served_tokens / self.served_s if self.served_s > 0 else None
+
+    def close(self) -> None:
+        self.device_thread.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()
+
+    def parse(self, body: object) -> PrefillRequest:
+        if not isinstance(body, dict):
+            raise BadRequest(400, "bad_request", "body must be a JSON object")
+        if body.get("proto") != PROTO:
+            raise BadRequest(400, "protocol_mismatch", f"proto must be {PROTO}")
+        if body.get("fingerprint") != self.fingerprint:
+            raise BadRequest(409, "model_mismatch", "model fingerprint does not match")
+        tokens, start = body.get("tokens"), body.get("start", 0)
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < self.engine.spec.vocab_size for t in tokens
+        ):
+            raise BadRequest(400, "bad_tokens", "tokens must be a list of ids in the vocabulary")
+        if type(start) is not int or not 0 <= start < len(tokens):
+            raise BadRequest(400, "bad_tokens", "start must satisfy 0 <= start < len(tokens)")
+        rid = body.get("request_id") or "prefill"
+        return PrefillRequest(str(rid)[:128], tokens, start)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = self.parse(await request.json())
+        except ValueError:
+            return _error(400, "bad_json", "body is not valid JSON")
+        except BadRequest as e:
+            return _error(e.status, e.code, str(e))
+        if self._waiting >= self.queue_limit:
+            return _error(503, "busy", "prefill queue is full", {"Retry-After": "1"})
+        publish = self.events.publish
+        publish(RequestEvent(req.request_id, phase="queued", tokens=len(req.tokens)))
+        self._waiting += 1
+        try:
+            await self._busy.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            return await self._serve(request, req)
+        finally:
+            self._busy.release()
+
+    async def _serve(self, request: web.Request, req: PrefillRequest) -> web.StreamResponse:
+        spec = self.engine.spec
+        count = len(req.tokens) - req.start
+        header = Header(
+            proto=PROTO,
+            fingerprint=self.fingerprint,
+            request_id=req.request_id,
+            dtype=_WIRE_DTYPE[self.engine.dtype],
+            layers=spec.num_layers,
+            start=req.start,
+            count=count,
+            n_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+        writer = FrameWriter(header)
+        response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+        await response.prepare(request)
+        await response.write(writer.start())
+        loop = asyncio.get_running_loop()
+        layers: asyncio.Queue[LayerKV | BaseException | None] = asyncio.Queue(maxsize=2)
+        cancel = threading.Event()
+        publish = self.events.publish
+        publish(RequestEvent(req.request_id, phase="prefill_start", tokens=count, where="remote"))
+        t0 = time.perf_counter()
+        job = loop.run_in_executor(self.device_thread, self._run, req, layers, loop, cancel)
+        try:
+            while (item := await layers.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                frame = writer.layer(item.layer, raw_bytes(item.k), raw_bytes(item.v))
+                t_send = time.perf_counter()
+                await response.write(frame)
+                await self._throttle.wait(len(frame), t_send)
+                sent_s = time.perf_counter() - t_send
+                publish(LinkEvent(req.request_id, name="net_out", bytes=len(frame), seconds=sent_s))
+                publish(
+                    LayerEvent(req.request_id, layer=item.layer, state="sent", bytes=len(frame))
+                )
+            await response.write(writer.done())
+            await response.write_eof()
+            elapsed = time.perf_counter() - t0
+            self.served_tokens += len(req.tokens)
+            self.served_s += elapsed
+            publish(
+                RequestEvent(req.request_id, phase="prefill_done", tokens=count, where="remote")
+            )
+        except (ConnectionResetError, asyncio.CancelledError):
+            cancel.set()
+            publish(RequestEvent(req.request_id, phase="cancelled", detail="client went away"))
+            raise
+        except PrefillError as e:
+            await response.write(writer.error("bad_tokens", str(e)))
+            publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
+        except Exception as e:
+            log.exception("prefill %s failed", req.request_id)
+            cancel.set()
+            await response.write(writer.error("internal", f"{type(e).__name__}: {e}"))
+            publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
+        finally:
+            cancel.set()
+            while not job.done():  # let the device thread notice and finish its layer
+                try:
+                    layers.get_nowait()
+                except asyncio.QueueEmpty:
+                    await asyncio.sleep(0.005)
+        return response
+
+    def _run(
+        self,
+        req: PrefillRequest,
+        out: asyncio.Queue[LayerKV | BaseException | None],
+        loop: asyncio.AbstractEventLoop,
+        cancel: threading.Event,
+    ) -> None:
+        """On the device thread: prefill every token, hand over positions start.. per layer."""
+
+        def put(item: LayerKV | BaseException | None) -> None:
+            fut = asyncio.run_coroutine_threadsafe(out.put(item), loop)
+            while not cancel.is_set():
+                try:
+                    fut.result(timeout=0.1)
+                    return
+                except concurrent.futures.TimeoutError:
+                    continue
+            fut.cancel()
+
+        layers = self.engine.prefill(req.tokens, request_id=req.request_id)
+        try:
+            for layer in layers:
+                if cancel.is_set():
+                    return
+                k, v = layer.k[:, :, req.start :], layer.v[:, :, req.start :]
+                put(LayerKV(layer.layer, k.contiguous(), v.contiguous()))
+            put(None)
+        except BaseException as e:
+            put(e)
+        finally:
+            layers.close()
+
+
+def _error(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": code, "code": code}}, status=status, headers=headers
+    )
+
