@@ -276,9 +276,7 @@ async def serve(config: NodeConfig) -> None:
     """Run a node until SIGINT/SIGTERM, then close tasks, children and sockets."""
     app = create_app(config)
     # handler_cancellation: a client that disconnects cancels its handler (and its decode).
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
-    )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

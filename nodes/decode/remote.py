@@ -67,21 +67,21 @@ async def remote_prefill(
             if resp.status != 200:
                 detail = (await resp.text())[:300]
                 raise RemotePrefillError(f"{url} answered {resp.status}: {detail}")
-            frame_start: float | None = None
+            frame_start: float | None = None  # when the first byte of the next frame came
             async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                frame_start = frame_start or now
+                frame_start = frame_start or time.perf_counter()
                 total += len(chunk)
                 for frame in reader.feed(chunk):
                     done_at = time.perf_counter()
                     builder = await _apply(frame, builder, host, caches, events, request_id, start)
                     if isinstance(frame, LayerKV):
                         n = PREFIX.size + len(frame.payload)
-                        seconds = done_at - frame_start
-                        events.publish(
-                            LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
+                        link = LinkEvent(
+                            request_id, name="net_in", bytes=n, seconds=done_at - frame_start
                         )
-                    frame_start = None
+                        events.publish(link)
+                    frame_start = done_at
+                frame_start = None
             reader.finish()
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e

@@ -259,6 +259,8 @@ def make_plan(index: ModelIndex, budget: int) -> Plan:
                 left -= layer_bytes[i]
             if not resident and ring_budget < budget:
                 break  # half the budget buys no resident layer: give the ring all of it
+            for i in resident:  # whole parts: exactly the layer_bytes[i] counted above
+                groups[i] = [_attn_parts(index, i, 1) + _mlp_parts(index, i, 1)]
             loads = _loads(groups, resident)  # type: ignore[arg-type]
             return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")

@@ -237,4 +237,3 @@ def _error(
     return web.json_response(
         {"error": {"message": message, "type": code, "code": code}}, status=status, headers=headers
     )
-

@@ -1,0 +1,107 @@
+"""Start real `tandem node` processes on loopback for tests, and always stop them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    token: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, auth: bool = True) -> dict:
+        req = urllib.request.Request(self.url + path)
+        if auth and self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_node(
+    tmp: Path,
+    model: Path,
+    role: str,
+    *args: str,
+    token: str | None = None,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
+) -> NodeProc:
+    """`tandem node --role ROLE` on a free port; waits for /health unless wait=False."""
+    port = free_port()
+    log = tmp / f"node-{role}-{port}.log"
+    full_env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), **(env or {})}
+    full_env.pop("TANDEM_TOKEN", None)
+    cmd = [sys.executable, "-m", "app.cli", "node", "--role", role, "--model", str(model)]
+    cmd += ["--port", str(port), "--no-mdns", *args]
+    if token is not None:
+        token_file = tmp / f"token-{port}"
+        token_file.write_text(token)
+        cmd += ["--token-file", str(token_file)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    node = NodeProc(proc, port, log, token)
+    if wait:
+        wait_healthy(node)
+    return node
+
+
+def wait_healthy(node: NodeProc, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"node exited with {node.proc.returncode}:\n{node.output()}")
+        try:
+            return node.get("/health", auth=False)
+        except (urllib.error.URLError, ConnectionError, OSError):
+            time.sleep(0.1)
+    raise TimeoutError(f"node on {node.port} not healthy:\n{node.output()}")
+
+
+def wait_trusted(node: NodeProc, role: str = "prefill", timeout: float = 15.0) -> dict:
+    """Wait until `node` lists a trusted peer with `role` in /v1/cluster."""
+    deadline = time.monotonic() + timeout
+    cluster: dict = {}
+    while time.monotonic() < deadline:
+        cluster = node.get("/v1/cluster")
+        if any(p["trusted"] and role in p["roles"] for p in cluster["peers"]):
+            return cluster
+        time.sleep(0.1)
+    raise TimeoutError(f"no trusted {role} peer: {cluster}")

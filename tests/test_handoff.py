@@ -1,0 +1,359 @@
+"""Acceptance of the KV handoff: real prefill and decode node processes on loopback, the real
+`openai` client, and mlx-lm itself as the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+from aiohttp import web
+
+from nodes.auth import proof
+from nodes.model import fingerprint, load_index
+from nodes.wire import PROTO, FrameWriter, Header
+from tests.hide_modules import hidden_env
+from tests.nodeproc import NodeProc, start_node, wait_trusted
+
+TOKEN = "test-token-0123456789"
+PROMPTS = [
+    "Tell me a story about a lighthouse keeper who counted the waves.",
+    "Why is the sky blue?",
+    "Hello! How are you today?",
+    "The train left the station at seven, crossed the river at eight.",
+]
+MAX_TOKENS = 24
+
+
+class Cluster:
+    def __init__(self, model: Path, prefill: NodeProc, decode: NodeProc) -> None:
+        self.model, self.prefill, self.decode = model, prefill, decode
+        from mlx_lm import load
+
+        self.mlx_model, self.tokenizer = load(str(model))
+
+    def client(self, token: str | None = TOKEN) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.decode.url + "/v1", api_key=token or "none")
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.decode.url + "/v1", api_key=TOKEN)
+
+    def chat_tokens(self, prompt: str) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+        )
+
+    def reference(self, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+        """mlx-lm greedy generation from scratch on the same chat-templated prompt."""
+        from mlx_lm import generate
+
+        return generate(
+            self.mlx_model, self.tokenizer, self.chat_tokens(prompt), max_tokens=max_tokens
+        )
+
+
+def _cluster(tmp: Path, model: Path) -> Iterator[Cluster]:
+    prefill = start_node(tmp, model, "prefill", "--budget", "200KB", token=TOKEN)
+    decode = start_node(
+        tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always", token=TOKEN
+    )
+    try:
+        wait_trusted(decode)
+        yield Cluster(model, prefill, decode)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def cluster(request, tiny_model, tmp_path_factory) -> Iterator[Cluster]:
+    kw = {"rope_scaling": "llama3"} if request.param == "llama" else {}
+    model = tiny_model(arch=request.param, layers=4, shards=2, **kw)
+    yield from _cluster(tmp_path_factory.mktemp(request.param), model)
+
+
+def _chat(client: openai.OpenAI, prompt: str, **kw):
+    return client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
+        temperature=0, **kw,
+    )  # fmt: skip
+
+
+def test_remote_chat_is_exactly_mlx_greedy(cluster: Cluster) -> None:
+    for prompt in PROMPTS[:2]:
+        reply = _chat(cluster.client(), prompt)
+        extra = reply.model_extra["tandem"]
+        assert extra["prefill"] == "remote", cluster.decode.output()
+        assert extra["prefill_node"] == cluster.prefill.url
+        assert extra["prefill_tokens"] == len(cluster.chat_tokens(prompt)) - 1
+        assert reply.choices[0].message.content == cluster.reference(prompt)
+        assert reply.usage.prompt_tokens == len(cluster.chat_tokens(prompt))
+
+
+def test_streamed_equals_non_streamed(cluster: Cluster) -> None:
+    prompt = PROMPTS[2]
+    whole = _chat(cluster.client(), prompt).choices[0].message.content
+    chunks = list(_chat(cluster.client(), prompt, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole == cluster.reference(prompt)
+    last = chunks[-1]
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert last.model_extra["tandem"]["prefill"] == "remote"
+
+
+def test_completions_endpoint(cluster: Cluster) -> None:
+    from mlx_lm import generate
+
+    prompt = "The quick brown fox"
+    reply = cluster.client().completions.create(
+        model="m", prompt=prompt, max_tokens=12, temperature=0
+    )
+    want = generate(cluster.mlx_model, cluster.tokenizer, prompt, max_tokens=12)
+    assert reply.choices[0].text == want
+    assert reply.model_extra["tandem"]["prefill"] == "remote"
+    models = cluster.client().models.list()
+    assert [m.id for m in models.data] == [cluster.model.name]
+
+
+async def _events(node: NodeProc, rid: str, until: str = "done") -> list[dict]:
+    """The node's event records for one request, replayed from its ring."""
+    records: list[dict] = []
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{node.url}/v1/events?since=0"
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            rec = json.loads(line[6:])
+            if rec["request_id"] == rid:
+                records.append(rec)
+                if rec["kind"] == "request" and rec["phase"] == until:
+                    return records
+    return records
+
+
+async def test_kv_really_travels(cluster: Cluster) -> None:
+    prompt = PROMPTS[3]
+    reply = _chat(cluster.client(), prompt)
+    extra = reply.model_extra["tandem"]
+    spec = load_index(cluster.model).spec
+    n = len(cluster.chat_tokens(prompt))
+    kv = 2 * spec.num_layers * spec.num_kv_heads * (n - 1) * spec.head_dim * 4
+    records = await asyncio.wait_for(_events(cluster.decode, reply.id), 10)
+    net_in = [r for r in records if r["kind"] == "link" and r["name"] == "net_in"]
+    received = [r["layer"] for r in records if r["kind"] == "layer" and r["state"] == "received"]
+    assert received == list(range(spec.num_layers))
+    total = sum(r["bytes"] for r in net_in)
+    assert len(net_in) == spec.num_layers
+    overhead = total - kv  # per layer: the 9-byte frame prefix plus a small safetensors header
+    assert 0 < overhead <= spec.num_layers * 512
+    assert extra["kv_bytes"] >= total
+    assert extra["kv_bytes"] - total < 1024  # plus only the header and done frames
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model) -> Path:
+    return tiny_model(arch="llama", layers=4, shards=2, rope_scaling="llama3")
+
+
+async def _fake_prefill_node(model: Path, token: str) -> tuple[web.AppRunner, str, list]:
+    """A prefill node that proves the token but sends all-zero K/V."""
+    index = load_index(model)
+    fp, spec = fingerprint(index), index.spec
+    seen: list[str] = []
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "id": "fake", "name": "fake", "roles": ["prefill"], "proto": PROTO,
+             "model": {"name": spec.name, "fingerprint": fp, "layers": spec.num_layers}}
+        )  # fmt: skip
+
+    async def hello(request: web.Request) -> web.Response:
+        body = await request.json()
+        p = proof(token, body["nonce"], body["id"], "fake", fp)
+        return web.json_response({"id": "fake", "fingerprint": fp, "proof": p})
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body["request_id"])
+        n = len(body["tokens"])
+        h = Header(PROTO, fp, body["request_id"], "F32", spec.num_layers, 0, n,
+                   spec.num_kv_heads, spec.head_dim)  # fmt: skip
+        w = FrameWriter(h)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(w.start())
+        zeros = np.zeros(h.shape, np.float32).tobytes()
+        for i in range(spec.num_layers):
+            await resp.write(w.layer(i, zeros, zeros))
+        await resp.write(w.done())
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/hello", hello)
+    app.router.add_post("/v1/prefill", prefill)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+async def test_zeroed_kv_changes_the_output(llama: Path, tmp_path: Path) -> None:
+    runner, url, seen = await _fake_prefill_node(llama, TOKEN)
+    decode = start_node(
+        tmp_path, llama, "decode", "--peer", url, "--remote-prefill", "always", token=TOKEN
+    )
+    try:
+        await asyncio.to_thread(wait_trusted, decode)
+        client = openai.AsyncOpenAI(base_url=decode.url + "/v1", api_key=TOKEN)
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=MAX_TOKENS, temperature=0,
+        )  # fmt: skip
+        assert reply.model_extra["tandem"]["prefill"] == "remote"
+        assert seen == [reply.id]
+        from mlx_lm import generate, load
+
+        model, tok = load(str(llama))
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True
+        )
+        assert reply.choices[0].message.content != generate(model, tok, prompt, max_tokens=24)
+    finally:
+        decode.stop()
+        await runner.cleanup()
+
+
+async def test_missing_or_wrong_token_is_401(cluster: Cluster) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with aiohttp.ClientSession() as s:
+        for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": TOKEN}):
+            for url in (cluster.decode.url, cluster.prefill.url):
+                async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    assert r.status == 401
+            async with s.post(cluster.prefill.url + "/v1/prefill", json={}, headers=headers) as r:
+                assert r.status == 401
+            async with s.get(cluster.decode.url + "/v1/events", headers=headers) as r:
+                assert r.status == 401
+        async with s.get(cluster.decode.url + "/health") as r:
+            assert r.status == 200
+            assert TOKEN not in await r.text()
+    wrong = openai.OpenAI(base_url=cluster.decode.url + "/v1", api_key="wrong-token")
+    with pytest.raises(openai.AuthenticationError):
+        _chat(wrong, "hi")
+
+
+async def test_junk_and_bad_json_then_still_serving(cluster: Cluster) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    junk = os.urandom(2 * 1024 * 1024)
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for url in (
+            cluster.decode.url + "/v1/chat/completions",
+            cluster.prefill.url + "/v1/prefill",
+        ):
+            async with s.post(url, data=junk) as r:
+                assert 400 <= r.status < 500
+        async with s.post(cluster.decode.url + "/v1/chat/completions", data=b"{not json") as r:
+            assert r.status == 400
+            assert "error" in await r.json()
+        bad = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}
+        async with s.post(cluster.decode.url + "/v1/chat/completions", json=bad) as r:
+            assert r.status == 400
+        huge = {"messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 8}
+        async with s.post(cluster.decode.url + "/v1/chat/completions", json=huge) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "context_length_exceeded"
+        async with s.post(cluster.prefill.url + "/v1/prefill", json={"proto": 1}) as r:
+            assert r.status in (400, 409)
+    reply = await asyncio.to_thread(_chat, cluster.client(), PROMPTS[1])
+    assert reply.choices[0].message.content == cluster.reference(PROMPTS[1])
+
+
+async def test_twenty_concurrent_requests_are_exact(cluster: Cluster) -> None:
+    client = cluster.aclient()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(20)]
+    replies = await asyncio.gather(
+        *(
+            client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": p}],
+                max_tokens=12,
+                temperature=0,
+            )
+            for p in prompts
+        )
+    )
+    want = {p: cluster.reference(p, 12) for p in set(prompts)}
+    for p, r in zip(prompts, replies, strict=True):
+        assert r.choices[0].message.content == want[p]
+        assert r.model_extra["tandem"]["prefill"] == "remote"
+
+
+def test_prefill_fingerprint_mismatch_is_409(cluster: Cluster) -> None:
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"proto": 1, "fingerprint": "0" * 64, "tokens": [1, 2], "start": 0})
+    req = urllib.request.Request(
+        cluster.prefill.url + "/v1/prefill", data=body.encode(), method="POST",
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 409
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_clean_shutdown(llama: Path, tmp_path: Path, sig: int) -> None:
+    node = start_node(tmp_path, llama, "both", token=TOKEN)
+    assert node.stop(sig, timeout=15) == 0
+    assert "shutting down" in node.output()
+    assert "Traceback" not in node.output()
+
+
+def test_non_loopback_host_needs_a_token(llama: Path, tmp_path: Path) -> None:
+    node = start_node(tmp_path, llama, "decode", "--host", "0.0.0.0", wait=False)
+    assert node.proc.wait(60) == 2
+    out = node.output()
+    assert "without a token" in out and "Traceback" not in out
+
+
+def test_decode_without_torch_and_prefill_without_mlx(llama: Path, tmp_path: Path) -> None:
+    prefill = start_node(
+        tmp_path, llama, "prefill", token=TOKEN, env=hidden_env(tmp_path, ["mlx", "mlx_lm"])
+    )
+    decode = start_node(
+        tmp_path, llama, "decode", "--peer", prefill.url, "--remote-prefill", "always",
+        token=TOKEN, env=hidden_env(tmp_path, ["torch"]),
+    )  # fmt: skip
+    try:
+        wait_trusted(decode)
+        client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN)
+        reply = _chat(client, PROMPTS[0])
+        assert reply.model_extra["tandem"]["prefill"] == "remote"
+        assert reply.choices[0].message.content
+    finally:
+        decode.stop()
+        prefill.stop()
+    assert "No module named" not in decode.output() + prefill.output()
+
+
+def test_hidden_modules_really_hide(tmp_path: Path) -> None:
+    import subprocess
+
+    env = {**os.environ, **hidden_env(tmp_path, ["torch"])}
+    code = "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
