@@ -152,6 +152,11 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="")
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
     p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
+    p.add_argument("--queue-limit", type=int, default=32, help="prefills waiting before 503")
+    p.add_argument(
+        "--remote-timeout", type=float, default=300.0, help="seconds before a remote prefill "
+        "counts as failed and the decode node prefills locally",
+    )  # fmt: skip
     p.set_defaults(func=cmd_node)
 
 
@@ -182,6 +187,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         peers=tuple(a.peer),
         mdns=not a.no_mdns,
         remote_prefill=a.remote_prefill,
+        queue_limit=a.queue_limit,
+        remote_timeout_s=a.remote_timeout,
     )
 
 

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from nodes import __version__
 from nodes.auth import auth_middleware, check_bind
+from nodes.discovery import Advert, Discovery, url_for
 from nodes.events import EventBus, sse
 from nodes.model.fingerprint import fingerprint
 from nodes.model.index import ModelIndex, load_index
@@ -52,6 +53,7 @@ class NodeConfig:
     mdns: bool = True
     remote_prefill: Literal["auto", "always", "never"] = "auto"
     queue_limit: int = 32
+    remote_timeout_s: float = 300.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,9 +84,10 @@ class Node:
         self.session: aiohttp.ClientSession | None = None
         self.prefill: Any = None  # nodes.prefill.server.PrefillService
         self.decode: Any = None  # nodes.decode.api.DecodeService
+        self.discovery: Discovery | None = None
         self.device = "cpu"
         self.budget_bytes = 0
-        self.address = f"http://{config.host}:{config.port}"
+        self.address = url_for(config.host, config.port)
 
     def client(self) -> aiohttp.ClientSession:
         assert self.session is not None
@@ -219,8 +222,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         for url in config.peers:
             node.peers.add(url)
         await node.peers.start(node.session)
+        if config.mdns:
+            advert = Advert.from_health(node.health(), config.host, config.port)
+            node.discovery = Discovery(advert, node.peers, node.session)
+            await node.discovery.start()
         yield
     finally:
+        if node.discovery is not None:
+            await node.discovery.stop()
         await node.peers.stop()
         if node.decode is not None:
             node.decode.host.close()
@@ -268,6 +277,8 @@ async def _start_decode(node: Node) -> None:
         node.config.remote_prefill,
         max_tokens_limit=node.index.spec.max_position_embeddings,
     )
+    node.decode.remote_timeout_s = node.config.remote_timeout_s
+    await node.decode.calibrate()
     if "prefill" not in node.config.roles:
         node.device = "mlx"
 

@@ -7,6 +7,7 @@ is never sent to a peer before that (DESIGN.md): `/health` and `/v1/hello` carry
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -19,6 +20,7 @@ from nodes.auth import proof, verify_proof
 
 log = logging.getLogger(__name__)
 Reason = Literal["unauthorized", "model_mismatch", "unreachable", "protocol_mismatch"]
+Source = Literal["static", "mdns"]  # `--peer URL`, or found by nodes.discovery
 HEALTH_INTERVAL_S = 2.0
 UNREACHABLE_AFTER_S = 6.0  # well inside the 10 s DESIGN.md allows
 
@@ -41,6 +43,7 @@ class Peer:
     last_seen: float = 0.0
     prefill_tok_s: float | None = None
     link_Bps: float | None = None
+    source: Source = "static"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -58,6 +61,7 @@ class Peer:
             "last_seen": self.last_seen,
             "prefill_tok_s": self.prefill_tok_s,
             "link_Bps": self.link_Bps,
+            "source": self.source,
         }
 
 
@@ -72,6 +76,7 @@ class PeerTable:
         self.peers: dict[str, Peer] = {}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # check now rather than at the next 2 s tick
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -90,6 +95,21 @@ class PeerTable:
     def remove(self, address: str) -> None:
         self.peers.pop(address.rstrip("/"), None)
 
+    def found(self, peer: Peer) -> None:
+        """Add a node found by mDNS and check it now; a static entry for the same node wins."""
+        if any(p.source == "static" and p.id == peer.id for p in self.peers.values()):
+            return
+        old = self.peers.get(peer.address)
+        if old is None or (old.source == "mdns" and old.id != peer.id):
+            self.peers[peer.address] = replace(peer, source="mdns")
+        self._wake.set()
+
+    def lost(self, address: str) -> None:
+        """Forget a node found by mDNS once it said goodbye; static peers stay."""
+        peer = self.peers.get(address)
+        if peer is not None and peer.source == "mdns":
+            del self.peers[address]
+
     def trusted(self, role: str) -> list[Peer]:
         return [p for p in self.peers.values() if p.trusted and role in p.roles]
 
@@ -106,8 +126,10 @@ class PeerTable:
 
     async def _loop(self) -> None:
         while True:
+            self._wake.clear()
             await asyncio.gather(*(self.check(a) for a in list(self.peers)))
-            await asyncio.sleep(HEALTH_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), HEALTH_INTERVAL_S)
 
     async def check(self, address: str) -> Peer | None:
         """Health-check one peer; (re)verify its proof when it was not trusted."""
@@ -134,7 +156,10 @@ class PeerTable:
                 proto=int(health.get("proto") or 0),
                 last_seen=time.time(),
             )
-            if not peer.trusted or peer.id != updated.id:
+            if peer.source == "mdns" and peer.id and updated.id != peer.id:
+                # another process answers at the address this node advertised
+                updated = replace(peer, trusted=False, reason="unreachable")
+            elif not peer.trusted or _identity(peer) != _identity(updated):
                 updated = await self._hello(updated)
             else:
                 updated = replace(updated, reason=None)
@@ -148,6 +173,10 @@ class PeerTable:
                 updated = peer
         if address in self.peers:
             self.peers[address] = updated
+        if updated.source == "static" and updated.id:
+            for a, p in list(self.peers.items()):  # the same node, also found by mDNS
+                if p.source == "mdns" and p.id == updated.id:
+                    del self.peers[a]
         return updated
 
     async def _hello(self, peer: Peer) -> Peer:
@@ -173,6 +202,11 @@ class PeerTable:
         if not peer.trusted:
             log.info("peer %s (%s) trusted", peer.address, peer.name or peer_id)
         return replace(peer, id=peer_id, trusted=True, reason=None)
+
+
+def _identity(peer: Peer) -> tuple[str, int, str]:
+    """What trust was granted for: a change (a restart with another model) asks again."""
+    return peer.id, peer.proto, peer.model.get("fingerprint", "")
 
 
 def hello_answer(token: str | None, own_id: str, fingerprint: str, body: object) -> dict[str, str]:

@@ -95,20 +95,23 @@ def test_remote_chat_is_exactly_mlx_greedy(cluster: Cluster) -> None:
         extra = reply.model_extra["tandem"]
         assert extra["prefill"] == "remote", cluster.decode.output()
         assert extra["prefill_node"] == cluster.prefill.url
-        assert extra["prefill_tokens"] == len(cluster.chat_tokens(prompt)) - 1
+        # the decode node's prompt cache may already hold the chat template's first tokens
+        assert 0 < extra["prefill_tokens"] <= len(cluster.chat_tokens(prompt)) - 1
         assert reply.choices[0].message.content == cluster.reference(prompt)
         assert reply.usage.prompt_tokens == len(cluster.chat_tokens(prompt))
 
 
 def test_streamed_equals_non_streamed(cluster: Cluster) -> None:
     prompt = PROMPTS[2]
-    whole = _chat(cluster.client(), prompt).choices[0].message.content
     chunks = list(_chat(cluster.client(), prompt, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole == cluster.reference(prompt)
     last = chunks[-1]
     assert last.choices[0].finish_reason in ("stop", "length")
     assert last.model_extra["tandem"]["prefill"] == "remote"
+    # the same prompt again, not streamed: its whole prompt is now in the decode node's cache
+    again = _chat(cluster.client(), prompt)
+    assert again.model_extra["tandem"]["prefill_tokens"] == 0
+    assert text == again.choices[0].message.content == cluster.reference(prompt)
 
 
 def test_completions_endpoint(cluster: Cluster) -> None:
@@ -148,7 +151,9 @@ async def test_kv_really_travels(cluster: Cluster) -> None:
     extra = reply.model_extra["tandem"]
     spec = load_index(cluster.model).spec
     n = len(cluster.chat_tokens(prompt))
-    kv = 2 * spec.num_layers * spec.num_kv_heads * (n - 1) * spec.head_dim * 4
+    sent = extra["prefill_tokens"]  # n - 1 less what the decode node's prompt cache held
+    assert 0 < sent <= n - 1
+    kv = 2 * spec.num_layers * spec.num_kv_heads * sent * spec.head_dim * 4
     records = await asyncio.wait_for(_events(cluster.decode, reply.id), 10)
     net_in = [r for r in records if r["kind"] == "link" and r["name"] == "net_in"]
     received = [r["layer"] for r in records if r["kind"] == "layer" and r["state"] == "received"]
@@ -299,7 +304,8 @@ async def test_twenty_concurrent_requests_are_exact(cluster: Cluster) -> None:
     want = {p: cluster.reference(p, 12) for p in set(prompts)}
     for p, r in zip(prompts, replies, strict=True):
         assert r.choices[0].message.content == want[p]
-        assert r.model_extra["tandem"]["prefill"] == "remote"
+        extra = r.model_extra["tandem"]  # a repeated prompt may be wholly in the prompt cache
+        assert extra["prefill"] == "remote" or extra["prefill_tokens"] == 0
 
 
 def test_prefill_fingerprint_mismatch_is_409(cluster: Cluster) -> None:

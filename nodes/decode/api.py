@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from nodes.decode.host import Cancelled, Generation, ModelHost, SamplingParams
+from nodes.decode.prompt_cache import PromptCache
 from nodes.decode.remote import RemotePrefillError, remote_prefill
 from nodes.decode.router import Mode, choose
 from nodes.events import EventBus, RequestEvent, TokenEvent
@@ -88,7 +89,15 @@ class DecodeService:
         self.mode = mode
         self.max_tokens_limit = max_tokens_limit
         self.local_tok_s: float | None = None  # measured mlx prefill rate (tokens/s)
+        self.prompt_cache = PromptCache()
+        self.remote_timeout_s = 300.0
         self.model_name = spec.name
+
+    async def calibrate(self, tokens: int = 128) -> float:
+        """Measure this node's local (mlx) prefill rate for the router; tokens/s."""
+        self.local_tok_s = await self.host.call(self.host.measure_prefill, tokens)
+        log.info("local prefill rate: %.0f tokens/s", self.local_tok_s)
+        return self.local_tok_s
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -179,9 +188,15 @@ class DecodeService:
                 ticker.tick()
                 loop.call_soon_threadsafe(texts.put_nowait, text)
 
-            prompt = req.tokens[-1:] if caches is not None else req.tokens
+            held = caches[0].offset if caches else 0  # positions already in the cache
             job = loop.run_in_executor(
-                self.host.thread, self.host.generate, prompt, caches, req.params, cancel, on_text
+                self.host.thread,
+                self.host.generate,
+                req.tokens[held:],
+                caches,
+                req.params,
+                cancel,
+                on_text,
             )
             first: list[float] = []
             if req.stream:
@@ -190,6 +205,7 @@ class DecodeService:
             if not first:
                 first.append(time.perf_counter())
             ticker.flush(gen.tokens)
+            await self.host.call(self._remember, req.tokens + gen.token_ids, caches)
             if info.where == "local":
                 info.seconds = gen.first_token_s
             self.events.publish(
@@ -207,23 +223,34 @@ class DecodeService:
         finally:
             cancel.set()
 
-    async def _prefill(self, req: Completion) -> tuple[list[Any] | None, PrefillInfo]:
-        """Fill a cache with tokens 0..n-2 remotely; None means mlx-lm prefills locally."""
+    def _remember(self, tokens: list[int], caches: list[Any]) -> None:
+        """On the mlx thread: keep this conversation's KV for its next turn."""
+        offset = caches[0].offset
+        if offset <= len(tokens):
+            self.prompt_cache.store(tokens[:offset], caches)
+
+    async def _prefill(self, req: Completion) -> tuple[list[Any], PrefillInfo]:
+        """Caches holding positions 0..k-1, k = n-1 after a remote prefill; mlx-lm prefills
+        whatever the cache lacks locally. The prompt cache supplies a reused prefix first."""
         rid, n = req.request_id, len(req.tokens) - 1
+        k, reused = await self.host.call(self.prompt_cache.lookup, req.tokens)
+        caches = reused if reused is not None else await self.host.call(self.host.new_cache)
+        new = n - k  # positions that need a prefill
         peers = self.peers.trusted("prefill")
         decision = choose(
-            self.mode, n, self.spec.kv_bytes_per_token, self.spec.num_layers,
+            self.mode, new, self.spec.kv_bytes_per_token, self.spec.num_layers,
             self.local_tok_s, peers,
         )  # fmt: skip
         if decision.where == "local":
-            if self.mode == "always" and n > 0:
+            if self.mode == "always" and new > 0:
                 self.events.publish(RequestEvent(rid, phase="failed", detail=decision.reason))
-            self.events.publish(RequestEvent(rid, phase="prefill_start", tokens=n, where="local"))
-            return None, PrefillInfo("local", None, n)
+            self.events.publish(RequestEvent(rid, phase="prefill_start", tokens=new, where="local"))
+            return caches, PrefillInfo("local", None, new)
         peer = decision.peer
         assert peer is not None
-        self.events.publish(RequestEvent(rid, phase="prefill_start", tokens=n, where=peer.address))
-        caches = await self.host.call(self.host.new_cache)
+        self.events.publish(
+            RequestEvent(rid, phase="prefill_start", tokens=new, where=peer.address)
+        )
         try:
             result = await remote_prefill(
                 self.session_factory(),
@@ -232,20 +259,20 @@ class DecodeService:
                 fingerprint=self.fingerprint,
                 request_id=rid,
                 tokens=req.tokens[:-1],
-                start=0,
+                start=k,
                 host=self.host,
                 caches=caches,
                 events=self.events,
+                timeout_s=self.remote_timeout_s,
             )
         except RemotePrefillError as e:
             log.warning("remote prefill failed, prefilling locally: %s", e)
             self.events.publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
-            return None, PrefillInfo("local", None, n)
-        rate = result.tokens / result.seconds if result.seconds > 0 else None
-        link = result.kv_bytes / result.seconds if result.seconds > 0 else None
-        self.peers.update_rates(peer.address, rate, link)
-        self.events.publish(RequestEvent(rid, phase="prefill_done", tokens=n, where=peer.address))
-        return caches, PrefillInfo("remote", peer.address, n, result.seconds, result.kv_bytes)
+            await self.host.call(_trim_to, caches, k)
+            return caches, PrefillInfo("local", None, new)
+        self.peers.update_rates(peer.address, result.prefill_tok_s, result.link_Bps)
+        self.events.publish(RequestEvent(rid, phase="prefill_done", tokens=new, where=peer.address))
+        return caches, PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
 
     async def _stream(
         self,
@@ -348,6 +375,13 @@ class DecodeService:
             "decode_tokens": gen.tokens,
             "decode_s": gen.decode_s,
         }
+
+
+def _trim_to(caches: list[Any], k: int) -> None:
+    """Drop whatever a failed remote prefill left beyond position k."""
+    for c in caches:
+        if c.offset > k:
+            c.trim(c.offset - k)
 
 
 class _TokenTicker:

@@ -86,6 +86,18 @@ class ModelHost:
     def new_cache(self) -> list[KVCache]:
         return make_prompt_cache(self.model)
 
+    def measure_prefill(self, count: int) -> float:
+        """On the mlx thread: prefill `count` tokens into a scratch cache; tokens/s."""
+        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else 256
+        tokens = mx.array([[(7 * i + 3) % vocab for i in range(count)]])
+        self.model(tokens[:, :8], cache=self.new_cache())  # warm-up: first call allocates
+        mx.eval(self.model.parameters())
+        cache = self.new_cache()
+        t0 = time.perf_counter()
+        out = self.model(tokens, cache=cache)
+        mx.eval(out, [c.state for c in cache])
+        return count / max(time.perf_counter() - t0, 1e-9)
+
     def generate(
         self,
         prompt: Sequence[int],

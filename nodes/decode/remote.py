@@ -28,7 +28,16 @@ class RemoteResult:
     node: str  # the prefill node's address
     tokens: int  # positions computed remotely
     kv_bytes: int  # response body bytes
-    seconds: float
+    seconds: float  # request to last frame
+    transfer_s: float  # time spent receiving layer frames (their first to last byte)
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 and self.tokens else None
+
+    @property
+    def link_Bps(self) -> float | None:
+        return self.kv_bytes / self.transfer_s if self.transfer_s > 0 else None
 
 
 async def remote_prefill(
@@ -57,12 +66,13 @@ async def remote_prefill(
     reader = FrameReader()
     builder: CacheBuilder | None = None
     total = 0
+    transfer_s = 0.0
     try:
         async with session.post(
             f"{url}/v1/prefill",
             json=body,
             headers=auth_headers(token),
-            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=60),
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=min(60.0, timeout_s)),
         ) as resp:
             if resp.status != 200:
                 detail = (await resp.text())[:300]
@@ -76,9 +86,9 @@ async def remote_prefill(
                     builder = await _apply(frame, builder, host, caches, events, request_id, start)
                     if isinstance(frame, LayerKV):
                         n = PREFIX.size + len(frame.payload)
-                        link = LinkEvent(
-                            request_id, name="net_in", bytes=n, seconds=done_at - frame_start
-                        )
+                        seconds = done_at - frame_start
+                        transfer_s += seconds
+                        link = LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
                         events.publish(link)
                     frame_start = done_at
                 frame_start = None
@@ -89,7 +99,7 @@ async def remote_prefill(
         if isinstance(e, RemotePrefillError):
             raise
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
-    return RemoteResult(url, len(tokens) - start, total, time.perf_counter() - t0)
+    return RemoteResult(url, len(tokens) - start, total, time.perf_counter() - t0, transfer_s)
 
 
 async def _apply(

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
+from nodes.prefill.prefix_cache import PrefixCache
 from nodes.wire import PROTO, FrameWriter, Header
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class PrefillService:
         self._busy = asyncio.Semaphore(1)
         self._waiting = 0
         self._throttle = _Throttle(net_gbps)
+        self.prefix_cache = PrefixCache()
         self.served_tokens = 0
         self.served_s = 0.0
 
@@ -217,13 +219,22 @@ class PrefillService:
                     continue
             fut.cancel()
 
-        layers = self.engine.prefill(req.tokens, request_id=req.request_id)
+        j, prefix = self.prefix_cache.lookup(req.tokens)
+        layers = self.engine.prefill(
+            req.tokens[j:], start=j, prefix=prefix, request_id=req.request_id
+        )
+        full: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for layer in layers:
                 if cancel.is_set():
                     return
-                k, v = layer.k[:, :, req.start :], layer.v[:, :, req.start :]
-                put(LayerKV(layer.layer, k.contiguous(), v.contiguous()))
+                k, v = layer.k, layer.v  # positions j..n-1
+                if prefix is not None:
+                    pk, pv = prefix[layer.layer]
+                    k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+                full.append((k, v))
+                put(LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :]))
+            self.prefix_cache.store(req.tokens, full)
             put(None)
         except BaseException as e:
             put(e)

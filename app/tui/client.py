@@ -1,0 +1,231 @@
+"""A node as the dashboard sees it over HTTP: probe, event stream, streamed chat.
+
+No Textual here: `tandem demo --headless` uses the same client. Every failure a node can
+cause becomes one `NodeError` whose `reason` matches `/v1/cluster`'s reasons, so callers
+show it instead of a traceback. The bearer token goes only to a node that first proved,
+through `/v1/hello`, that it holds the same token (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from nodes.auth import auth_headers, verify_proof
+
+PROTO = 1
+Reason = Literal["unreachable", "unauthorized", "protocol_mismatch", "bad_reply"]
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
+STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=3.0, sock_read=None)
+
+
+class NodeError(Exception):
+    """A node that cannot be used right now, and why."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One look at a node: its `/health`, and its `/v1/cluster` once it proved the token."""
+
+    url: str
+    health: dict[str, Any] = field(default_factory=dict)
+    cluster: dict[str, Any] | None = None
+    reason: Reason | None = None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of the reply's text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReplyStats:
+    """The `tandem` object of a reply (DESIGN.md "HTTP")."""
+
+    request_id: str = ""
+    prefill: str = "local"
+    prefill_node: str | None = None
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    kv_bytes: int = 0
+    ttft_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ReplyStats:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in obj.items() if k in names and v is not None})
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
+
+
+ChatPart = Delta | ReplyStats
+
+
+def normalize(url: str) -> str:
+    """`host:port` or a URL → `http://host:port` without a trailing slash."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+class NodeClient:
+    """Calls to one node through a shared session."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, token: str | None) -> None:
+        self.session = session
+        self.url = normalize(url)
+        self.token = token
+        self.caller = "tui-" + secrets.token_hex(4)
+
+    async def probe(self) -> Probe:
+        """Health, then the token proof, then the node's view of the cluster."""
+        health: dict[str, Any] = {}
+        try:
+            health = await self._get_json("/health", auth=False)
+            if health.get("proto") != PROTO:
+                raise NodeError("protocol_mismatch", f"speaks proto {health.get('proto')}")
+            await self._hello(str(health.get("id", "")))
+            cluster = await self._get_json("/v1/cluster", auth=True)
+        except NodeError as e:
+            return Probe(self.url, health, None, e.reason, str(e))
+        return Probe(self.url, health, cluster)
+
+    async def _hello(self, node_id: str) -> None:
+        nonce = secrets.token_hex(16)
+        body = {"nonce": nonce, "id": self.caller}
+        answer = await self._request("POST", "/v1/hello", auth=False, json=body)
+        ok = verify_proof(
+            self.token or "",
+            nonce,
+            self.caller,
+            str(answer.get("id", node_id)),
+            str(answer.get("fingerprint", "")),
+            str(answer.get("proof", "")),
+        )
+        if not ok:
+            raise NodeError("unauthorized", "the node does not hold our token")
+
+    async def _get_json(self, path: str, auth: bool) -> dict[str, Any]:
+        return await self._request("GET", path, auth=auth)
+
+    async def _request(self, method: str, path: str, auth: bool, **kw: Any) -> dict[str, Any]:
+        headers = auth_headers(self.token) if auth else {}
+        try:
+            async with self.session.request(
+                method, self.url + path, headers=headers, timeout=PROBE_TIMEOUT, **kw
+            ) as r:
+                if r.status == 401:
+                    raise NodeError("unauthorized", "the node refuses our token")
+                if r.status != 200:
+                    raise NodeError("bad_reply", f"{path} answered HTTP {r.status}")
+                body = await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise NodeError("unreachable", _why(e)) from None
+        except ValueError:
+            raise NodeError("bad_reply", f"{path} did not answer JSON") from None
+        if not isinstance(body, dict):
+            raise NodeError("bad_reply", f"{path} did not answer a JSON object")
+        return body
+
+    async def events(self, since: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """The node's event records (`/v1/events`), live, until the connection ends."""
+        query = f"?since={since!r}" if since is not None else ""
+        try:
+            async with self.session.get(
+                f"{self.url}/v1/events{query}",
+                headers=auth_headers(self.token),
+                timeout=STREAM_TIMEOUT,
+            ) as r:
+                if r.status == 401:
+                    raise NodeError("unauthorized", "the node refuses our token")
+                if r.status != 200:
+                    raise NodeError("bad_reply", f"/v1/events answered HTTP {r.status}")
+                async for record in _sse_records(r.content):
+                    if isinstance(record, dict):
+                        yield record
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise NodeError("unreachable", _why(e)) from None
+
+    async def chat(
+        self, messages: list[dict[str, str]], max_tokens: int = 256
+    ) -> AsyncIterator[ChatPart]:
+        """Stream a chat completion: `Delta`s, then the reply's `ReplyStats`.
+
+        Closing the generator (or cancelling its task) closes the connection, which cancels
+        the decode and the remote prefill on the nodes.
+        """
+        body = {"messages": messages, "stream": True, "max_tokens": max_tokens}
+        try:
+            async with self.session.post(
+                f"{self.url}/v1/chat/completions",
+                json=body,
+                headers=auth_headers(self.token),
+                timeout=STREAM_TIMEOUT,
+            ) as r:
+                if r.status != 200:
+                    raise NodeError(*await _api_error(r))
+                async for chunk in _sse_records(r.content):
+                    if not isinstance(chunk, dict):
+                        continue
+                    for choice in chunk.get("choices") or ():
+                        text = (choice.get("delta") or {}).get("content")
+                        if text:
+                            yield Delta(text)
+                    if isinstance(chunk.get("tandem"), dict):
+                        yield ReplyStats.from_json(chunk["tandem"])
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise NodeError("unreachable", _why(e)) from None
+
+
+async def _sse_records(content: aiohttp.StreamReader) -> AsyncIterator[Any]:
+    """The JSON of each `data:` line; stops at `data: [DONE]`."""
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue  # blank separators and `: comment` keep-alives
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        try:
+            yield json.loads(data)
+        except ValueError:
+            continue
+
+
+async def _api_error(r: aiohttp.ClientResponse) -> tuple[Reason, str]:
+    if r.status == 401:
+        return "unauthorized", "the node refuses our token"
+    try:
+        message = (await r.json(content_type=None))["error"]["message"]
+    except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+        message = r.reason or ""
+    return "bad_reply", f"HTTP {r.status}: {message}"
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "timed out"
+    return str(e) or type(e).__name__

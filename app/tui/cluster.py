@@ -1,0 +1,188 @@
+"""What the dashboard knows about the cluster: one row per node address, merged from our own
+probes and from every node's `/v1/cluster` view of its peers.
+
+Pure state, no Textual. `update` returns what changed in words, for notifications: a node
+that joins, leaves, comes back, or is rejected (and why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from app.tui.client import Probe, normalize
+
+Status = Literal["connecting", "trusted", "rejected", "unreachable"]
+Severity = Literal["information", "warning", "error"]
+_PEER_REASONS = ("unauthorized", "model_mismatch", "protocol_mismatch")
+REASON_TEXT = {
+    "unauthorized": "holds a different token",
+    "model_mismatch": "serves a different model",
+    "protocol_mismatch": "speaks another protocol version",
+    "unreachable": "not answering",
+    "bad_reply": "answers something unexpected",
+}
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    url: str
+    id: str = ""
+    name: str = ""
+    roles: tuple[str, ...] = ()
+    device: str = ""
+    mem_bytes: int = 0
+    budget_bytes: int = 0
+    model: str = ""
+    fingerprint: str = ""
+    layers: int = 0
+    status: Status = "connecting"
+    reason: str | None = None
+    prefill_tok_s: float | None = None
+    link_Bps: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+
+@dataclass(frozen=True)
+class Change:
+    severity: Severity
+    text: str
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """Our own probe's verdict on a node."""
+
+    status: Status
+    reason: str | None
+    detail: str = ""
+
+
+@dataclass
+class ClusterModel:
+    rows: dict[str, NodeRow] = field(default_factory=dict)
+    _seen: dict[str, _Seen] = field(default_factory=dict)
+    # peer url → reporter url → the reporter's reason for not trusting it (None: trusted)
+    _verdicts: dict[str, dict[str, str | None]] = field(default_factory=dict)
+
+    def add(self, url: str) -> bool:
+        """Know of a node; True when it is new."""
+        url = normalize(url)
+        if url in self.rows:
+            return False
+        self.rows[url] = NodeRow(url)
+        return True
+
+    def trusted(self, role: str | None = None) -> list[NodeRow]:
+        return [
+            r for r in self.rows.values()
+            if r.status == "trusted" and (role is None or role in r.roles)
+        ]  # fmt: skip
+
+    def update(self, probe: Probe) -> list[Change]:
+        """Fold in one probe (and the peers its node reports); what changed, in words."""
+        url = probe.url
+        self.add(url)
+        row = _from_health(self.rows[url], probe.health)
+        if probe.ok:
+            self._seen[url] = _Seen("trusted", None)
+        elif probe.reason == "unreachable":
+            self._seen[url] = _Seen("unreachable", "unreachable", probe.detail)
+        else:
+            self._seen[url] = _Seen("rejected", probe.reason, probe.detail)
+        changes: list[Change] = []
+        touched = [url]
+        if probe.cluster is not None:
+            row = _own_view(row, probe.cluster.get("self"))
+            self._merge_views(url, probe.cluster, touched)
+        self.rows[url] = row
+        for u in touched:
+            change = self._settle(u)
+            if change is not None:
+                changes.insert(0 if u == url else len(changes), change)
+        return changes
+
+    def _merge_views(self, reporter: str, cluster: dict[str, Any], touched: list[str]) -> None:
+        """Peers the node knows become rows; its verdicts and measured rates land on them."""
+        for views in self._verdicts.values():
+            views.pop(reporter, None)
+        for peer in cluster.get("peers") or ():
+            if not isinstance(peer, dict) or not peer.get("address"):
+                continue
+            url = normalize(str(peer["address"]))
+            if url == reporter:
+                continue
+            self.add(url)
+            reason = peer.get("reason")
+            self._verdicts.setdefault(url, {})[reporter] = (
+                str(reason) if reason in _PEER_REASONS else None
+            )
+            row = self.rows[url]
+            self.rows[url] = replace(
+                row,
+                prefill_tok_s=peer.get("prefill_tok_s") or row.prefill_tok_s,
+                link_Bps=peer.get("link_Bps") or row.link_Bps,
+            )
+            touched.append(url)
+
+    def _settle(self, url: str) -> Change | None:
+        """The row's status from our probe and its trusted peers' verdicts."""
+        before = self.rows[url]
+        seen = self._seen.get(url)
+        if seen is None:
+            return None
+        status, reason = seen.status, seen.reason
+        if status == "trusted":
+            for reporter, why in self._verdicts.get(url, {}).items():
+                if (
+                    why is not None
+                    and self._seen.get(reporter, _Seen("connecting", None)).status == "trusted"
+                ):
+                    status, reason = "rejected", why
+        after = replace(before, status=status, reason=reason)
+        self.rows[url] = after
+        return _transition(before, after, seen.detail)
+
+
+def _from_health(row: NodeRow, health: dict[str, Any]) -> NodeRow:
+    if not health:
+        return row
+    model = health.get("model") or {}
+    return replace(
+        row,
+        id=str(health.get("id", row.id)),
+        name=str(health.get("name", row.name)),
+        roles=tuple(health.get("roles") or row.roles),
+        device=str(health.get("device", row.device)),
+        mem_bytes=int(health.get("mem_bytes") or 0),
+        budget_bytes=int(health.get("budget_bytes") or 0),
+        model=str(model.get("name", row.model)),
+        fingerprint=str(model.get("fingerprint", row.fingerprint)),
+        layers=int(model.get("layers") or row.layers),
+    )
+
+
+def _own_view(row: NodeRow, me: Any) -> NodeRow:
+    if not isinstance(me, dict):
+        return row
+    return replace(row, prefill_tok_s=me.get("prefill_tok_s") or row.prefill_tok_s)
+
+
+def _transition(before: NodeRow, after: NodeRow, detail: str) -> Change | None:
+    name = after.label
+    if before.status == after.status and before.reason == after.reason:
+        return None
+    if after.status == "trusted":
+        if before.status == "unreachable":
+            return Change("information", f"{name} is back")
+        roles = "+".join(after.roles) or "node"
+        return Change("information", f"{name} joined ({roles}, {after.device})")
+    if after.status == "unreachable":
+        if before.status == "trusted":
+            return Change("warning", f"{name} left: {detail or 'not answering'}")
+        return Change("warning", f"cannot reach {after.url}: {detail or 'not answering'}")
+    why = REASON_TEXT.get(after.reason or "", after.reason or "")
+    return Change("error", f"{name} rejected: {why}")

@@ -1,0 +1,57 @@
+"""Messages the dashboard's workers post: small dataclasses, nothing but data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from textual.message import Message
+
+from app.tui.client import Probe, ReplyStats
+
+
+@dataclass
+class NodeProbed(Message):
+    """A fresh look at one node."""
+
+    probe: Probe
+
+
+@dataclass
+class NodeRecord(Message):
+    """One record from a node's `/v1/events`, stamped with when it arrived (monotonic)."""
+
+    url: str
+    record: dict[str, Any]
+    seen: float
+
+
+@dataclass
+class NodeFound(Message):
+    """An address learned from mDNS."""
+
+    url: str
+
+
+@dataclass
+class ReplyText(Message):
+    """The reply so far. A burst of tokens collapses into the newest of these."""
+
+    reply_id: int
+    text: str
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ReplyText) and message.reply_id == self.reply_id
+
+
+@dataclass
+class ReplyDone(Message):
+    reply_id: int
+    stats: ReplyStats | None
+
+
+@dataclass
+class ReplyFailed(Message):
+    reply_id: int
+    error: str
+    cancelled: bool = False

@@ -1,0 +1,195 @@
+"""The layer pipeline of recent requests, built from `layer`, `link` and `request` records.
+
+Pure state, no Textual: the pipeline widget draws it and tests read it. A request's layers
+carry their state history in arrival order, and the prefill node's times make the timeline
+of the request: per layer, when its weights were copied, when it computed, when its K/V was
+sent — which shows whether copy or compute bounds the prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+PIPE_STATES = ("queued", "loading", "ready", "computing", "sent", "received")
+_DONE = {"sent": 4, "received": 5}  # a finished layer never goes back in the display
+ROWS = ("copy", "compute", "send")
+Span = tuple[int, float, float]  # (layer, start, end) in the prefill node's epoch seconds
+
+
+@dataclass(frozen=True)
+class Step:
+    """One state a layer went through: where and when (node clock), and when we saw it."""
+
+    state: str
+    node: str
+    t: float
+    seen: float  # local time.monotonic() when the record arrived
+
+
+@dataclass
+class LayerTrack:
+    layer: int
+    state: str = "queued"
+    pinned: bool = False
+    history: list[Step] = field(default_factory=list)
+    send_s: float = 0.0  # seconds the K/V frame took on the wire
+
+    def states(self, node: str | None = None) -> list[str]:
+        """States in arrival order, of one node or all."""
+        return [s.state for s in self.history if node is None or s.node == node]
+
+    def first_seen(self, state: str) -> float | None:
+        return next((s.seen for s in self.history if s.state == state), None)
+
+    def spans(self) -> dict[str, list[tuple[float, float]]]:
+        """Copy, compute and send intervals on the prefill node (its clock only)."""
+        out: dict[str, list[tuple[float, float]]] = {row: [] for row in ROWS}
+        loading: float | None = None
+        compute_t: float | None = None
+        last_t: float | None = None
+        for step in self.history:
+            if step.state == "loading":
+                loading = step.t
+            elif step.state == "ready" and loading is not None:
+                out["copy"].append((loading, step.t))
+                loading = None
+            elif step.state == "computing" and compute_t is None:
+                compute_t = step.t
+            elif step.state == "evicted":
+                last_t = step.t
+            elif step.state == "sent":
+                start = step.t - self.send_s
+                out["send"].append((start, step.t))
+                if compute_t is not None:
+                    out["compute"].append((compute_t, max(compute_t, start)))
+                    compute_t = None
+        if compute_t is not None and last_t is not None:
+            out["compute"].append((compute_t, max(compute_t, last_t)))
+        return out
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Busy intervals of copy, compute and send over one request, and which bounds it."""
+
+    t0: float
+    t1: float
+    rows: dict[str, list[Span]]
+    busy: dict[str, float]
+
+    @property
+    def wall(self) -> float:
+        return max(0.0, self.t1 - self.t0)
+
+    @property
+    def bound(self) -> str:
+        """The busiest of copy and compute ('' when nothing ran)."""
+        if not any(self.busy.values()):
+            return ""
+        return max(("copy", "compute"), key=lambda row: self.busy[row])
+
+
+@dataclass
+class RequestTrack:
+    request_id: str
+    layers: dict[int, LayerTrack] = field(default_factory=dict)
+    where: str = ""  # "remote" or "local" once a prefill started
+    phase: str = ""
+    prefill_node: str = ""
+    pending_send_s: float = 0.0  # from the net_out record that precedes each `sent`
+
+    def layer(self, i: int) -> LayerTrack:
+        if i not in self.layers:
+            self.layers[i] = LayerTrack(i)
+        return self.layers[i]
+
+    @property
+    def n_layers(self) -> int:
+        return max(self.layers, default=-1) + 1
+
+    def timeline(self) -> Timeline | None:
+        rows: dict[str, list[Span]] = {row: [] for row in ROWS}
+        for i in sorted(self.layers):
+            for row, spans in self.layers[i].spans().items():
+                rows[row].extend((i, a, b) for a, b in spans)
+        spans = [s for row in rows.values() for s in row]
+        if not spans:
+            return None
+        t0 = min(a for _, a, _ in spans)
+        t1 = max(b for _, _, b in spans)
+        busy = {row: _union([(a, b) for _, a, b in rows[row]]) for row in ROWS}
+        return Timeline(t0, t1, rows, busy)
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+class PipelineModel:
+    """Recent requests by id; `current` is the one that moved last."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self.requests: OrderedDict[str, RequestTrack] = OrderedDict()
+        self.current_id: str | None = None
+
+    @property
+    def current(self) -> RequestTrack | None:
+        return self.requests.get(self.current_id) if self.current_id else None
+
+    def track(self, request_id: str) -> RequestTrack:
+        if request_id not in self.requests:
+            self.requests[request_id] = RequestTrack(request_id)
+            while len(self.requests) > self.keep:
+                self.requests.popitem(last=False)
+        return self.requests[request_id]
+
+    def apply(self, record: dict[str, Any], seen: float | None = None) -> bool:
+        """Fold one event record in; True when the picture changed."""
+        kind, rid = record.get("kind"), record.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            return False
+        if kind == "layer":
+            return self._layer(rid, record, time.monotonic() if seen is None else seen)
+        if kind == "link" and record.get("name") == "net_out":
+            self.track(rid).pending_send_s = float(record.get("seconds") or 0.0)
+            return False
+        if kind == "request":
+            return self._request(rid, record)
+        return False
+
+    def _layer(self, rid: str, r: dict[str, Any], seen: float) -> bool:
+        i, state = r.get("layer"), str(r.get("state", ""))
+        if not isinstance(i, int) or i < 0:
+            return False
+        req = self.track(rid)
+        self.current_id = rid
+        layer = req.layer(i)
+        node = str(r.get("node", ""))
+        if state == "sent":
+            layer.send_s, req.pending_send_s = req.pending_send_s, 0.0
+        layer.history.append(Step(state, node, float(r.get("t") or 0.0), seen))
+        layer.pinned = layer.pinned or bool(r.get("pinned"))
+        if state in ("loading", "computing"):
+            req.prefill_node = node
+            req.where = req.where or "remote"
+        if state in PIPE_STATES and _DONE.get(layer.state, 0) <= _DONE.get(state, 0):
+            layer.state = state
+        return True
+
+    def _request(self, rid: str, r: dict[str, Any]) -> bool:
+        phase, where = str(r.get("phase", "")), str(r.get("where", ""))
+        req = self.track(rid)
+        req.phase = phase
+        if phase == "prefill_start":
+            self.current_id = rid
+            req.where = "local" if where == "local" else "remote"
+        return True

@@ -1,0 +1,81 @@
+"""Throughput over time from `link` and `token` records: bytes (or tokens) per bucket.
+
+Pure state, no Textual. Records are binned by the time they arrive here, so clocks of
+different machines never need to agree.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+LINKS = ("disk", "h2d", "net_out", "net_in")
+SERIES = (*LINKS, "tokens")
+BUCKET_S = 0.5
+KEEP = 240  # buckets: two minutes at 0.5 s
+
+
+class RateSeries:
+    """Amount per second in consecutive buckets; `peak` is the highest completed bucket."""
+
+    def __init__(self, bucket_s: float = BUCKET_S, keep: int = KEEP) -> None:
+        self.bucket_s = bucket_s
+        self.values: deque[float] = deque(maxlen=keep)  # per second
+        self.peak = 0.0
+        self._acc = 0.0
+        self._start: float | None = None
+
+    def add(self, amount: float, now: float) -> None:
+        self.roll(now)
+        self._acc += amount
+
+    def roll(self, now: float) -> None:
+        """Close every bucket that ended before `now`."""
+        if self._start is None:
+            self._start = now
+            return
+        while now >= self._start + self.bucket_s:
+            rate = self._acc / self.bucket_s
+            self.values.append(rate)
+            self.peak = max(self.peak, rate)
+            self._acc = 0.0
+            self._start += self.bucket_s
+
+    @property
+    def current(self) -> float:
+        return self.values[-1] if self.values else 0.0
+
+
+@dataclass
+class Bandwidth:
+    """One series per link plus decode tokens/s."""
+
+    series: dict[str, RateSeries]
+
+    @classmethod
+    def empty(cls, bucket_s: float = BUCKET_S) -> Bandwidth:
+        return cls({name: RateSeries(bucket_s) for name in SERIES})
+
+    def __post_init__(self) -> None:
+        self._token_counts: dict[str, int] = {}
+
+    def apply(self, record: dict[str, Any], now: float) -> bool:
+        """Fold one record in; True when it moved a series."""
+        kind = record.get("kind")
+        if kind == "link" and record.get("name") in LINKS:
+            self.series[str(record["name"])].add(float(record.get("bytes") or 0), now)
+            return True
+        if kind == "token":
+            rid, count = str(record.get("request_id", "")), int(record.get("count") or 0)
+            before = self._token_counts.get(rid, 0)
+            self._token_counts[rid] = max(before, count)
+            if len(self._token_counts) > 64:
+                self._token_counts.pop(next(iter(self._token_counts)))
+            self.series["tokens"].add(max(0, count - before), now)
+            return True
+        return False
+
+    def roll(self, now: float) -> None:
+        for s in self.series.values():
+            s.roll(now)

@@ -1,0 +1,55 @@
+"""The Bandwidth panel: a sparkline per link and for decode tokens/s, with now and peak."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label, Sparkline, Static
+
+from app.tui.fmt import format_gbit, format_rate, format_tok_s
+from app.tui.rates import SERIES, Bandwidth, RateSeries
+
+TITLES = {
+    "disk": "disk→host",
+    "h2d": "host→device",
+    "net_out": "net out",
+    "net_in": "net in",
+    "tokens": "decode",
+}
+SHOWN = 60  # buckets on screen: 30 s at 0.5 s
+
+
+def rate_text(name: str, series: RateSeries) -> str:
+    """`now 6.2 MB/s (50.0 Mbit/s) · peak 6.4 MB/s`; decode in tok/s."""
+    if name == "tokens":
+        return f"now {format_tok_s(series.current)} · peak {format_tok_s(series.peak)}"
+    now = format_rate(series.current)
+    if name != "disk":  # links are quoted in bits too
+        now += f" ({format_gbit(series.current)})"
+    return f"now {now} · peak {format_rate(series.peak)}"
+
+
+class RateRow(Horizontal):
+    def __init__(self, name: str) -> None:
+        super().__init__(id=f"rate-{name}", classes="rate-row")
+        self.series_name = name
+
+    def compose(self) -> ComposeResult:
+        yield Label(TITLES[self.series_name], classes="rate-name")
+        yield Sparkline([0.0], classes="rate-spark")
+        yield Static("", classes="rate-value")
+
+    def show(self, series: RateSeries) -> None:
+        values = list(series.values)[-SHOWN:]
+        self.query_one(Sparkline).data = [0.0] * (SHOWN - len(values)) + values
+        self.query_one(".rate-value", Static).update(rate_text(self.series_name, series))
+
+
+class BandwidthPanel(Vertical):
+    def compose(self) -> ComposeResult:
+        for name in SERIES:
+            yield RateRow(name)
+
+    def show(self, bandwidth: Bandwidth) -> None:
+        for row in self.query(RateRow):
+            row.show(bandwidth.series[row.series_name])

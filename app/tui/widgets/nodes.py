@@ -1,0 +1,54 @@
+"""The Nodes panel: one row per node, trusted or rejected and why."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import DataTable
+
+from app.tui.cluster import REASON_TEXT, NodeRow
+from app.tui.fmt import format_link, format_size, format_tok_s
+
+COLUMNS = ("node", "roles", "device", "memory / budget", "model", "status", "prefill", "link")
+STATUS_STYLE = {
+    "trusted": ("● trusted", "green"),
+    "connecting": ("◌ connecting", "dim"),
+    "unreachable": ("○ unreachable", "yellow"),
+    "rejected": ("✗ rejected", "red"),
+}
+
+
+def status_text(row: NodeRow) -> Text:
+    label, style = STATUS_STYLE[row.status]
+    if row.status == "rejected" and row.reason:
+        label += f": {REASON_TEXT.get(row.reason, row.reason)}"
+    return Text(label, style=style)
+
+
+def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
+    memory = format_size(row.mem_bytes) if row.mem_bytes else "–"
+    if row.budget_bytes:
+        memory += f" / {format_size(row.budget_bytes)}"
+    return (
+        Text(row.label, style="bold"),
+        "+".join(row.roles) or "–",
+        row.device or "–",
+        memory,
+        row.model or "–",
+        status_text(row),
+        format_tok_s(row.prefill_tok_s) if row.prefill_tok_s else "–",
+        format_link(row.link_Bps) if row.link_Bps else "–",
+    )
+
+
+class NodesTable(DataTable[str | Text]):
+    """Rows keyed by node address; redrawn whole (a cluster is a handful of nodes)."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        self.add_columns(*COLUMNS)
+
+    def show(self, rows: list[NodeRow]) -> None:
+        self.clear()
+        for row in rows:
+            self.add_row(*row_cells(row), key=row.url)
+        self.border_subtitle = f"{sum(r.status == 'trusted' for r in rows)}/{len(rows)} trusted"

@@ -1,0 +1,153 @@
+"""The Pipeline panel: one cell per layer of the request in flight, coloured by state, and
+the timeline of that request as three busy strips (copy, compute, send).
+
+The widget owns a `PipelineModel`; tests read `view.model` rather than pixels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+from textual.app import RenderResult
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from app.tui.fmt import format_seconds
+from app.tui.pipeline import PIPE_STATES, ROWS, PipelineModel, RequestTrack, Span, Timeline
+
+# state → (background, foreground); copy/compute/send strips reuse loading/computing/sent
+STATE_STYLE = {
+    "queued": ("grey35", "white"),
+    "loading": ("dark_orange", "black"),
+    "ready": ("gold3", "black"),
+    "computing": ("medium_purple", "black"),
+    "sent": ("dodger_blue2", "white"),
+    "received": ("green3", "black"),
+}
+ROW_STYLE = {
+    "copy": ("dark_orange", "orange4"),
+    "compute": ("medium_purple", "purple4"),
+    "send": ("dodger_blue2", "navy_blue"),
+}
+CELL = 4  # columns per layer cell, plus one space between cells
+LABEL = 9  # columns before the timeline strips
+
+
+class PipelineView(Widget):
+    """Live layer states; redrawn when a record changes the picture."""
+
+    request_id: reactive[str] = reactive("")
+    layers_hint: reactive[int] = reactive(0)  # a node's layer count, before any request
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.model = PipelineModel()
+
+    def apply(self, record: dict[str, Any], seen: float | None = None) -> None:
+        if self.model.apply(record, seen):
+            self.request_id = self.model.current_id or ""
+            self.refresh(layout=True)
+
+    def watch_request_id(self, request_id: str) -> None:
+        self.border_subtitle = f"request {request_id}" if request_id else ""
+
+    def render(self) -> RenderResult:
+        width = max(20, self.size.width or 80)
+        req = self.model.current
+        if req is None:
+            hint = (
+                f"{self.layers_hint} layers ready. " if self.layers_hint else "No nodes yet. "
+            )
+            return Text(
+                hint + "Send a prompt in Chat (or from any OpenAI client) and watch each "
+                "layer's weights stream in, compute, and travel to the decode node.",
+                style="dim",
+            )
+        parts: list[RenderableType] = [_headline(req)]
+        if req.where == "local" and not req.layers:
+            parts.append(Text("prefill ran on the decode node (mlx): no layers streamed", "dim"))
+        else:
+            parts += [*_cells(req, width), _legend()]
+        timeline = req.timeline()
+        if timeline is not None:
+            parts += _strips(timeline, width)
+        return Group(*parts)
+
+
+def _headline(req: RequestTrack) -> Text:
+    where = {"remote": "remote prefill", "local": "local prefill"}.get(req.where, "prefill")
+    text = Text(where, style="bold")
+    if req.phase:
+        text.append(f" · {req.phase.replace('_', ' ')}", style="dim")
+    done = sum(layer.state in ("sent", "received") for layer in req.layers.values())
+    if req.layers:
+        text.append(f" · {done}/{req.n_layers} layers sent", style="dim")
+    return text
+
+
+def _cells(req: RequestTrack, width: int) -> list[Text]:
+    per_line = max(1, (width + 1) // (CELL + 1))
+    lines: list[Text] = []
+    line = Text()
+    for i in range(req.n_layers):
+        layer = req.layers.get(i)
+        state = layer.state if layer else "queued"
+        bg, fg = STATE_STYLE[state]
+        mark = "•" if layer is not None and layer.pinned else " "
+        if i and i % per_line == 0:
+            lines.append(line)
+            line = Text()
+        elif i:
+            line.append(" ")
+        line.append(f"{i:>3}{mark}", style=f"{fg} on {bg}")
+    lines.append(line)
+    return lines
+
+
+def _legend() -> Text:
+    text = Text()
+    for state in PIPE_STATES:
+        bg, _ = STATE_STYLE[state]
+        text.append("■", style=bg).append(f" {state}  ")
+    return text.append("• resident", style="bold")
+
+
+def _strips(tl: Timeline, width: int) -> list[Text]:
+    busy = " · ".join(f"{row} {format_seconds(tl.busy[row])}" for row in ROWS)
+    head = Text("timeline ", style="bold").append(f"{busy} busy of {format_seconds(tl.wall)}")
+    if tl.bound:
+        head.append(f" → {tl.bound}-bound", style="bold")
+    n = max(8, width - LABEL)
+    return [head, *(_strip(row, tl.rows[row], tl, n) for row in ROWS)]
+
+
+def _strip(row: str, spans: list[Span], tl: Timeline, n: int) -> Text:
+    """One row of the Gantt strip: each span filled in its layer's shade, labelled if it fits."""
+    owner: list[int | None] = [None] * n
+    starts: dict[int, int] = {}
+    scale = n / tl.wall if tl.wall > 0 else 0.0
+    for layer, a, b in spans:
+        c0 = min(n - 1, int((a - tl.t0) * scale))
+        c1 = max(c0 + 1, min(n, math.ceil((b - tl.t0) * scale)))
+        for c in range(c0, c1):
+            owner[c] = layer
+        starts.setdefault(layer, c0)
+    text = Text(f"{row:<{LABEL}}", style="bold")
+    shades = ROW_STYLE[row]
+    c = 0
+    while c < n:
+        layer = owner[c]
+        end = c
+        while end < n and owner[end] == layer:
+            end += 1
+        if layer is None:
+            text.append("·" * (end - c), style="grey30")
+        else:
+            label = str(layer) if starts.get(layer) == c and len(str(layer)) <= end - c else ""
+            style = f"{('black', 'white')[layer % 2]} on {shades[layer % 2]}"
+            text.append(label.ljust(end - c), style=style)
+        c = end
+    return text

@@ -1,0 +1,97 @@
+"""The decode node's prompt cache: each conversation's KV, reused by the next turn.
+
+Entries are keyed by the token ids their caches hold. A request takes a *copy* of the
+longest common prefix (slicing makes new arrays, so the stored entry is never touched), and
+only the positions after it need a prefill — remote (`start = k`) or local. Bounded by bytes;
+the least recently used conversation goes first (conversations are not a cyclic scan).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import KVCache
+
+DEFAULT_MAX_BYTES = 2 * 1024**3
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    caches: list[Any]
+    nbytes: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def clone_prefix(caches: list[Any], k: int) -> list[KVCache]:
+    """New caches holding positions 0..k-1 of `caches` (fresh arrays)."""
+    out = []
+    for c in caches:
+        new = KVCache()
+        if k:
+            new.state = (c.keys[..., :k, :], c.values[..., :k, :], k)
+        out.append(new)
+    return out
+
+
+def cache_nbytes(caches: list[Any]) -> int:
+    return sum(c.keys.nbytes + c.values.nbytes for c in caches if c.keys is not None)
+
+
+class PromptCache:
+    """Caches of past prompts (+ replies), by token prefix; thread-safe, bounded by bytes."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = 64) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[int, list[Any] | None]:
+        """(k, caches holding 0..k-1) for the longest stored prefix of `tokens[:-1]`.
+
+        At most n-1 positions are reused: the last prompt token must be fed to decode.
+        """
+        limit = len(tokens) - 1
+        with self._lock:
+            best, best_k = None, 0
+            for key in self._entries:
+                k = min(common_prefix(key, tokens), limit)
+                if k > best_k:
+                    best, best_k = key, k
+            if best is None:
+                return 0, None
+            self._entries.move_to_end(best)
+            entry = self._entries[best]
+        return best_k, clone_prefix(entry.caches, best_k)
+
+    def store(self, tokens: Sequence[int], caches: list[Any]) -> None:
+        """Keep `caches` (holding exactly `tokens`), dropping entries it makes redundant."""
+        key = tuple(tokens)
+        if not key or any(c.offset != len(key) for c in caches):
+            return
+        nbytes = cache_nbytes(caches)
+        with self._lock:
+            for other in list(self._entries):
+                if key[: len(other)] == other:  # a shorter prefix of this one
+                    del self._entries[other]
+            self._entries[key] = _Entry(key, caches, nbytes)
+            while self._entries and (
+                self.nbytes > self.max_bytes or len(self._entries) > self.max_entries
+            ):
+                self._entries.popitem(last=False)

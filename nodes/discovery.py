@@ -1,0 +1,392 @@
+"""mDNS: advertise this node as `_tandem._tcp.local.` and browse for the others (DESIGN.md).
+
+Discovery finds candidates only. A node seen here goes into the PeerTable, which trusts it
+after `/v1/hello` proves the token; before that a candidate gets nothing but `GET /health`.
+Registration probes the network for ~1.6 s, so it runs in a kept task and never delays
+start-up. Zeroconf's interfaces follow the bind address: a loopback node multicasts on
+loopback only (other machines could not reach it anyway), a wildcard node on every interface
+over IPv4 and IPv6.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import ifaddr  # zeroconf's own interface lister, one of its dependencies
+from zeroconf import Error as ZeroconfError
+from zeroconf import (
+    InterfaceChoice,
+    InterfacesType,
+    IPVersion,
+    NonUniqueNameException,
+    ServiceStateChange,
+    Zeroconf,
+)
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
+from nodes.auth import is_loopback
+from nodes.peers import Peer, PeerTable
+
+log = logging.getLogger(__name__)
+SERVICE_TYPE = "_tandem._tcp.local."
+MODEL_PREFIX_HEX = 16  # TXT `model`: enough to tell models apart; trust checks the full one
+HINT_AFTER_S = 10.0  # no other node by then: tell the user about --peer
+RESOLVE_TIMEOUT_MS = 3000
+PROBE_TIMEOUT_S = 1.5
+PROBE_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # a loopback-only node may still be starting
+ANY_HOSTS = {"": (4, 6), "0.0.0.0": (4,), "::": (6,)}  # asyncio binds "::" IPv6-only
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Advert:
+    """What this node tells the LAN about itself: the TXT keys plus where it listens."""
+
+    id: str
+    name: str
+    roles: tuple[str, ...]
+    proto: int
+    fingerprint: str
+    device: str
+    mem_bytes: int
+    host: str
+    port: int
+
+    @classmethod
+    def from_health(cls, health: Mapping[str, Any], host: str, port: int) -> Advert:
+        """The advert for a node whose `GET /health` body is `health`."""
+        return cls(
+            id=str(health["id"]),
+            name=str(health["name"]),
+            roles=tuple(health["roles"]),
+            proto=int(health["proto"]),
+            fingerprint=str(health["model"]["fingerprint"]),
+            device=str(health["device"]),
+            mem_bytes=int(health["mem_bytes"]),
+            host=host,
+            port=port,
+        )
+
+    def properties(self) -> dict[str, str]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "roles": ",".join(self.roles),
+            "proto": str(self.proto),
+            "model": self.fingerprint[:MODEL_PREFIX_HEX],
+            "device": self.device,
+            "mem": str(self.mem_bytes),
+        }
+
+    def instance_name(self) -> str:
+        """`NAME-ID8._tandem._tcp.local.`: two nodes given one `--name` still differ."""
+        suffix = f"-{self.id[:8]}"
+        label = self.name.replace(".", "-").encode()[: 63 - len(suffix)]
+        return f"{label.decode(errors='ignore')}{suffix}.{SERVICE_TYPE}"
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """One node as its mDNS records describe it: a claim, until `/v1/hello` proves it."""
+
+    service: str
+    id: str
+    name: str
+    roles: tuple[str, ...]
+    proto: int
+    model: str  # fingerprint prefix
+    device: str
+    mem_bytes: int
+    port: int
+    addresses: tuple[str, ...]  # best first
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(url_for(a, self.port) for a in self.addresses)
+
+    def peer(self, url: str) -> Peer:
+        return Peer(
+            address=url,
+            id=self.id,
+            name=self.name,
+            roles=self.roles,
+            device=self.device,
+            mem_bytes=self.mem_bytes,
+            model={"name": "", "fingerprint": self.model},
+            proto=self.proto,
+            source="mdns",
+        )
+
+
+def url_for(host: str, port: int) -> str:
+    """`http://host:port`, with an IPv6 literal in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _usable(ip: Address) -> bool:
+    # link-local IPv6 needs a zone index, which URLs and aiohttp handle poorly
+    return not (ip.is_unspecified or ip.is_multicast or (ip.version == 6 and ip.is_link_local))
+
+
+def _rank(ip: Address) -> int:
+    """Loopback first (a node on this machine; its id is checked), then IPv4, then IPv6."""
+    return 0 if ip.is_loopback else ip.version // 2  # 4 → 2, 6 → 3
+
+
+def advertised_addresses(host: str) -> list[str]:
+    """The addresses peers can reach a node bound to `host` at."""
+    if host in ANY_HOSTS:
+        families = ANY_HOSTS[host]
+        found: list[Address] = []
+        for adapter in ifaddr.get_adapters():
+            for a in adapter.ips:
+                ip = ipaddress.ip_address(a.ip if isinstance(a.ip, str) else a.ip[0])
+                if ip.version in families and _usable(ip) and ip not in found:
+                    found.append(ip)
+        return [str(ip) for ip in sorted(found, key=_rank)]
+    try:
+        return [str(ipaddress.ip_address(host))]
+    except ValueError:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def zeroconf_interfaces(host: str) -> tuple[InterfacesType, IPVersion | None]:
+    """Where to multicast: loopback for a loopback node, everywhere for a wildcard one."""
+    if is_loopback(host):
+        return ["127.0.0.1"], IPVersion.V4Only  # zeroconf cannot listen on ::1
+    if host in ANY_HOSTS:
+        return InterfaceChoice.All, IPVersion.All
+    return advertised_addresses(host), None  # zeroconf picks the version from the list
+
+
+def read_service(info: AsyncServiceInfo) -> Sighting | None:
+    """A sighting from resolved records, or None when they are not a tandem node's."""
+    props = info.decoded_properties
+    node_id = props.get("id") or ""
+    if not node_id or not info.port:
+        return None
+    ips = sorted(
+        (ip for ip in info.ip_addresses_by_version(IPVersion.All) if _usable(ip)), key=_rank
+    )
+    try:
+        proto = int(props.get("proto") or 0)
+        mem = int(props.get("mem") or 0)
+    except ValueError:
+        return None
+    return Sighting(
+        service=info.name,
+        id=node_id,
+        name=props.get("name") or "",
+        roles=tuple(r for r in (props.get("roles") or "").split(",") if r),
+        proto=proto,
+        model=props.get("model") or "",
+        device=props.get("device") or "",
+        mem_bytes=mem,
+        port=info.port,
+        addresses=tuple(str(ip) for ip in ips),
+    )
+
+
+def _open_zeroconf(host: str) -> AsyncZeroconf:
+    interfaces, version = zeroconf_interfaces(host)
+    try:
+        return AsyncZeroconf(interfaces=interfaces, ip_version=version)
+    except OSError:
+        if version is not IPVersion.All:
+            raise
+        log.info("mDNS: IPv6 multicast unavailable here; using IPv4 only")
+        return AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+
+
+class Discovery:
+    """Advertises one node and feeds the nodes it sees into a PeerTable."""
+
+    def __init__(
+        self,
+        advert: Advert,
+        peers: PeerTable,
+        session: aiohttp.ClientSession,
+        hint_after_s: float = HINT_AFTER_S,
+    ) -> None:
+        self.advert = advert
+        self.peers = peers
+        self.service_name = advert.instance_name()
+        self.seen: dict[str, Sighting] = {}  # service name → latest records
+        self._session = session
+        self._hint_after_s = hint_after_s
+        self._zc: AsyncZeroconf | None = None
+        self._browser: AsyncServiceBrowser | None = None
+        self._addresses: dict[str, str] = {}  # service name → its address in the PeerTable
+        self._resolving: dict[str, asyncio.Task[None]] = {}  # the newest per service
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._saw_other = False
+
+    async def start(self) -> None:
+        """Start browsing now; advertise in the background. Never raises for a network."""
+        try:
+            self._zc = _open_zeroconf(self.advert.host)
+        except OSError as e:
+            log.warning(
+                "mDNS is off (%s): add other nodes with --peer http://HOST:PORT", e.strerror or e
+            )
+            return
+        self._browser = AsyncServiceBrowser(
+            self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
+        )
+        self._spawn(self._register(), "mdns-register")
+        if self._hint_after_s > 0:
+            self._spawn(self._hint(), "mdns-hint")
+
+    async def stop(self) -> None:
+        """Cancel and await every task, then say goodbye and close zeroconf."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._zc is None:
+            return
+        try:
+            if self._browser is not None:
+                await self._browser.async_cancel()
+        finally:
+            await self._zc.async_close()  # sends the goodbye for our registration
+            self._zc = None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _register(self) -> None:
+        assert self._zc is not None
+        a = self.advert
+        info = AsyncServiceInfo(
+            SERVICE_TYPE,
+            self.service_name,
+            port=a.port,
+            properties=a.properties(),
+            server=f"tandem-{a.id}.local.",
+            parsed_addresses=advertised_addresses(a.host),
+        )
+        try:
+            try:
+                await (await self._zc.async_register_service(info))
+            except NonUniqueNameException:
+                log.warning(
+                    "mDNS: %s is already advertised (another node with this id: "
+                    "a copied config dir?); advertising under a new name",
+                    info.name,
+                )
+                await (await self._zc.async_register_service(info, allow_name_change=True))
+        except (ZeroconfError, OSError) as e:
+            log.warning("mDNS: cannot advertise this node (%r); peers need --peer", e)
+            return
+        self.service_name = info.name
+        log.info("mDNS: advertising %s at %s", info.name, ", ".join(info.parsed_addresses()))
+
+    async def _hint(self) -> None:
+        await asyncio.sleep(self._hint_after_s)
+        if self._saw_other or self.peers.peers:
+            return
+        if is_loopback(self.advert.host):
+            where = (
+                "on this machine (this node listens on loopback only; "
+                "use --host 0.0.0.0 and a token to join the LAN)"
+            )
+        else:
+            where = (
+                "on the LAN; if other nodes are running, multicast (UDP 5353) is probably "
+                "blocked (firewall, VLANs, Wi-Fi client isolation)"
+            )
+        log.info(
+            "mDNS: no other tandem node found after %.0f s %s: connect nodes directly with "
+            "--peer http://HOST:PORT",
+            self._hint_after_s,
+            where,
+        )
+
+    def _on_change(
+        self,
+        zeroconf: Zeroconf,
+        service_type: str,
+        name: str,
+        state_change: ServiceStateChange,
+    ) -> None:
+        """Browser callback (in the event loop): the newest state of a service wins."""
+        old = self._resolving.pop(name, None)
+        if old is not None:
+            old.cancel()
+        if state_change is ServiceStateChange.Removed:
+            self._forget(name)
+        else:
+            self._resolving[name] = self._spawn(self._resolve(name), f"mdns-resolve {name}")
+
+    async def _resolve(self, name: str) -> None:
+        assert self._zc is not None
+        info = AsyncServiceInfo(SERVICE_TYPE, name)
+        if not await info.async_request(self._zc.zeroconf, RESOLVE_TIMEOUT_MS):
+            log.debug("mDNS: %s did not resolve", name)
+            return
+        sighting = read_service(info)
+        if sighting is None:
+            log.debug("mDNS: %s is not a tandem node (no id or port)", name)
+            return
+        if sighting.id == self.advert.id:
+            return  # our own record: we browse the type we advertise
+        self._saw_other = True
+        self.seen[name] = sighting
+        url = await self._choose(sighting)
+        if url is None:
+            log.debug("mDNS: %s answers at none of %s", name, sighting.urls)
+            return
+        previous = self._addresses.get(name)
+        if previous != url:
+            log.info("mDNS: found %s (%s) at %s", sighting.name, sighting.id, url)
+            if previous is not None:
+                self.peers.lost(previous)
+        self._addresses[name] = url
+        self.peers.found(sighting.peer(url))
+
+    def _forget(self, name: str) -> None:
+        self.seen.pop(name, None)
+        url = self._addresses.pop(name, None)
+        if url is not None:
+            log.info("mDNS: %s left", name)
+            self.peers.lost(url)
+
+    async def _choose(self, s: Sighting) -> str | None:
+        """The best advertised address where this node answers `/health` with its own id.
+
+        A loopback address is used only when it answers so (it may be another machine's
+        loopback); a LAN address that does not answer yet is kept, and the health loop
+        shows it unreachable until it does.
+        """
+        for delay in (0.0, *PROBE_DELAYS_S):
+            await asyncio.sleep(delay)
+            urls = s.urls
+            answers = await asyncio.gather(*(self._answers_as(url, s.id) for url in urls))
+            for url, ok in zip(urls, answers, strict=True):
+                if ok:
+                    return url
+            lan = [url_for(a, s.port) for a in s.addresses if not is_loopback(a)]
+            if lan:
+                return lan[0]
+        return None
+
+    async def _answers_as(self, url: str, node_id: str) -> bool:
+        timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        try:
+            async with self._session.get(f"{url}/health", timeout=timeout) as r:
+                body = await r.json()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return False
+        return isinstance(body, dict) and body.get("id") == node_id
