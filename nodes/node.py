@@ -88,6 +88,7 @@ class Node:
         self.device = "cpu"
         self.budget_bytes = 0
         self.address = url_for(config.host, config.port)
+        self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 
     def client(self) -> aiohttp.ClientSession:
         assert self.session is not None
@@ -228,6 +229,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await node.discovery.start()
         yield
     finally:
+        for task in node.tasks:
+            task.cancel()
+        await asyncio.gather(*node.tasks, return_exceptions=True)
         if node.discovery is not None:
             await node.discovery.stop()
         await node.peers.stop()
@@ -279,6 +283,7 @@ async def _start_decode(node: Node) -> None:
     )
     node.decode.remote_timeout_s = node.config.remote_timeout_s
     await node.decode.calibrate()
+    node.tasks.append(asyncio.create_task(node.decode.probe_peers(), name="probe-peers"))
     if "prefill" not in node.config.roles:
         node.device = "mlx"
 

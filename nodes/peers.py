@@ -43,6 +43,7 @@ class Peer:
     last_seen: float = 0.0
     prefill_tok_s: float | None = None
     link_Bps: float | None = None
+    prefill_floor_s: float | None = None  # the cheapest remote pass seen (weights + HTTP)
     source: Source = "static"
 
     def to_json(self) -> dict[str, object]:
@@ -61,6 +62,7 @@ class Peer:
             "last_seen": self.last_seen,
             "prefill_tok_s": self.prefill_tok_s,
             "link_Bps": self.link_Bps,
+            "prefill_floor_s": self.prefill_floor_s,
             "source": self.source,
         }
 
@@ -114,15 +116,24 @@ class PeerTable:
         return [p for p in self.peers.values() if p.trusted and role in p.roles]
 
     def update_rates(
-        self, address: str, prefill_tok_s: float | None, link_Bps: float | None
+        self,
+        address: str,
+        prefill_tok_s: float | None = None,
+        link_Bps: float | None = None,
+        seconds: float | None = None,
     ) -> None:
+        """Fold one remote prefill's measurements in (moving averages; floor = cheapest)."""
         p = self.peers.get(address)
-        if p is not None:
-            self.peers[address] = replace(
-                p,
-                prefill_tok_s=prefill_tok_s or p.prefill_tok_s,
-                link_Bps=link_Bps or p.link_Bps,
-            )
+        if p is None:
+            return
+        self.peers[address] = replace(
+            p,
+            prefill_tok_s=_ewma(p.prefill_tok_s, prefill_tok_s),
+            link_Bps=_ewma(p.link_Bps, link_Bps),
+            prefill_floor_s=min(x for x in (p.prefill_floor_s, seconds, float("inf")) if x)
+            if (p.prefill_floor_s or seconds)
+            else None,
+        )
 
     async def _loop(self) -> None:
         while True:
@@ -207,6 +218,12 @@ class PeerTable:
 def _identity(peer: Peer) -> tuple[str, int, str]:
     """What trust was granted for: a change (a restart with another model) asks again."""
     return peer.id, peer.proto, peer.model.get("fingerprint", "")
+
+
+def _ewma(old: float | None, new: float | None, weight: float = 0.3) -> float | None:
+    if not new:
+        return old
+    return new if not old else (1 - weight) * old + weight * new
 
 
 def hello_answer(token: str | None, own_id: str, fingerprint: str, body: object) -> dict[str, str]:

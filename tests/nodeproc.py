@@ -63,9 +63,10 @@ def start_node(
     token: str | None = None,
     wait: bool = True,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> NodeProc:
-    """`tandem node --role ROLE` on a free port; waits for /health unless wait=False."""
-    port = free_port()
+    """`tandem node --role ROLE` on `port` (default: a free one); waits for /health."""
+    port = port or free_port()
     log = tmp / f"node-{role}-{port}.log"
     full_env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), **(env or {})}
     full_env.pop("TANDEM_TOKEN", None)

@@ -12,14 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import openai
 import pytest
-from aiohttp import web
 
-from nodes.auth import proof
-from nodes.model import fingerprint, load_index
-from nodes.wire import PROTO, FrameWriter, Header
+from nodes.model import load_index
+from tests.fake_prefill import start_fake_prefill
 from tests.hide_modules import hidden_env
 from tests.nodeproc import NodeProc, start_node, wait_trusted
 
@@ -171,55 +168,10 @@ def llama(tiny_model) -> Path:
     return tiny_model(arch="llama", layers=4, shards=2, rope_scaling="llama3")
 
 
-async def _fake_prefill_node(model: Path, token: str) -> tuple[web.AppRunner, str, list]:
-    """A prefill node that proves the token but sends all-zero K/V."""
-    index = load_index(model)
-    fp, spec = fingerprint(index), index.spec
-    seen: list[str] = []
-
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"status": "ok", "id": "fake", "name": "fake", "roles": ["prefill"], "proto": PROTO,
-             "model": {"name": spec.name, "fingerprint": fp, "layers": spec.num_layers}}
-        )  # fmt: skip
-
-    async def hello(request: web.Request) -> web.Response:
-        body = await request.json()
-        p = proof(token, body["nonce"], body["id"], "fake", fp)
-        return web.json_response({"id": "fake", "fingerprint": fp, "proof": p})
-
-    async def prefill(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        seen.append(body["request_id"])
-        n = len(body["tokens"])
-        h = Header(PROTO, fp, body["request_id"], "F32", spec.num_layers, 0, n,
-                   spec.num_kv_heads, spec.head_dim)  # fmt: skip
-        w = FrameWriter(h)
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        await resp.write(w.start())
-        zeros = np.zeros(h.shape, np.float32).tobytes()
-        for i in range(spec.num_layers):
-            await resp.write(w.layer(i, zeros, zeros))
-        await resp.write(w.done())
-        return resp
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/hello", hello)
-    app.router.add_post("/v1/prefill", prefill)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}", seen
-
-
 async def test_zeroed_kv_changes_the_output(llama: Path, tmp_path: Path) -> None:
-    runner, url, seen = await _fake_prefill_node(llama, TOKEN)
+    fake = await start_fake_prefill(llama, TOKEN, "zeros")
     decode = start_node(
-        tmp_path, llama, "decode", "--peer", url, "--remote-prefill", "always", token=TOKEN
+        tmp_path, llama, "decode", "--peer", fake.url, "--remote-prefill", "always", token=TOKEN
     )
     try:
         await asyncio.to_thread(wait_trusted, decode)
@@ -229,7 +181,7 @@ async def test_zeroed_kv_changes_the_output(llama: Path, tmp_path: Path) -> None
             max_tokens=MAX_TOKENS, temperature=0,
         )  # fmt: skip
         assert reply.model_extra["tandem"]["prefill"] == "remote"
-        assert seen == [reply.id]
+        assert reply.id in fake.prefills
         from mlx_lm import generate, load
 
         model, tok = load(str(llama))
@@ -239,7 +191,7 @@ async def test_zeroed_kv_changes_the_output(llama: Path, tmp_path: Path) -> None
         assert reply.choices[0].message.content != generate(model, tok, prompt, max_tokens=24)
     finally:
         decode.stop()
-        await runner.cleanup()
+        await fake.close()
 
 
 async def test_missing_or_wrong_token_is_401(cluster: Cluster) -> None:

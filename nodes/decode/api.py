@@ -24,7 +24,7 @@ from aiohttp import web
 from nodes.decode.host import Cancelled, Generation, ModelHost, SamplingParams
 from nodes.decode.prompt_cache import PromptCache
 from nodes.decode.remote import RemotePrefillError, remote_prefill
-from nodes.decode.router import Mode, choose
+from nodes.decode.router import LocalRate, Mode, choose
 from nodes.events import EventBus, RequestEvent, TokenEvent
 from nodes.model.spec import ModelSpec
 from nodes.peers import PeerTable
@@ -88,16 +88,42 @@ class DecodeService:
         self.token = token
         self.mode = mode
         self.max_tokens_limit = max_tokens_limit
-        self.local_tok_s: float | None = None  # measured mlx prefill rate (tokens/s)
+        self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
         self.remote_timeout_s = 300.0
         self.model_name = spec.name
 
-    async def calibrate(self, tokens: int = 128) -> float:
-        """Measure this node's local (mlx) prefill rate for the router; tokens/s."""
-        self.local_tok_s = await self.host.call(self.host.measure_prefill, tokens)
-        log.info("local prefill rate: %.0f tokens/s", self.local_tok_s)
-        return self.local_tok_s
+    async def calibrate(self, tokens: int = 128) -> LocalRate:
+        """Measure this node's local (mlx) prefill rate and floor for the router."""
+        floor = await self.host.call(self.host.measure_prefill, 1)
+        rate = await self.host.call(self.host.measure_prefill, tokens)
+        self.local = LocalRate(tok_s=tokens / rate, floor_s=floor)
+        log.info("local prefill: %.0f tokens/s, floor %.1f ms", tokens / rate, floor * 1e3)
+        return self.local
+
+    async def probe_peers(self) -> None:
+        """Keep calibrating: measure each newly trusted prefill node with a tiny prefill."""
+        while True:
+            for peer in self.peers.trusted("prefill"):
+                if peer.prefill_floor_s is None:
+                    await self._probe(peer.address)
+            await asyncio.sleep(1.0)
+
+    async def _probe(self, address: str, count: int = 8) -> None:
+        caches = await self.host.call(self.host.new_cache)
+        tokens = [(5 * i + 1) % self.spec.vocab_size for i in range(count)]
+        try:
+            result = await remote_prefill(
+                self.session_factory(), address, self.token, fingerprint=self.fingerprint,
+                request_id=f"probe-{uuid.uuid4().hex[:8]}", tokens=tokens, start=0,
+                host=self.host, caches=caches, events=EventBus(), timeout_s=30.0,
+            )  # fmt: skip
+        except RemotePrefillError as e:
+            log.info("probe of %s failed: %s", address, e)
+            self.peers.update_rates(address, seconds=30.0)
+            return
+        self.peers.update_rates(address, None, result.link_Bps, result.seconds)
+        log.info("prefill node %s: pass floor %.1f ms", address, result.seconds * 1e3)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -239,7 +265,7 @@ class DecodeService:
         peers = self.peers.trusted("prefill")
         decision = choose(
             self.mode, new, self.spec.kv_bytes_per_token, self.spec.num_layers,
-            self.local_tok_s, peers,
+            self.local, peers,
         )  # fmt: skip
         if decision.where == "local":
             if self.mode == "always" and new > 0:
@@ -270,7 +296,9 @@ class DecodeService:
             self.events.publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
             await self.host.call(_trim_to, caches, k)
             return caches, PrefillInfo("local", None, new)
-        self.peers.update_rates(peer.address, result.prefill_tok_s, result.link_Bps)
+        # a pass near the floor says nothing about the marginal rate
+        rate = result.prefill_tok_s if result.seconds > 2 * (peer.prefill_floor_s or 0) else None
+        self.peers.update_rates(peer.address, rate, result.link_Bps, result.seconds)
         self.events.publish(RequestEvent(rid, phase="prefill_done", tokens=new, where=peer.address))
         return caches, PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
 
@@ -362,8 +390,6 @@ class DecodeService:
     def _tandem(
         self, req: Completion, info: PrefillInfo, gen: Generation, ttft_s: float
     ) -> dict[str, Any]:
-        if info.where == "local" and info.seconds and info.tokens:
-            self.local_tok_s = info.tokens / info.seconds
         return {
             "request_id": req.request_id,
             "prefill": info.where,

@@ -87,7 +87,7 @@ class ModelHost:
         return make_prompt_cache(self.model)
 
     def measure_prefill(self, count: int) -> float:
-        """On the mlx thread: prefill `count` tokens into a scratch cache; tokens/s."""
+        """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
         vocab = self.model.args.vocab_size if hasattr(self.model, "args") else 256
         tokens = mx.array([[(7 * i + 3) % vocab for i in range(count)]])
         self.model(tokens[:, :8], cache=self.new_cache())  # warm-up: first call allocates
@@ -96,7 +96,7 @@ class ModelHost:
         t0 = time.perf_counter()
         out = self.model(tokens, cache=cache)
         mx.eval(out, [c.state for c in cache])
-        return count / max(time.perf_counter() - t0, 1e-9)
+        return max(time.perf_counter() - t0, 1e-9)
 
     def generate(
         self,

@@ -1,9 +1,15 @@
 """Where to prefill a prompt: here with mlx, or on a trusted prefill node.
 
-`auto` compares predicted times: local = n / local rate; remote = latency + the longer of
-n / the node's prefill rate and KV bytes / link rate (layers stream while the next computes,
-so compute and transfer overlap), plus one layer's worth of transfer. Rates come from past
-requests and a start-up calibration; an unmeasured remote rate counts as promising (a GPU).
+`auto` compares predicted times. Both sides have a floor — a pass costs at least one forward
+step locally, and at least one stream of the weights through the GPU budget (plus HTTP and
+cache assembly) remotely — and a rate beyond it:
+
+    local  = max(local_floor, n / local_rate)
+    remote = latency + max(remote_floor, n / remote_rate, kv_bytes / link) + kv_bytes / link / L
+
+(layers stream while the next computes, so compute and transfer overlap; the last layer's
+transfer does not). Rates and floors come from a start-up calibration and past requests; an
+unmeasured remote rate counts as promising (a GPU).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Literal
 from nodes.peers import Peer
 
 Mode = Literal["auto", "always", "never"]
-DEFAULT_LATENCY_S = 0.005
+DEFAULT_LATENCY_S = 0.002
 OPTIMISTIC_REMOTE_TOK_S = 5000.0
 OPTIMISTIC_LINK_BPS = 1e9 / 8  # 1 Gbit/s
 
@@ -28,11 +34,21 @@ class Decision:
     remote_s: float | None = None
 
 
+@dataclass(frozen=True)
+class LocalRate:
+    tok_s: float | None = None  # mlx prefill rate on this node
+    floor_s: float = 0.0  # the cost of the smallest pass (one forward step)
+
+    def predict_s(self, n: int) -> float | None:
+        return max(self.floor_s, n / self.tok_s) if self.tok_s else None
+
+
 def predict_remote_s(n: int, kv_bytes: int, layers: int, peer: Peer) -> float:
     rate = peer.prefill_tok_s or OPTIMISTIC_REMOTE_TOK_S
     link = peer.link_Bps or OPTIMISTIC_LINK_BPS
     transfer = kv_bytes / link
-    return DEFAULT_LATENCY_S + max(n / rate, transfer) + transfer / max(layers, 1)
+    floor = peer.prefill_floor_s or 0.0
+    return DEFAULT_LATENCY_S + max(floor, n / rate, transfer) + transfer / max(layers, 1)
 
 
 def choose(
@@ -40,7 +56,7 @@ def choose(
     n_tokens: int,
     kv_bytes_per_token: int,
     layers: int,
-    local_tok_s: float | None,
+    local: LocalRate,
     peers: list[Peer],
 ) -> Decision:
     """Pick local or remote prefill for `n_tokens` prompt positions."""
@@ -55,9 +71,9 @@ def choose(
     kv = n_tokens * kv_bytes_per_token
     best = min(peers, key=lambda p: predict_remote_s(n_tokens, kv, layers, p))
     remote_s = predict_remote_s(n_tokens, kv, layers, best)
-    if not local_tok_s:
+    local_s = local.predict_s(n_tokens)
+    if local_s is None:
         return Decision("remote", best, "local rate unknown", None, remote_s)
-    local_s = n_tokens / local_tok_s
     if remote_s < local_s:
         return Decision("remote", best, "remote predicted faster", local_s, remote_s)
     return Decision("local", None, "local predicted faster", local_s, remote_s)

@@ -1,0 +1,284 @@
+"""Multi-turn prompt cache through the handoff, failure fallback, and the `auto` router —
+real node processes on loopback, mlx-lm as the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from nodes.decode.prompt_cache import common_prefix
+from tests.fake_prefill import start_fake_prefill
+from tests.nodeproc import NodeProc, start_node, wait_healthy, wait_trusted
+
+TOKEN = "turns-token-0123456789"
+
+
+class Oracle:
+    """mlx-lm greedy generation from scratch, with the generated token ids."""
+
+    def __init__(self, model: Path) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(model))
+
+    def tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def generate(self, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, list[int]]:
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+
+        text, ids = "", []
+        for r in stream_generate(
+            self.model, self.tokenizer, mx.array(self.tokens(messages)), max_tokens=max_tokens
+        ):
+            text += r.text
+            ids.append(r.token)
+        return text, ids
+
+
+def _chat(node: NodeProc, messages: list[dict[str, str]], max_tokens: int = 16, **kw):
+    client = openai.OpenAI(base_url=node.url + "/v1", api_key=TOKEN, timeout=120)
+    return client.chat.completions.create(
+        model="m", messages=messages, max_tokens=max_tokens, temperature=0, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model(arch="llama", layers=4, shards=2, rope_scaling="llama3")
+
+
+@pytest.fixture(scope="module")
+def oracle(model: Path) -> Oracle:
+    return Oracle(model)
+
+
+@pytest.fixture
+def pair(model: Path, tmp_path: Path) -> Iterator[tuple[NodeProc, NodeProc]]:
+    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", token=TOKEN)
+    decode = start_node(
+        tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
+        token=TOKEN,
+    )  # fmt: skip
+    try:
+        wait_trusted(decode)
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_turns_are_exact_and_prefill_only_new_tokens(
+    pair: tuple[NodeProc, NodeProc], model: Path, oracle: Oracle, tmp_path: Path
+) -> None:
+    prefill, decode = pair
+    messages = [{"role": "user", "content": "Tell me about the lighthouse keeper."}]
+    held: list[int] = []  # what the decode node's cache holds after each turn
+    for turn, follow_up in enumerate(
+        ["Why did he count the waves?", "What was in the blue notebook?", "Goodbye!"]
+    ):
+        if turn == 2:  # restart the prefill node on the same port: its prefix cache is cold
+            prefill.stop()
+            prefill = start_node(
+                tmp_path, model, "prefill", "--budget", "200KB", token=TOKEN, port=prefill.port
+            )
+            time.sleep(2.5)  # one health-check round
+            wait_trusted(decode)
+        want, ids = oracle.generate(messages, 16)
+        tokens = oracle.tokens(messages)
+        reply = _chat(decode, messages)
+        extra = reply.model_extra["tandem"]
+        assert reply.choices[0].message.content == want, f"turn {turn}"
+        assert extra["prefill"] == "remote"
+        k = min(common_prefix(tokens, held), len(tokens) - 1)
+        assert extra["prefill_tokens"] == len(tokens) - 1 - k, f"turn {turn}"
+        if turn:
+            assert k >= len(oracle.tokens(messages[:-2])), "the last turn's prompt was reused"
+        held = tokens + ids
+        messages += [{"role": "assistant", "content": want}, {"role": "user", "content": follow_up}]
+    prefill.stop()
+
+
+async def _watch(node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: list[dict]) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{node.url}/v1/events?since={time.time() - 1}"
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                rec = json.loads(line[6:])
+                if rec["request_id"].startswith(rid_prefix):
+                    seen.append(rec)
+                    if rec["kind"] == "link" and rec["name"] == "net_in":
+                        stop.set()
+
+
+async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_path: Path) -> None:
+    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.004",
+                         token=TOKEN)  # fmt: skip
+    decode = start_node(
+        tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
+        token=TOKEN,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_trusted, decode)
+        await asyncio.sleep(1.5)  # let the router's probe of the slow node finish
+        messages = [{"role": "user", "content": "A story about sunflowers and a fence."}]
+        first_net_in, seen = asyncio.Event(), []
+        watcher = asyncio.create_task(_watch(decode, "chatcmpl-", first_net_in, seen))
+        reply_task = asyncio.create_task(asyncio.to_thread(_chat, decode, messages))
+        await asyncio.wait_for(first_net_in.wait(), 30)
+        prefill.proc.send_signal(signal.SIGKILL)
+        reply = await asyncio.wait_for(reply_task, 60)
+        await asyncio.sleep(0.2)
+        watcher.cancel()
+        want, _ = oracle.generate(messages, 16)
+        assert reply.choices[0].message.content == want
+        assert reply.model_extra["tandem"]["prefill"] == "local"
+        failed = [r for r in seen if r["kind"] == "request" and r["phase"] == "failed"]
+        assert failed and failed[0]["request_id"] == reply.id
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+async def test_fallback_on_every_kind_of_failure(
+    model: Path, oracle: Oracle, tmp_path: Path
+) -> None:
+    fake = await start_fake_prefill(model, TOKEN, "503")
+    decode = start_node(
+        tmp_path, model, "decode", "--peer", fake.url, "--remote-prefill", "always",
+        "--remote-timeout", "3", token=TOKEN,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_trusted, decode)
+        for i, mode in enumerate(["503", "409", "error_frame", "garbage", "die", "hang"]):
+            fake.mode = mode
+            messages = [{"role": "user", "content": f"Question number {i}: why is the sky blue?"}]
+            reply = await asyncio.to_thread(_chat, decode, messages)
+            want, _ = oracle.generate(messages, 16)
+            assert reply.choices[0].message.content == want, mode
+            assert reply.model_extra["tandem"]["prefill"] == "local", mode
+            assert reply.id in fake.prefills, mode
+        events = await _request_events(decode)
+        failed = {r["request_id"]: r["detail"] for r in events if r.get("phase") == "failed"}
+        assert len(failed) >= 6
+        assert any("503" in d for d in failed.values())
+        assert any("409" in d for d in failed.values())
+        assert any("out of memory" in d for d in failed.values())
+    finally:
+        decode.stop()
+        await fake.close()
+
+
+async def _request_events(node: NodeProc) -> list[dict]:
+    records: list[dict] = []
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def read() -> None:
+        url = f"{node.url}/v1/events?since=0"
+        async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    rec = json.loads(line[6:])
+                    if rec["kind"] == "request":
+                        records.append(rec)
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(read(), 2)
+    return records
+
+
+def test_full_prefill_queue_answers_503(model: Path, tmp_path: Path) -> None:
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nodes.model import fingerprint, load_index
+
+    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.01",
+                         "--queue-limit", "1", token=TOKEN)  # fmt: skip
+    fp = fingerprint(load_index(model))
+    body = json.dumps({"proto": 1, "fingerprint": fp, "tokens": list(range(40)), "start": 0})
+
+    def post() -> tuple[int, str | None]:
+        req = urllib.request.Request(
+            prefill.url + "/v1/prefill", data=body.encode(), method="POST",
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                r.read()
+                return r.status, None
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Retry-After")
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: post(), range(4)))
+        assert (503, "1") in results
+        assert (200, None) in results
+    finally:
+        prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def mid_model(tiny_model) -> Path:
+    """Big enough that mlx's reference BLAS is far slower than torch at prefill."""
+    return tiny_model(arch="llama", layers=4, hidden=384, heads=6, kv_heads=2,
+                      intermediate=1024, vocab=1024)  # fmt: skip
+
+
+def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
+    prefill = start_node(tmp_path, mid_model, "prefill", token=TOKEN)
+    decode = start_node(tmp_path, mid_model, "decode", "--peer", prefill.url, token=TOKEN)
+    try:
+        wait_trusted(decode)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the router's start-up probe of the peer
+            peers = decode.get("/v1/cluster")["peers"]
+            if peers and peers[0]["prefill_floor_s"] is not None:
+                break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN, timeout=300)
+        long_prompt = " ".join(f"word{i % 97} and more text" for i in range(300))
+        long = client.completions.create(model="m", prompt=long_prompt, max_tokens=2)
+        assert long.model_extra["tandem"]["prefill"] == "remote"
+        short = client.completions.create(model="m", prompt="Hello! How are you", max_tokens=2)
+        assert short.usage.prompt_tokens == 5
+        assert short.model_extra["tandem"]["prefill"] == "local"
+        cluster = decode.get("/v1/cluster")
+        assert cluster["peers"][0]["prefill_tok_s"] or cluster["peers"][0]["link_Bps"]
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_restarted_prefill_node_is_trusted_again(model: Path, tmp_path: Path) -> None:
+    prefill = start_node(tmp_path, model, "prefill", token=TOKEN)
+    decode = start_node(tmp_path, model, "decode", "--peer", prefill.url, token=TOKEN)
+    try:
+        wait_trusted(decode)
+        prefill.stop()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            peer = decode.get("/v1/cluster")["peers"][0]
+            if peer["reason"] == "unreachable":
+                break
+            time.sleep(0.2)
+        assert peer["reason"] == "unreachable" and not peer["trusted"]
+        prefill = start_node(tmp_path, model, "prefill", token=TOKEN, port=prefill.port)
+        wait_healthy(prefill)
+        wait_trusted(decode)
+    finally:
+        decode.stop()
+        prefill.stop()
