@@ -85,6 +85,7 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device (Gbit/s)")
+    p.add_argument("--host-budget", type=_size, default=None, help="layers kept in host RAM")
     p.add_argument("--stats-json", type=Path, default=None)
     p.set_defaults(func=cmd_prefill)
 
@@ -102,12 +103,18 @@ def _read_tokens(path: Path) -> list[int]:
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
+    from nodes.model.spec import load_spec
     from nodes.prefill.cache_file import write_prompt_cache
     from nodes.prefill.engine import PrefillEngine, PrefillError
 
     tokens = _read_tokens(a.tokens_file)
     if a.chunk_tokens < 1:
         raise UsageError("--chunk-tokens must be at least 1")
+    vocab = load_spec(a.model).vocab_size  # check before the engine says anything
+    if not tokens:
+        raise UsageError(f"{a.tokens_file}: empty token list")
+    if bad := [t for t in tokens if not 0 <= t < vocab]:
+        raise UsageError(f"{a.tokens_file}: token id {bad[0]} outside the vocabulary [0, {vocab})")
     try:
         engine = PrefillEngine(
             a.model,
@@ -115,6 +122,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
             device=a.device,
             chunk_tokens=a.chunk_tokens,
             link_gbps=a.link_gbps,
+            host_budget=a.host_budget,
         )
     except RuntimeError as e:  # torch: a device that is not there
         raise UsageError(f"device {a.device}: {e}") from None
@@ -142,7 +150,9 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
     p.add_argument("--budget", type=_size, default=None, help="weight slots on the device")
-    p.add_argument("--host-budget", type=_size, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--host-budget", type=_size, default=None, help="layers kept in host RAM across requests"
+    )
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--peer", action="append", default=[], metavar="URL")
@@ -180,6 +190,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         node_id=node_id_for(a.port, config_dir()),
         token=token,
         budget=a.budget,
+        host_budget=a.host_budget,
         chunk_tokens=a.chunk_tokens,
         device=a.device,
         link_gbps=a.link_gbps,

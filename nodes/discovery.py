@@ -42,7 +42,10 @@ RESOLVE_TIMEOUT_MS = 3000
 PROBE_TIMEOUT_S = 1.5
 PROBE_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # a loopback-only node may still be starting
 ANY_HOSTS = {"": (4, 6), "0.0.0.0": (4,), "::": (6,)}  # asyncio binds "::" IPv6-only
+MAX_FOUND = 64  # mDNS is unauthenticated: bound what a flood of fake records can add
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+# zeroconf raises RuntimeError for an IPv6 address it finds on no interface
+ZEROCONF_SETUP_ERRORS = (OSError, RuntimeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -196,14 +199,16 @@ def read_service(info: AsyncServiceInfo) -> Sighting | None:
 
 
 def _open_zeroconf(host: str) -> AsyncZeroconf:
+    """Zeroconf on the interfaces `host` implies, else on every IPv4 interface."""
     interfaces, version = zeroconf_interfaces(host)
     try:
         return AsyncZeroconf(interfaces=interfaces, ip_version=version)
-    except OSError:
-        if version is not IPVersion.All:
-            raise
-        log.info("mDNS: IPv6 multicast unavailable here; using IPv4 only")
-        return AsyncZeroconf(interfaces=interfaces, ip_version=IPVersion.V4Only)
+    except ZEROCONF_SETUP_ERRORS as e:
+        if is_loopback(host):
+            raise  # never widen a loopback node onto the LAN
+        # e.g. no IPv6 here, or a --host that is not one of this machine's addresses
+        log.info("mDNS: cannot multicast on %s (%s); trying all IPv4 interfaces", host, e)
+        return AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
 
 
 class Discovery:
@@ -232,50 +237,56 @@ class Discovery:
     async def start(self) -> None:
         """Start browsing now; advertise in the background. Never raises for a network."""
         try:
+            addresses = advertised_addresses(self.advert.host)
             self._zc = _open_zeroconf(self.advert.host)
-        except OSError as e:
-            log.warning(
-                "mDNS is off (%s): add other nodes with --peer http://HOST:PORT", e.strerror or e
-            )
+        except ZEROCONF_SETUP_ERRORS as e:
+            log.warning("mDNS is off (%s): add other nodes with --peer http://HOST:PORT", e)
             return
         self._browser = AsyncServiceBrowser(
             self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
         )
-        self._spawn(self._register(), "mdns-register")
+        self._spawn(self._register(addresses), "mdns-register")
         if self._hint_after_s > 0:
             self._spawn(self._hint(), "mdns-hint")
 
     async def stop(self) -> None:
-        """Cancel and await every task, then say goodbye and close zeroconf."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._zc is None:
-            return
+        """Stop browsing, cancel and await every task, then say goodbye and close zeroconf."""
         try:
             if self._browser is not None:
-                await self._browser.async_cancel()
+                await self._browser.async_cancel()  # no new resolve tasks after this
+                self._browser = None
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            await self._zc.async_close()  # sends the goodbye for our registration
-            self._zc = None
+            if self._zc is not None:
+                await self._zc.async_close()  # sends the goodbye for our registration
+                self._zc = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return task
 
-    async def _register(self) -> None:
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("mDNS: %s failed", task.get_name(), exc_info=task.exception())
+
+    async def _register(self, addresses: list[str]) -> None:
         assert self._zc is not None
         a = self.advert
+        if not addresses:
+            log.warning("mDNS: %s has no address peers can use; they need --peer", a.host)
         info = AsyncServiceInfo(
             SERVICE_TYPE,
             self.service_name,
             port=a.port,
             properties=a.properties(),
             server=f"tandem-{a.id}.local.",
-            parsed_addresses=advertised_addresses(a.host),
+            parsed_addresses=addresses,
         )
         try:
             try:
@@ -298,21 +309,20 @@ class Discovery:
         if self._saw_other or self.peers.peers:
             return
         if is_loopback(self.advert.host):
-            where = (
-                "on this machine (this node listens on loopback only; "
-                "use --host 0.0.0.0 and a token to join the LAN)"
+            log.info(
+                "mDNS: no other tandem node found on this machine in %.0f s. This node listens "
+                "on %s only; to join other machines use --host 0.0.0.0 with a token "
+                "(tandem pair), or reach them with --peer http://HOST:PORT",
+                self._hint_after_s,
+                self.advert.host,
             )
         else:
-            where = (
-                "on the LAN; if other nodes are running, multicast (UDP 5353) is probably "
-                "blocked (firewall, VLANs, Wi-Fi client isolation)"
+            log.info(
+                "mDNS: no other tandem node found on the LAN in %.0f s. If other nodes are "
+                "running, multicast (UDP 5353) is probably blocked (firewall, separate subnets "
+                "or VLANs, Wi-Fi client isolation): connect them with --peer http://HOST:PORT",
+                self._hint_after_s,
             )
-        log.info(
-            "mDNS: no other tandem node found after %.0f s %s: connect nodes directly with "
-            "--peer http://HOST:PORT",
-            self._hint_after_s,
-            where,
-        )
 
     def _on_change(
         self,
@@ -343,6 +353,9 @@ class Discovery:
         if sighting.id == self.advert.id:
             return  # our own record: we browse the type we advertise
         self._saw_other = True
+        if name not in self.seen and len(self.seen) >= MAX_FOUND:
+            log.warning("mDNS: more than %d nodes advertised; ignoring %s", MAX_FOUND, name)
+            return
         self.seen[name] = sighting
         url = await self._choose(sighting)
         if url is None:
@@ -370,9 +383,9 @@ class Discovery:
         loopback); a LAN address that does not answer yet is kept, and the health loop
         shows it unreachable until it does.
         """
+        urls = s.urls
         for delay in (0.0, *PROBE_DELAYS_S):
             await asyncio.sleep(delay)
-            urls = s.urls
             answers = await asyncio.gather(*(self._answers_as(url, s.id) for url in urls))
             for url, ok in zip(urls, answers, strict=True):
                 if ok:

@@ -45,6 +45,7 @@ class NodeConfig:
     node_id: str = ""
     token: str | None = None
     budget: int | None = None
+    host_budget: int | None = None
     chunk_tokens: int = 512
     device: str | None = None
     link_gbps: float | None = None
@@ -255,6 +256,7 @@ async def _start_prefill(node: Node) -> None:
             device=c.device,
             chunk_tokens=c.chunk_tokens,
             link_gbps=c.link_gbps,
+            host_budget=c.host_budget,
             events=node.events,
         )
 
@@ -296,7 +298,7 @@ async def serve(config: NodeConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    log.info("node %s serving on http://%s:%d", app[NODE].name, config.host, config.port)
+    log.info("node %s serving on %s", app[NODE].name, app[NODE].address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

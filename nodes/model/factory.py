@@ -177,8 +177,12 @@ def _dump(obj: object) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
-def make_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
-    """Write a complete HF-format model directory and return its path."""
+def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = True) -> Path:
+    """Write a complete HF-format model directory and return its path.
+
+    `with_tokenizer=False` skips the tokenizer (and the `tokenizers` import): enough for the
+    prefill bench on a bare GPU box, which feeds token ids directly.
+    """
     if args.arch not in FAMILIES:
         raise ModelError(f"unsupported architecture {args.arch!r}; choose from {FAMILIES}")
     if args.vocab < 300:
@@ -189,25 +193,27 @@ def make_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer_json = _train_tokenizer(args.vocab)
-    vocab = json.loads(tokenizer_json)["model"]["vocab"]
-    bos, eos, im_end = vocab["<|im_start|>"], vocab["<|endoftext|>"], vocab["<|im_end|>"]
-    (out / "tokenizer.json").write_text(tokenizer_json)
-    (out / "tokenizer_config.json").write_text(
-        _dump(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": None,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "unk_token": None,
-                "add_bos_token": False,
-                "clean_up_tokenization_spaces": False,
-                "model_max_length": args.max_position_embeddings,
-                "chat_template": CHAT_TEMPLATE,
-            }
+    bos, eos, im_end = 1, 0, 2  # the special tokens' ids in the trained vocabulary
+    if with_tokenizer:
+        tokenizer_json = _train_tokenizer(args.vocab)
+        vocab = json.loads(tokenizer_json)["model"]["vocab"]
+        bos, eos, im_end = vocab["<|im_start|>"], vocab["<|endoftext|>"], vocab["<|im_end|>"]
+        (out / "tokenizer.json").write_text(tokenizer_json)
+        (out / "tokenizer_config.json").write_text(
+            _dump(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": None,
+                    "eos_token": "<|im_end|>",
+                    "pad_token": "<|endoftext|>",
+                    "unk_token": None,
+                    "add_bos_token": False,
+                    "clean_up_tokenization_spaces": False,
+                    "model_max_length": args.max_position_embeddings,
+                    "chat_template": CHAT_TEMPLATE,
+                }
+            )
         )
-    )
     (out / "config.json").write_text(_dump(_config(args, head_dim, im_end, bos)))
     (out / "generation_config.json").write_text(
         _dump({"bos_token_id": bos, "eos_token_id": [im_end, eos], "do_sample": False})

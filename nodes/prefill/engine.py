@@ -28,7 +28,7 @@ from nodes.prefill.blocks import (
     mlp_part,
     rope_tables,
 )
-from nodes.prefill.movers import FillTimes, Mover, make_mover
+from nodes.prefill.movers import FillTimes, HostTier, Mover, make_mover
 from nodes.prefill.plan import Load, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
 
@@ -103,6 +103,7 @@ class PrefillEngine:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         link_gbps: float | None = None,
         events: EventBus | None = None,
+        host_budget: int | None = None,
         mover: Callable[[list[str], torch.device, float | None], Mover] = make_mover,
     ) -> None:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
@@ -116,7 +117,11 @@ class PrefillEngine:
         self.events = events or EventBus()
         self.plan: Plan = make_plan(self.index, self.budget)
         files = [str(f) for f in self.index.files]
-        self.streamer = LayerStreamer(self.plan, mover(files, self.device, link_gbps))
+        moving = mover(files, self.device, link_gbps)
+        if host_budget:
+            streamed = [ld for ld in self.plan.loads if not ld.resident]
+            moving.tier = HostTier(streamed, host_budget, pin=self.device.type == "cuda")
+        self.streamer = LayerStreamer(self.plan, moving)
         self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
         self._freqs = inv_freq(self.spec)
         self.last_stats = PrefillStats()
@@ -201,16 +206,18 @@ class PrefillEngine:
             for load, views in loads:
                 if load.first_of_layer:
                     publish(self._layer_event(rid, load, "computing"))
-                    t_layer = time.perf_counter()
+                    layer_s = 0.0  # compute time of this layer, waits for its loads excluded
                     if compute:
                         layer_state = self._new_layer_state(load.layer, start, T, prefix)
+                t_load = time.perf_counter()
                 if compute:
                     assert h is not None and layer_state is not None
                     self._compute(load, views, h, layer_state, start, rope)
-                if load.last_of_layer:
                     if dev.type == "cuda":
                         torch.cuda.current_stream(dev).synchronize()
-                    stats.layer_compute_s.append(time.perf_counter() - t_layer)
+                layer_s += time.perf_counter() - t_load
+                if load.last_of_layer:
+                    stats.layer_compute_s.append(layer_s)
                 if not load.resident:
                     publish(self._layer_event(rid, load, "evicted"))
                 if load.last_of_layer and compute:
@@ -224,7 +231,7 @@ class PrefillEngine:
         stats.wall_s = time.perf_counter() - t_start
         stats.load_busy_s = stream.load_busy_s
         stats.bytes_streamed = stream.bytes_streamed
-        stats.disk_bytes = stream.bytes_streamed
+        stats.disk_bytes = stream.disk_bytes
         stats.compute_busy_s = sum(stats.layer_compute_s)
         if dev.type == "cuda":
             peak = torch.cuda.max_memory_allocated(dev) - self.plan.pool_bytes
@@ -288,7 +295,8 @@ class PrefillEngine:
     def _on_ready(self, rid: str) -> Callable[[Load, int | None, FillTimes], None]:
         def hook(load: Load, slot: int | None, t: FillTimes) -> None:
             publish = self.events.publish
-            publish(LinkEvent(rid, name="disk", bytes=t.nbytes, seconds=t.disk_s))
+            if t.disk_bytes:
+                publish(LinkEvent(rid, name="disk", bytes=t.disk_bytes, seconds=t.disk_s))
             publish(LinkEvent(rid, name="h2d", bytes=t.nbytes, seconds=t.h2d_s))
             publish(self._layer_event(rid, load, "ready", t.nbytes))
 

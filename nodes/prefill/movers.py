@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -33,6 +33,44 @@ class FillTimes:
     disk_s: float = 0.0  # reading file bytes into host memory
     h2d_s: float = 0.0  # host → device copy (or the emulated link)
     nbytes: int = 0
+    disk_bytes: int = 0  # of nbytes, how many came from disk (the rest from the host tier)
+
+
+class HostTier:
+    """Loads kept in host memory across requests (`--host-budget`): VRAM first, system RAM
+    second, disk last. A fixed set chosen up front — the access is cyclic, so never LRU.
+    Everything else is read from disk each pass and dropped from the page cache right after
+    (`POSIX_FADV_DONTNEED`), so the weights do not crowd out the tier or thrash the cache."""
+
+    def __init__(self, loads: list[Load], budget: int, pin: bool = False) -> None:
+        self.budget = budget
+        self.members: set[int] = set()
+        used = 0
+        for load in loads:  # the first streamed loads: a fixed set, in cycle order
+            if used + load.nbytes > budget:
+                break
+            self.members.add(load.seq)
+            used += load.nbytes
+        self.bytes = used
+        self._pin = pin
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
+        """(host buffer for a member load or None, whether it already holds the load)."""
+        if load.seq not in self.members:
+            return None, False
+        buf = self._buffers.get(load.seq)
+        if buf is not None:
+            return buf, True
+        buf = torch.empty(load.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        self._buffers[load.seq] = buf
+        return buf, False
+
+
+def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
+    for piece in load.pieces:
+        fd = fds[str(piece.entry.file)]
+        os.posix_fadvise(fd, piece.entry.offset, piece.entry.nbytes, os.POSIX_FADV_DONTNEED)
 
 
 def read_load(fds: dict[str, int], load: Load, dest: memoryview) -> int:
@@ -58,6 +96,7 @@ def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
 
 class Mover(Protocol):
     device: torch.device
+    throttle: Throttle
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """Weight memory on the device (uint8)."""
@@ -81,10 +120,13 @@ class Mover(Protocol):
     def close(self) -> None: ...
 
 
-class _Throttle:
+class Throttle:
     """Emulates a slower host→device link: a copy of n bytes takes at least n / rate."""
 
     def __init__(self, link_gbps: float | None) -> None:
+        self.set(link_gbps)
+
+    def set(self, link_gbps: float | None) -> None:
         self.rate = link_gbps * 1e9 / 8 if link_gbps else None  # bytes/s
 
     def wait(self, nbytes: int, started: float) -> None:
@@ -94,27 +136,41 @@ class _Throttle:
                 time.sleep(left)
 
 
-@dataclass
 class CpuMover:
     """Slots in host memory; the loader thread reads straight into them."""
 
-    files: list[str]
-    link_gbps: float | None = None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def __post_init__(self) -> None:
-        self._fds = {f: os.open(f, os.O_RDONLY) for f in self.files}
-        self._throttle = _Throttle(self.link_gbps)
+    def __init__(
+        self,
+        files: list[str],
+        link_gbps: float | None = None,
+        device: torch.device | None = None,
+        tier: HostTier | None = None,
+    ) -> None:
+        self.device = device or torch.device("cpu")
+        self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        self.throttle = Throttle(link_gbps)
+        self.tier = tier
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
         t0 = time.perf_counter()
-        n = read_load(self._fds, load, memoryview(region.numpy()))
+        host, cached = self.tier.buffer(load) if self.tier else (None, False)
+        disk = 0
+        if not cached:
+            target = host if host is not None else region
+            if target.device.type != "cpu":  # e.g. mps: read into host memory first
+                target = host = torch.empty(load.nbytes, dtype=torch.uint8)
+            disk = read_load(self._fds, load, memoryview(target.numpy()))
+            if self.tier is not None and load.seq not in self.tier.members:
+                drop_from_page_cache(self._fds, load)
         t1 = time.perf_counter()
-        self._throttle.wait(n, t1)  # the copy itself is free: the slot is host memory
-        return FillTimes(disk_s=t1 - t0, h2d_s=time.perf_counter() - t1, nbytes=n)
+        if host is not None:
+            region[: load.nbytes].copy_(host)
+        # the emulated link caps the whole fill: reading into host memory is part of the copy
+        self.throttle.wait(load.nbytes, t0)
+        return FillTimes(t1 - t0, time.perf_counter() - t1, load.nbytes, disk)
 
     def wait_ready(self, slot: int) -> None:
         return None
@@ -131,10 +187,17 @@ class CpuMover:
 class CudaMover:
     """Pinned staging per slot, a dedicated copy stream, events between copy and compute."""
 
-    def __init__(self, files: list[str], device: torch.device, link_gbps: float | None = None):
+    def __init__(
+        self,
+        files: list[str],
+        device: torch.device,
+        link_gbps: float | None = None,
+        tier: HostTier | None = None,
+    ) -> None:
         self.device = device
         self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
-        self._throttle = _Throttle(link_gbps)
+        self.throttle = Throttle(link_gbps)
+        self.tier = tier
         self._stream = torch.cuda.Stream(device=device)
         self._staging: dict[int, torch.Tensor] = {}
         self._copied: dict[int, torch.cuda.Event] = {}  # per slot id: its last h2d copy
@@ -145,16 +208,25 @@ class CudaMover:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
-        key = max(slot, -1)  # ring slots have their own staging; resident loads share one
-        staging = self._staging.get(key)
-        if staging is None or staging.numel() < load.nbytes:
-            staging = torch.empty(load.nbytes, dtype=torch.uint8, pin_memory=True)
-            self._staging[key] = staging
-        previous = self._staged.get(key)
-        if previous is not None:
-            previous.synchronize()  # the staging buffer is free once its last copy finished
         t0 = time.perf_counter()
-        n = read_load(self._fds, load, memoryview(staging.numpy()))
+        host, cached = self.tier.buffer(load) if self.tier else (None, False)
+        disk = 0
+        key = max(slot, -1)  # ring slots have their own staging; resident loads share one
+        if host is not None:
+            staging = host  # pinned: the tier copies straight from its own buffer
+            if not cached:
+                disk = read_load(self._fds, load, memoryview(staging.numpy()))
+        else:
+            staging = self._staging.get(key)
+            if staging is None or staging.numel() < load.nbytes:
+                staging = torch.empty(load.nbytes, dtype=torch.uint8, pin_memory=True)
+                self._staging[key] = staging
+            previous = self._staged.get(key)
+            if previous is not None:
+                previous.synchronize()  # the staging buffer is free once its last copy finished
+            disk = read_load(self._fds, load, memoryview(staging.numpy()))
+            if self.tier is not None:
+                drop_from_page_cache(self._fds, load)
         t1 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             done = self._computed.get(slot)
@@ -164,10 +236,11 @@ class CudaMover:
             event = torch.cuda.Event()
             event.record(self._stream)
         self._copied[slot] = event
-        self._staged[key] = event
+        if host is None:
+            self._staged[key] = event
         event.synchronize()  # h2d time is measured; the compute stream still waits on the event
-        self._throttle.wait(n, t1)
-        return FillTimes(disk_s=t1 - t0, h2d_s=time.perf_counter() - t1, nbytes=n)
+        self.throttle.wait(load.nbytes, t1)
+        return FillTimes(t1 - t0, time.perf_counter() - t1, load.nbytes, disk)
 
     def wait_ready(self, slot: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
@@ -185,7 +258,12 @@ class CudaMover:
         self._staging.clear()
 
 
-def make_mover(files: list[str], device: torch.device, link_gbps: float | None) -> Mover:
+def make_mover(
+    files: list[str],
+    device: torch.device,
+    link_gbps: float | None,
+    tier: HostTier | None = None,
+) -> Mover:
     if device.type == "cuda":
-        return CudaMover(files, device, link_gbps)
-    return CpuMover(files, link_gbps, device)
+        return CudaMover(files, device, link_gbps, tier)
+    return CpuMover(files, link_gbps, device, tier)

@@ -37,7 +37,8 @@ class StreamStats:
     load_busy_s: float = 0.0  # loader thread time spent reading and copying
     disk_s: float = 0.0
     h2d_s: float = 0.0
-    bytes_streamed: int = 0
+    bytes_streamed: int = 0  # into device memory
+    disk_bytes: int = 0  # of those, read from disk (not the host tier)
 
 
 @dataclass
@@ -179,6 +180,7 @@ class _Run:
                 self.stats.disk_s += times.disk_s
                 self.stats.h2d_s += times.h2d_s
                 self.stats.bytes_streamed += times.nbytes
+                self.stats.disk_bytes += times.disk_bytes
                 if load.resident:
                     self.s._resident_ready.add(load.seq)
                 with self.cond:

@@ -1,0 +1,258 @@
+"""`tandem bench prefill`: is the streamed prefill fast, and is the overlap real?
+
+In one run, on one prompt, after a warm-up pass (which loads the resident set):
+- `compute_s`: the sum of per-load compute times with each load fetched synchronously first,
+  so no copy overlaps (works when the model exceeds the budget);
+- `load_s`: every load streamed through the budget with compute switched off;
+- `wall_s`: the real, overlapped prefill.
+`overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
+`sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
+the denominators on purpose: on a small CPU the loader thread slows compute, and a ratio
+taken inside the overlapped run would hide that. Each phase runs `--repeat` times; medians.
+
+Runs on a bare CUDA box with only torch, safetensors and numpy:
+`PYTHONPATH=. python3 -m nodes.prefill.bench --random 32x2048 --tokens 1024 --budget 1GiB`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from nodes.model.errors import ModelError
+from nodes.model.index import ModelIndex, load_index
+from nodes.prefill.engine import PrefillEngine, PrefillStats
+from nodes.units import parse_size
+
+log = logging.getLogger(__name__)
+
+
+def evict_page_cache(index: ModelIndex) -> None:
+    """Drop the model's files from the page cache (no root needed)."""
+    for f in index.files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _run(engine: PrefillEngine, tokens: list[int], **kw: bool) -> PrefillStats:
+    for _ in engine.prefill(tokens, **kw):
+        pass
+    return engine.last_stats
+
+
+def _median(runs: int, fn: Callable[[], float], before: Callable[[], None]) -> float:
+    values = []
+    for _ in range(runs):
+        before()
+        values.append(fn())
+    return statistics.median(values)
+
+
+def bench(
+    model: Path,
+    tokens: int,
+    budget: int,
+    link_gbps: float | str | None = None,
+    device: str | None = None,
+    cold: bool = False,
+    repeat: int = 3,
+    chunk_tokens: int = 512,
+    host_budget: int | None = None,
+) -> dict[str, object]:
+    index = load_index(model)
+    fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
+    engine = PrefillEngine(
+        index, budget=budget, device=device, chunk_tokens=chunk_tokens, link_gbps=fixed,
+        host_budget=host_budget,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, index.spec.vocab_size, tokens).tolist()
+    before = (lambda: evict_page_cache(index)) if cold else (lambda: None)
+    try:
+        _run(engine, ids)  # warm-up: resident set, allocator, page cache (unless --cold)
+        compute_s = _median(
+            repeat, lambda: _run(engine, ids, synchronous=True).compute_busy_s, before
+        )
+        if link_gbps == "auto":  # the link at which loading takes as long as computing
+            per_pass = _run(engine, ids, compute=False).bytes_streamed
+            fixed = per_pass * 8 / compute_s / 1e9 if compute_s > 0 else None
+            engine.streamer.mover.throttle.set(fixed)
+        load_s = _median(repeat, lambda: _run(engine, ids, compute=False).wall_s, before)
+        rss: list[int] = []
+        walls: list[PrefillStats] = []
+
+        def wall_run() -> float:
+            base = _rss()
+            reset = _reset_peak_rss()
+            stats = _run(engine, ids)
+            rss.append(_peak_rss() - base if reset else -1)
+            walls.append(stats)
+            return stats.wall_s
+
+        wall_s = _median(repeat, wall_run, before)
+        last = walls[-1]
+    finally:
+        engine.close()
+    return {
+        "wall_s": wall_s,
+        "load_s": load_s,
+        "compute_s": compute_s,
+        "overlap_ratio": wall_s / max(load_s, compute_s),
+        "sequential_ratio": wall_s / (load_s + compute_s),
+        "peak_weight_bytes": last.peak_weight_bytes,
+        "peak_activation_bytes": last.peak_activation_bytes,
+        "peak_rss_delta_bytes": int(statistics.median(rss)),
+        "budget_bytes": budget,
+        "model_bytes": index.total_bytes,
+        "bytes_streamed": last.bytes_streamed,
+        "disk_bytes": last.disk_bytes,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall_s,
+        "link_gbps": fixed,
+        "device": str(engine.device),
+        "cold": cold,
+        "repeat": repeat,
+    }
+
+
+def vs_accelerate(model: Path, tokens: int, budget: int, device: str | None) -> dict[str, float]:
+    """The same prompt through transformers + accelerate offload, in a fresh process."""
+    cmd = [sys.executable, "-m", "nodes.prefill.vs_accelerate", str(model), str(tokens),
+           str(budget), device or ""]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"accelerate run failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def make_random_model(spec: str, out: Path, dtype: str) -> Path:
+    """`LAYERSxHIDDEN` → a random Llama-shaped model (no tokenizer needed)."""
+    from nodes.model.factory import MakeModelArgs, make_model
+
+    layers, hidden = (int(x) for x in spec.lower().split("x"))
+    heads = max(1, hidden // 128)
+    args = MakeModelArgs(
+        layers=layers, hidden=hidden, heads=heads, kv_heads=max(1, heads // 4),
+        intermediate=int(hidden * 3.5) // 64 * 64, vocab=4096, dtype=dtype,  # type: ignore[arg-type]
+        shards=min(4, layers),
+    )  # fmt: skip
+    return make_model(out, args, with_tokenizer=False)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def table(r: dict[str, object]) -> str:
+    lines = [
+        f"tandem bench prefill — {r['tokens']} tokens on {r['device']}, "
+        f"budget {_fmt(r['budget_bytes'])} of a {_fmt(r['model_bytes'])} model"
+        + (", cold page cache" if r["cold"] else ""),
+        f"  wall        {r['wall_s']:.3f} s   ({r['tokens_per_s']:.0f} tokens/s)",
+        f"  load only   {r['load_s']:.3f} s   (link {r['link_gbps'] or 'unthrottled'} Gbit/s)",
+        f"  compute     {r['compute_s']:.3f} s",
+        f"  overlap     {r['overlap_ratio']:.3f}   (wall / max(load, compute); 1.0 is ideal)",
+        f"  sequential  {r['sequential_ratio']:.3f}   (wall / (load + compute))",
+        f"  weights     peak {_fmt(r['peak_weight_bytes'])}, streamed {_fmt(r['bytes_streamed'])}"
+        f" per pass, {_fmt(r['disk_bytes'])} from disk",
+        f"  activations {_fmt(r['peak_activation_bytes'])}; "
+        f"peak RSS +{_fmt(r['peak_rss_delta_bytes'])}",
+    ]
+    if "accelerate_wall_s" in r:
+        lines.append(
+            f"  accelerate  {r['accelerate_wall_s']:.3f} s, peak RSS "
+            f"+{_fmt(r['accelerate_peak_rss_delta_bytes'])}  "
+            f"(tandem is {r['accelerate_wall_s'] / r['wall_s']:.1f}x faster)"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench prefill", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path)
+    src.add_argument("--random", metavar="LAYERSxHIDDEN", help="bench a fresh random model")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--budget", type=parse_size, required=True)
+    p.add_argument("--host-budget", type=parse_size, default=None)
+    p.add_argument("--link-gbps", default=None, help="Gbit/s, or 'auto': load_s ≈ compute_s")
+    p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
+    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--cold", action="store_true", help="evict the page cache before each phase")
+    p.add_argument("--vs", choices=["accelerate"], default=None)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if a.link_gbps not in (None, "auto"):
+        try:
+            a.link_gbps = float(a.link_gbps)
+        except ValueError:
+            print("--link-gbps takes a number or 'auto'", file=sys.stderr)
+            return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+            model = a.model or make_random_model(a.random, Path(tmp) / "model", a.dtype)
+            result = bench(
+                model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
+                a.chunk_tokens, a.host_budget,
+            )  # fmt: skip
+            if a.vs == "accelerate":
+                other = vs_accelerate(model, a.tokens, a.budget, a.device)
+                result["accelerate_wall_s"] = other["wall_s"]
+                result["accelerate_peak_rss_delta_bytes"] = other["peak_rss_delta_bytes"]
+    except (ModelError, RuntimeError, ValueError) as e:
+        print(f"tandem bench prefill: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if a.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
