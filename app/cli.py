@@ -219,6 +219,23 @@ def cmd_node(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: `bench prefill ...`, `bench e2e ...`")
+    p.add_argument("which", choices=["prefill", "e2e"])
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see `tandem bench WHICH --help`")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.which == "prefill":
+        from nodes.prefill.bench import main as bench_prefill
+
+        return bench_prefill(a.args)
+    from app.bench_e2e import main as bench_e2e
+
+    return bench_e2e(a.args)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="make the demo model and run a local cluster on it")
     p.add_argument("--headless", action="store_true", help="one chat exchange, printed")
@@ -246,6 +263,7 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_make_model,
     _add_prefill,
     _add_node,
+    _add_bench,
     _add_demo,
 ]
 

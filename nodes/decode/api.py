@@ -156,9 +156,14 @@ class DecodeService:
         try:
             body = await _json_body(request)
             prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise ApiError(400, "prompt must be a non-empty string")
-            tokens = await self.host.call(self.host.encode, prompt)
+            if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+                if not all(0 <= t < self.spec.vocab_size for t in prompt):
+                    raise ApiError(400, "prompt token id outside the vocabulary")
+                tokens = list(prompt)  # OpenAI allows a prompt of token ids
+            elif isinstance(prompt, str) and prompt:
+                tokens = await self.host.call(self.host.encode, prompt)
+            else:
+                raise ApiError(400, "prompt must be a non-empty string or list of token ids")
             req = self._completion(body, tokens, chat=False)
         except ApiError as e:
             return error_response(e.status, str(e), e.code)

@@ -23,6 +23,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from nodes.model.errors import ModelError
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -62,7 +64,11 @@ class ModelHost:
         self.tokenizer: Any = None
 
     async def start(self) -> None:
-        self.model, self.tokenizer = await self.call(mlx_load, str(self.model_dir))
+        try:
+            self.model, self.tokenizer = await self.call(mlx_load, str(self.model_dir))
+        except Exception as e:  # mlx-lm raises many kinds; the user needs one clear line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelError(f"{self.model_dir}: mlx-lm cannot load this model: {first}") from e
         log.info("decode model loaded from %s", self.model_dir)
 
     def close(self) -> None:

@@ -1,0 +1,218 @@
+"""`tandem bench e2e`: the whole handoff on loopback, measured side by side in one run.
+
+Starts a prefill node and a decode node (`--remote-prefill always`), sends one prompt of
+exactly N tokens, and reports:
+- `ttft_remote_s` (request to first token) vs `prefill_s` (the remote prefill alone):
+  `ttft_ratio` — how much the handoff adds on top of the prefill itself;
+- `kv_Bps`, the KV frames' receive rate, vs `raw_Bps`, a plain aiohttp transfer of the same
+  frames measured the same way: `kv_ratio`;
+- `decode_tok_s` after the handoff vs `mlx_decode_tok_s`, mlx-lm's own generation at the same
+  context (in a separate process: app/ never imports mlx): `decode_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from app.children import Child, LocalCluster
+
+MLX_REFERENCE = """
+import json, sys, random
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+model, tok = load(sys.argv[1]); n, m = int(sys.argv[2]), int(sys.argv[3])
+vocab = model.args.vocab_size
+prompt = [random.Random(0).randrange(vocab) for _ in range(n)]
+for r in stream_generate(model, tok, mx.array(prompt), max_tokens=m):
+    pass
+print(json.dumps({"decode_tok_s": r.generation_tps, "tokens": r.generation_tokens}))
+"""
+
+
+async def _completion(decode: Child, tokens: list[int], max_tokens: int) -> dict:
+    """Stream one completion; returns the last chunk's `tandem` object."""
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    headers = {"Authorization": f"Bearer {decode.token}"}
+    extra: dict = {}
+    timeout = aiohttp.ClientTimeout(total=600)
+    url = decode.url + "/v1/completions"
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as s,
+        s.post(url, json=body, headers=headers) as r,
+    ):
+        r.raise_for_status()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                extra = chunk.get("tandem") or extra
+    return extra
+
+
+async def _net_in(decode: Child, request_id: str) -> tuple[list[int], list[float]]:
+    """Bytes and receive seconds of each KV frame of one request (the decode node's events)."""
+    sizes: list[int] = []
+    seconds: list[float] = []
+    headers = {"Authorization": f"Bearer {decode.token}"}
+
+    async def read() -> None:
+        url = f"{decode.url}/v1/events?since=0"
+        async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    rec = json.loads(line[6:])
+                    if rec["request_id"] == request_id and rec["kind"] == "link":
+                        sizes.append(rec["bytes"])
+                        seconds.append(rec["seconds"])
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(read(), 1.0)
+    return sizes, seconds
+
+
+async def _raw_transfer(sizes: list[int], net_gbps: float | None) -> float:
+    """A plain aiohttp stream of the same frames, timed the same way: bytes/s."""
+    rate = net_gbps * 1e9 / 8 if net_gbps else None
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for n in sizes:
+            t0 = time.perf_counter()
+            await resp.write(b"\0" * n)
+            if rate:
+                await asyncio.sleep(max(0.0, n / rate - (time.perf_counter() - t0)))
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    busy, total = 0.0, 0
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as r:
+            want, got, start = iter(sizes), 0, None
+            target = next(want, None)
+            async for chunk in r.content.iter_any():
+                start = start or time.perf_counter()
+                got += len(chunk)
+                while target is not None and got >= target:
+                    now = time.perf_counter()
+                    busy += now - start
+                    total += target
+                    got -= target
+                    start = now if got else None
+                    target = next(want, None)
+    finally:
+        await runner.cleanup()
+    return total / busy if busy > 0 else float("inf")
+
+
+def _mlx_reference(model: Path, tokens: int, max_tokens: int) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", MLX_REFERENCE, str(model), str(tokens), str(max_tokens)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"mlx reference failed: {done.stderr.strip()[-500:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["decode_tok_s"])
+
+
+async def bench_e2e(
+    model: Path, tokens: int, net_gbps: float | None, max_tokens: int, repeat: int
+) -> dict[str, object]:
+    import random
+
+    with tempfile.TemporaryDirectory(prefix="tandem-e2e-") as tmp:
+        cluster = LocalCluster(Path(tmp), secrets.token_urlsafe(24))
+        try:
+            net = ["--net-gbps", str(net_gbps)] if net_gbps else []
+            prefill = cluster.start("prefill", model, *net)
+            cluster.wait_healthy(prefill)
+            decode = cluster.start("decode", model, "--peer", prefill.url,
+                                   "--remote-prefill", "always")  # fmt: skip
+            await asyncio.to_thread(cluster.wait_healthy, decode)
+            await asyncio.to_thread(cluster.wait_trusted, decode)
+            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+            runs = []
+            for i in range(repeat + 1):  # the first run warms both nodes up
+                rng = random.Random(i)  # a fresh prompt each run: no prompt-cache hits
+                prompt = [rng.randrange(vocab) for _ in range(tokens)]
+                extra = await _completion(decode, prompt, max_tokens)
+                sizes, seconds = await _net_in(decode, extra["request_id"])
+                if i:
+                    runs.append((extra, sizes, seconds))
+        finally:
+            cluster.stop()
+    ttft = statistics.median(e["ttft_s"] for e, _, _ in runs)
+    prefill_s = statistics.median(e["prefill_s"] for e, _, _ in runs)
+    decode_tok_s = statistics.median(e["decode_tokens"] / e["decode_s"] for e, _, _ in runs)
+    kv_Bps = statistics.median(sum(z) / sum(s) for _, z, s in runs if sum(s) > 0)
+    raw_Bps = await _raw_transfer(runs[-1][1], net_gbps)
+    mlx_tok_s = _mlx_reference(model, tokens, max_tokens)
+    return {
+        "tokens": tokens,
+        "ttft_remote_s": ttft,
+        "prefill_s": prefill_s,
+        "ttft_ratio": ttft / prefill_s,
+        "kv_bytes": runs[-1][0]["kv_bytes"],
+        "kv_Bps": kv_Bps,
+        "raw_Bps": raw_Bps,
+        "kv_ratio": kv_Bps / raw_Bps,
+        "decode_tok_s": decode_tok_s,
+        "mlx_decode_tok_s": mlx_tok_s,
+        "decode_ratio": decode_tok_s / mlx_tok_s,
+        "net_gbps": net_gbps,
+        "repeat": repeat,
+    }
+
+
+def table(r: dict[str, object]) -> str:
+    mb = 1e6
+    return "\n".join(
+        [
+            f"tandem bench e2e — {r['tokens']} tokens, network "
+            f"{r['net_gbps'] or 'unthrottled'} Gbit/s, medians of {r['repeat']}",
+            f"  time to first token  {r['ttft_remote_s']:.3f} s  (remote prefill "
+            f"{r['prefill_s']:.3f} s; ratio {r['ttft_ratio']:.2f})",
+            f"  KV handoff           {r['kv_bytes'] / mb:.1f} MB at {r['kv_Bps'] / mb:.0f} MB/s"
+            f"  (plain aiohttp {r['raw_Bps'] / mb:.0f} MB/s; ratio {r['kv_ratio']:.2f})",
+            f"  decode               {r['decode_tok_s']:.1f} tok/s  (mlx-lm alone "
+            f"{r['mlx_decode_tok_s']:.1f} tok/s; ratio {r['decode_ratio']:.2f})",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tandem bench e2e", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--net-gbps", type=float, default=None, help="cap the KV link (Gbit/s)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per run")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        result = asyncio.run(bench_e2e(a.model, a.tokens, a.net_gbps, a.max_tokens, a.repeat))
+    except (RuntimeError, TimeoutError, aiohttp.ClientError) as e:
+        print(f"tandem bench e2e: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if a.json else table(result))
+    return 0
