@@ -177,7 +177,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     from nodes.node import NodeConfig, node_id_for
 
     try:
-        token = load_token(a.token_file, config_dir() / "token")
+        token = load_token(a.token_file, _config_token())
     except AuthError as e:
         raise UsageError(str(e)) from None
     roles = ("prefill", "decode") if a.role == "both" else (a.role,)
@@ -236,6 +236,45 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return bench_e2e(a.args)
 
 
+def _add_pair(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pair", help="create, store or check the cluster token")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--set", metavar="TOKEN", help="store TOKEN (printed by `tandem pair`)")
+    g.add_argument("--check", metavar="URL", help="does the node at URL hold our token?")
+    p.add_argument("--token-file", type=Path, default=None)
+    p.set_defaults(func=cmd_pair)
+
+
+def cmd_pair(a: argparse.Namespace) -> int:
+    from app.pair import ensure_token, pair_text, run_check, store_token
+    from nodes.auth import AuthError, load_token
+
+    if a.set is not None:
+        if len(a.set.strip()) < 16:
+            raise UsageError("that token is too short to be one `tandem pair` made")
+        print(f"Stored the cluster token in {store_token(a.set.strip(), a.token_file)}")
+        return 0
+    if a.check is not None:
+        try:
+            token = load_token(a.token_file, _config_token())
+        except AuthError as e:
+            raise UsageError(str(e)) from None
+        if token is None:
+            raise UsageError("no token here yet: run `tandem pair` (or `tandem pair --set`)")
+        ok, text = run_check(a.check, token)
+        print(text)
+        return 0 if ok else 1
+    token, created = ensure_token()
+    print(pair_text(token, created))
+    return 0
+
+
+def _config_token() -> Path:
+    from app.paths import config_dir
+
+    return config_dir() / "token"
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="make the demo model and run a local cluster on it")
     p.add_argument("--headless", action="store_true", help="one chat exchange, printed")
@@ -264,6 +303,7 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prefill,
     _add_node,
     _add_bench,
+    _add_pair,
     _add_demo,
 ]
 
