@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from app.tui.command import add_tui_parser
 from nodes.model.errors import ModelError
 from nodes.units import parse_size
 
@@ -305,6 +306,7 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_bench,
     _add_pair,
     _add_demo,
+    add_tui_parser,
 ]
 
 

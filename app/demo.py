@@ -1,42 +1,237 @@
-"""`tandem demo`: make the demo model once (cached), then show tandem working on it."""
+"""`tandem demo`: a two-node cluster on this machine, shown in the dashboard.
+
+The demo model is made once from `assets/demo-model.json` and cached. A prefill node (its
+host→device link throttled so each layer's copy is visible) and a decode node start as child
+processes on loopback ports with a fresh token; the dashboard opens on them, and the
+children stop on exit, Ctrl-C or a crash. `--headless` runs one chat exchange instead and
+exits 0 only when its prefill ran on the prefill node.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import hashlib
 import json
 import logging
+import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import aiohttp
 
 from app.paths import ASSETS, cache_dir
+from app.tui.client import Delta, NodeClient, ReplyStats
+from app.tui.fmt import format_seconds, format_tok_s
 
 log = logging.getLogger(__name__)
 DEMO_PROMPT = "Tell me a story about a lighthouse keeper."
+LINK_GBPS = 0.05  # ~0.5 s per layer of the demo model: slow enough to watch
+BUDGET = "12MB"  # two resident layers plus a two-slot ring for the other six
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 5.0
 
 
-def demo_model_dir() -> str:
+class DemoError(Exception):
+    """The demo cluster could not start."""
+
+
+def demo_model_dir() -> Path:
     """Make the demo model from `assets/demo-model.json` once; reuse it after."""
     from nodes.model.factory import MakeModelArgs, make_model
 
     recipe = json.loads((ASSETS / "demo-model.json").read_text())
-    args = MakeModelArgs(**recipe)
-    key = "-".join(str(v) for v in recipe.values())
-    out = cache_dir() / "models" / f"demo-{abs(hash(key)) % 10**8:08d}"
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"demo-{key}"
     if not (out / "config.json").exists():
         log.info("making the demo model in %s", out)
-        make_model(out, args)
-    return str(out)
+        make_model(out, MakeModelArgs(**recipe))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM if the demo dies without cleaning up (say, SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class DemoCluster:
+    """A prefill node and a decode node as child processes; `stop()` is idempotent."""
+
+    workdir: Path
+    token: str
+    prefill_url: str = ""
+    decode_url: str = ""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, model: Path, link_gbps: float = LINK_GBPS, budget: str = BUDGET) -> None:
+        token_file = self.workdir / "token"
+        token_file.write_text(self.token + "\n")
+        token_file.chmod(0o600)
+        env = {k: v for k, v in os.environ.items() if k != "TANDEM_TOKEN"}
+        env["XDG_CONFIG_HOME"] = str(self.workdir / "config")  # node ids die with the demo
+        p_port, d_port = free_port(), free_port()
+        self.prefill_url = f"http://127.0.0.1:{p_port}"
+        self.decode_url = f"http://127.0.0.1:{d_port}"
+        common = ["--model", str(model), "--no-mdns", "--token-file", str(token_file)]
+        self._spawn("prefill", env, [
+            "--role", "prefill", "--port", str(p_port), "--name", "demo-prefill",
+            "--link-gbps", str(link_gbps), "--budget", budget, *common,
+        ])  # fmt: skip
+        self._spawn("decode", env, [
+            "--role", "decode", "--port", str(d_port), "--name", "demo-decode",
+            "--peer", self.prefill_url, "--remote-prefill", "always", *common,
+        ])  # fmt: skip
+
+    def _spawn(self, role: str, env: dict[str, str], args: list[str]) -> None:
+        out = (self.workdir / f"{role}.log").open("wb")
+        with out:
+            self.procs[role] = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "node", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches the demo, which stops them in turn
+                preexec_fn=_die_with_parent,
+            )
+
+    def log_tail(self, role: str, lines: int = 15) -> str:
+        try:
+            text = (self.workdir / f"{role}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        for role, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise DemoError(
+                    f"the {role} node exited with status {proc.returncode}:\n" + self.log_tail(role)
+                )
+
+    async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Until both nodes answer and the decode node trusts the prefill node."""
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            decode = NodeClient(session, self.decode_url, self.token)
+            prefill = NodeClient(session, self.prefill_url, self.token)
+            while True:
+                self.check_alive()
+                p, d = await asyncio.gather(prefill.probe(), decode.probe())
+                if p.ok and d.ok and d.cluster is not None:
+                    peers = d.cluster.get("peers") or []
+                    if any(x.get("trusted") and "prefill" in x.get("roles", ()) for x in peers):
+                        return
+                if time.monotonic() > deadline:
+                    raise DemoError(f"the demo nodes were not ready after {timeout:.0f} s")
+                await asyncio.sleep(0.3)
+
+    def stop(self) -> None:
+        """Terminate the children, then kill what is left."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def demo_cluster(model: Path) -> Iterator[DemoCluster]:
+    """A started, ready cluster; stopped on exit, exception, SIGTERM or interpreter exit."""
+    from nodes.auth import new_token
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    with tempfile.TemporaryDirectory(prefix="tandem-demo-") as tmp:
+        cluster = DemoCluster(Path(tmp), new_token())
+        atexit.register(cluster.stop)
+        try:
+            cluster.start(model)
+            log.info("starting a prefill node (%s) and a decode node (%s)",
+                     cluster.prefill_url, cluster.decode_url)  # fmt: skip
+            asyncio.run(cluster.wait_ready())
+            yield cluster
+        finally:
+            cluster.stop()
+            atexit.unregister(cluster.stop)
+            signal.signal(signal.SIGTERM, previous)
+
+
+async def chat_once(cluster: DemoCluster, prompt: str, max_tokens: int = 48) -> ReplyStats | None:
+    """Stream one reply to stdout; its stats (None when the node sent none)."""
+    stats: ReplyStats | None = None
+    async with aiohttp.ClientSession() as session:
+        client = NodeClient(session, cluster.decode_url, cluster.token)
+        messages = [{"role": "user", "content": prompt}]
+        async for part in client.chat(messages, max_tokens):
+            if isinstance(part, Delta):
+                sys.stdout.write(part.text)
+                sys.stdout.flush()
+            else:
+                stats = part
+    print()
+    return stats
+
+
+def describe(stats: ReplyStats) -> str:
+    return (
+        f"prefill: {stats.prefill} ({stats.prefill_node or 'decode node'}), "
+        f"{stats.prefill_tokens} tokens in {format_seconds(stats.prefill_s)} "
+        f"({format_tok_s(stats.prefill_tok_s)}), KV {stats.kv_bytes} B\n"
+        f"decode: {stats.decode_tokens} tokens in {format_seconds(stats.decode_s)} "
+        f"({format_tok_s(stats.decode_tok_s)}), time to first token "
+        f"{format_seconds(stats.ttft_s)}"
+    )
 
 
 def run_demo(headless: bool = False) -> int:
+    """`tandem demo [--headless]`; the exit status."""
+    from app.cli import UsageError
+    from app.tui.client import NodeError
+
     model = demo_model_dir()
-    # The decode side lives in its own process: app/ never imports mlx.
-    code = (
-        "import sys; from mlx_lm import load, generate;"
-        "m, t = load(sys.argv[1]);"
-        "p = t.apply_chat_template([{'role': 'user', 'content': sys.argv[2]}],"
-        " add_generation_prompt=True);"
-        "print(generate(m, t, p, max_tokens=48))"
-    )
-    print(f"model: {model}\nprompt: {DEMO_PROMPT}")
-    done = subprocess.run([sys.executable, "-c", code, model, DEMO_PROMPT], check=False)
-    return done.returncode
+    try:
+        with demo_cluster(model) as cluster:
+            if not headless:
+                from app.tui.command import run_tui
+
+                return run_tui([cluster.decode_url, cluster.prefill_url], cluster.token, mdns=False)
+            print(f"> {DEMO_PROMPT}")
+            stats = asyncio.run(chat_once(cluster, DEMO_PROMPT))
+    except (DemoError, NodeError) as e:
+        raise UsageError(str(e)) from None
+    if stats is None:
+        print("the decode node sent no stats", file=sys.stderr)
+        return 1
+    print(describe(stats))
+    if stats.prefill != "remote":
+        print("expected the prefill to run on the prefill node", file=sys.stderr)
+        return 1
+    return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,8 +150,11 @@ class NodeClient:
             raise NodeError("bad_reply", f"{path} did not answer a JSON object")
         return body
 
-    async def events(self, since: float | None = None) -> AsyncIterator[dict[str, Any]]:
-        """The node's event records (`/v1/events`), live, until the connection ends."""
+    async def events(
+        self, since: float | None = None, on_open: Callable[[], None] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The node's event records (`/v1/events`), live, until the connection ends;
+        `on_open` is called once the node accepted the subscription."""
         query = f"?since={since!r}" if since is not None else ""
         try:
             async with self.session.get(
@@ -163,6 +166,8 @@ class NodeClient:
                     raise NodeError("unauthorized", "the node refuses our token")
                 if r.status != 200:
                     raise NodeError("bad_reply", f"/v1/events answered HTTP {r.status}")
+                if on_open is not None:
+                    on_open()
                 async for record in _sse_records(r.content):
                     if isinstance(record, dict):
                         yield record

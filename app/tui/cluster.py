@@ -123,8 +123,8 @@ class ClusterModel:
             row = self.rows[url]
             self.rows[url] = replace(
                 row,
-                prefill_tok_s=peer.get("prefill_tok_s") or row.prefill_tok_s,
-                link_Bps=peer.get("link_Bps") or row.link_Bps,
+                prefill_tok_s=_num(peer.get("prefill_tok_s")) or row.prefill_tok_s,
+                link_Bps=_num(peer.get("link_Bps")) or row.link_Bps,
             )
             touched.append(url)
 
@@ -147,28 +147,37 @@ class ClusterModel:
         return _transition(before, after, seen.detail)
 
 
+def _num(value: Any) -> float | None:
+    """A number a node sent, or None for anything else (a node's JSON is not ours)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
 def _from_health(row: NodeRow, health: dict[str, Any]) -> NodeRow:
     if not health:
         return row
-    model = health.get("model") or {}
+    model = health.get("model")
+    model = model if isinstance(model, dict) else {}
+    roles = health.get("roles")
     return replace(
         row,
         id=str(health.get("id", row.id)),
         name=str(health.get("name", row.name)),
-        roles=tuple(health.get("roles") or row.roles),
+        roles=tuple(map(str, roles)) if isinstance(roles, list) else row.roles,
         device=str(health.get("device", row.device)),
-        mem_bytes=int(health.get("mem_bytes") or 0),
-        budget_bytes=int(health.get("budget_bytes") or 0),
+        mem_bytes=int(_num(health.get("mem_bytes")) or 0),
+        budget_bytes=int(_num(health.get("budget_bytes")) or 0),
         model=str(model.get("name", row.model)),
         fingerprint=str(model.get("fingerprint", row.fingerprint)),
-        layers=int(model.get("layers") or row.layers),
+        layers=int(_num(model.get("layers")) or row.layers),
     )
 
 
 def _own_view(row: NodeRow, me: Any) -> NodeRow:
     if not isinstance(me, dict):
         return row
-    return replace(row, prefill_tok_s=me.get("prefill_tok_s") or row.prefill_tok_s)
+    return replace(row, prefill_tok_s=_num(me.get("prefill_tok_s")) or row.prefill_tok_s)
 
 
 def _transition(before: NodeRow, after: NodeRow, detail: str) -> Change | None:

@@ -43,6 +43,8 @@ def format_seconds(s: float | None) -> str:
 
 def format_size(n: int) -> str:
     """Memory in decimal GB/MB, as vendors label it."""
+    if n >= 1e10:
+        return f"{n / 1e9:.0f} GB"
     if n >= 1e9:
         return f"{n / 1e9:.1f} GB"
     if n >= 1e6:

@@ -27,6 +27,14 @@ class NodeRecord(Message):
 
 
 @dataclass
+class NodeStreaming(Message):
+    """A node's event stream opened (`live`) or ended."""
+
+    url: str
+    live: bool
+
+
+@dataclass
 class NodeFound(Message):
     """An address learned from mDNS."""
 

@@ -16,6 +16,7 @@ from typing import Any
 PIPE_STATES = ("queued", "loading", "ready", "computing", "sent", "received")
 _DONE = {"sent": 4, "received": 5}  # a finished layer never goes back in the display
 ROWS = ("copy", "compute", "send")
+MAX_LAYERS = 4096  # more than any model has; bounds what a confused node can make us draw
 Span = tuple[int, float, float]  # (layer, start, end) in the prefill node's epoch seconds
 
 
@@ -45,29 +46,43 @@ class LayerTrack:
         return next((s.seen for s in self.history if s.state == state), None)
 
     def spans(self) -> dict[str, list[tuple[float, float]]]:
-        """Copy, compute and send intervals on the prefill node (its clock only)."""
+        """Copy, compute and send intervals on the prefill node (its clock only).
+
+        A streamed layer may come in several loads (attention, MLP, slices): each is
+        `loading → ready`, computes once it is ready and the previous load is done, and is
+        `evicted` when computed. A resident layer computes from `computing` to its send.
+        """
         out: dict[str, list[tuple[float, float]]] = {row: [] for row in ROWS}
+        ready: list[float] = []
+        evicted: list[float] = []
         loading: float | None = None
-        compute_t: float | None = None
-        last_t: float | None = None
+        computing: float | None = None
         for step in self.history:
             if step.state == "loading":
                 loading = step.t
-            elif step.state == "ready" and loading is not None:
-                out["copy"].append((loading, step.t))
-                loading = None
-            elif step.state == "computing" and compute_t is None:
-                compute_t = step.t
-            elif step.state == "evicted":
-                last_t = step.t
+            elif step.state == "ready":
+                ready.append(step.t)
+                if loading is not None:
+                    out["copy"].append((loading, step.t))
+                    loading = None
+            elif step.state == "computing" and computing is None:
+                computing = step.t
+            elif step.state == "evicted" and computing is not None:
+                evicted.append(step.t)
             elif step.state == "sent":
-                start = step.t - self.send_s
-                out["send"].append((start, step.t))
-                if compute_t is not None:
-                    out["compute"].append((compute_t, max(compute_t, start)))
-                    compute_t = None
-        if compute_t is not None and last_t is not None:
-            out["compute"].append((compute_t, max(compute_t, last_t)))
+                out["send"].append((step.t - self.send_s, step.t))
+        if computing is None:
+            return out
+        if not evicted:
+            end = out["send"][0][0] if out["send"] else computing
+            out["compute"].append((computing, max(computing, end)))
+        # ready times of loads computed after `computing`: the last len(evicted) of them
+        ready = ready[-len(evicted) :] if evicted else []
+        start = computing
+        for k, end in enumerate(evicted):
+            if k:
+                start = max(evicted[k - 1], ready[k] if k < len(ready) else evicted[k - 1])
+            out["compute"].append((start, max(start, end)))
         return out
 
 
@@ -153,30 +168,34 @@ class PipelineModel:
         return self.requests[request_id]
 
     def apply(self, record: dict[str, Any], seen: float | None = None) -> bool:
-        """Fold one event record in; True when the picture changed."""
+        """Fold one event record in; True when the picture changed. A record that does not
+        follow DESIGN.md "Events" is ignored: a node's JSON is not ours."""
         kind, rid = record.get("kind"), record.get("request_id")
         if not isinstance(rid, str) or not rid:
             return False
-        if kind == "layer":
-            return self._layer(rid, record, time.monotonic() if seen is None else seen)
-        if kind == "link" and record.get("name") == "net_out":
-            self.track(rid).pending_send_s = float(record.get("seconds") or 0.0)
+        try:
+            if kind == "layer":
+                return self._layer(rid, record, time.monotonic() if seen is None else seen)
+            if kind == "link" and record.get("name") == "net_out":
+                self.track(rid).pending_send_s = float(record.get("seconds") or 0.0)
+            elif kind == "request":
+                return self._request(rid, record)
+        except (TypeError, ValueError):
             return False
-        if kind == "request":
-            return self._request(rid, record)
         return False
 
     def _layer(self, rid: str, r: dict[str, Any], seen: float) -> bool:
         i, state = r.get("layer"), str(r.get("state", ""))
-        if not isinstance(i, int) or i < 0:
+        if not isinstance(i, int) or not 0 <= i < MAX_LAYERS:
             return False
+        step = Step(state, str(r.get("node", "")), float(r.get("t") or 0.0), seen)
         req = self.track(rid)
         self.current_id = rid
         layer = req.layer(i)
-        node = str(r.get("node", ""))
+        node = step.node
         if state == "sent":
             layer.send_s, req.pending_send_s = req.pending_send_s, 0.0
-        layer.history.append(Step(state, node, float(r.get("t") or 0.0), seen))
+        layer.history.append(step)
         layer.pinned = layer.pinned or bool(r.get("pinned"))
         if state in ("loading", "computing"):
             req.prefill_node = node

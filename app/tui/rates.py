@@ -6,6 +6,7 @@ different machines never need to agree.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,8 @@ class RateSeries:
 
     def roll(self, now: float) -> None:
         """Close every bucket that ended before `now`."""
-        if self._start is None:
-            self._start = now
-            return
+        if self._start is None:  # buckets of every series share their boundaries
+            self._start = math.floor(now / self.bucket_s) * self.bucket_s
         while now >= self._start + self.bucket_s:
             rate = self._acc / self.bucket_s
             self.values.append(rate)
@@ -61,7 +61,13 @@ class Bandwidth:
         self._token_counts: dict[str, int] = {}
 
     def apply(self, record: dict[str, Any], now: float) -> bool:
-        """Fold one record in; True when it moved a series."""
+        """Fold one record in; True when it moved a series. Malformed records are ignored."""
+        try:
+            return self._apply(record, now)
+        except (TypeError, ValueError):
+            return False
+
+    def _apply(self, record: dict[str, Any], now: float) -> bool:
         kind = record.get("kind")
         if kind == "link" and record.get("name") in LINKS:
             self.series[str(record["name"])].add(float(record.get("bytes") or 0), now)

@@ -20,24 +20,27 @@ SHOWN = 60  # buckets on screen: 30 s at 0.5 s
 
 
 def rate_text(name: str, series: RateSeries) -> str:
-    """`now 6.2 MB/s (50.0 Mbit/s) · peak 6.4 MB/s`; decode in tok/s."""
+    """Now (links also in bits) and peak, on two lines; decode in tok/s."""
     if name == "tokens":
-        return f"now {format_tok_s(series.current)} · peak {format_tok_s(series.peak)}"
+        return f"{format_tok_s(series.current)}\npeak {format_tok_s(series.peak)}"
     now = format_rate(series.current)
     if name != "disk":  # links are quoted in bits too
-        now += f" ({format_gbit(series.current)})"
-    return f"now {now} · peak {format_rate(series.peak)}"
+        now += f" · {format_gbit(series.current)}"
+    return f"{now}\npeak {format_rate(series.peak)}"
 
 
 class RateRow(Horizontal):
+    """Name, now and peak on the left; the last 30 s as a sparkline on the right."""
+
     def __init__(self, name: str) -> None:
         super().__init__(id=f"rate-{name}", classes="rate-row")
         self.series_name = name
 
     def compose(self) -> ComposeResult:
-        yield Label(TITLES[self.series_name], classes="rate-name")
+        with Vertical(classes="rate-text"):
+            yield Label(TITLES[self.series_name], classes="rate-name")
+            yield Static("", classes="rate-value")
         yield Sparkline([0.0], classes="rate-spark")
-        yield Static("", classes="rate-value")
 
     def show(self, series: RateSeries) -> None:
         values = list(series.values)[-SHOWN:]

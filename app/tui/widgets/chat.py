@@ -22,12 +22,13 @@ from app.tui.messages import ReplyDone, ReplyFailed, ReplyText
 
 MAX_TOKENS = 256
 ClientFor = Callable[[], NodeClient | None]
+NameOf = Callable[[str], str]  # node address → the name to show
 
 
-def stats_line(stats: ReplyStats) -> str:
+def stats_line(stats: ReplyStats, name_of: NameOf = str) -> str:
     """Where the prefill ran, tokens, time to first token, prefill and decode rates."""
     where = "remote" if stats.prefill == "remote" else "local"
-    node = (stats.prefill_node or "").removeprefix("http://")
+    node = name_of(stats.prefill_node) if stats.prefill_node else ""
     head = f"{where} prefill" + (f" on {node}" if node else "")
     return (
         f"{head} · {stats.prefill_tokens} prompt tok at {format_tok_s(stats.prefill_tok_s)}"
@@ -59,9 +60,9 @@ class Reply(Vertical):
             self.first_text_at = time.monotonic()
         await self.query_one(Markdown).append(new)
 
-    def finish(self, stats: ReplyStats | None, note: str = "") -> None:
+    def finish(self, stats: ReplyStats | None, note: str = "", name_of: NameOf = str) -> None:
         self.stats = stats
-        line = stats_line(stats) if stats is not None else ""
+        line = stats_line(stats, name_of) if stats is not None else ""
         self.query_one(".reply-stats", Static).update(" · ".join(p for p in (note, line) if p))
         self.set_class(bool(note), "-failed")
 
@@ -71,9 +72,12 @@ class ChatPanel(Vertical):
 
     busy: reactive[bool] = reactive(False)
 
-    def __init__(self, client_for: ClientFor, *, id: str | None = None) -> None:
+    def __init__(
+        self, client_for: ClientFor, name_of: NameOf = str, *, id: str | None = None
+    ) -> None:
         super().__init__(id=id)
         self.client_for = client_for
+        self.name_of = name_of
         self.history: list[dict[str, str]] = []
         self.replies: list[Reply] = []
         self._next_id = 0
@@ -162,7 +166,7 @@ class ChatPanel(Vertical):
         reply = self._reply(message.reply_id)
         if reply is None:
             return
-        reply.finish(message.stats)
+        reply.finish(message.stats, name_of=self.name_of)
         self.history.append({"role": "assistant", "content": reply.text})
         self.busy = False
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
-from app.tui.cluster import REASON_TEXT, NodeRow
+from app.tui.cluster import NodeRow
 from app.tui.fmt import format_link, format_size, format_tok_s
 
 COLUMNS = ("node", "roles", "device", "memory / budget", "model", "status", "prefill", "link")
+SHORT_REASON = {  # the notification says it in full
+    "unauthorized": "wrong token",
+    "model_mismatch": "other model",
+    "protocol_mismatch": "other protocol",
+    "bad_reply": "bad reply",
+}
 STATUS_STYLE = {
     "trusted": ("● trusted", "green"),
     "connecting": ("◌ connecting", "dim"),
@@ -20,7 +26,7 @@ STATUS_STYLE = {
 def status_text(row: NodeRow) -> Text:
     label, style = STATUS_STYLE[row.status]
     if row.status == "rejected" and row.reason:
-        label += f": {REASON_TEXT.get(row.reason, row.reason)}"
+        label = f"✗ {SHORT_REASON.get(row.reason, row.reason)}"
     return Text(label, style=style)
 
 
@@ -29,7 +35,7 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
     if row.budget_bytes:
         memory += f" / {format_size(row.budget_bytes)}"
     return (
-        Text(row.label, style="bold"),
+        Text(row.label.removeprefix("http://"), style="bold"),
         "+".join(row.roles) or "–",
         row.device or "–",
         memory,

@@ -34,6 +34,7 @@ ROW_STYLE = {
 }
 CELL = 4  # columns per layer cell, plus one space between cells
 LABEL = 9  # columns before the timeline strips
+BUSY = 9  # columns after them: the row's busy time
 
 
 class PipelineView(Widget):
@@ -58,9 +59,7 @@ class PipelineView(Widget):
         width = max(20, self.size.width or 80)
         req = self.model.current
         if req is None:
-            hint = (
-                f"{self.layers_hint} layers ready. " if self.layers_hint else "No nodes yet. "
-            )
+            hint = f"{self.layers_hint} layers ready. " if self.layers_hint else "No nodes yet. "
             return Text(
                 hint + "Send a prompt in Chat (or from any OpenAI client) and watch each "
                 "layer's weights stream in, compute, and travel to the decode node.",
@@ -111,21 +110,21 @@ def _legend() -> Text:
     text = Text()
     for state in PIPE_STATES:
         bg, _ = STATE_STYLE[state]
-        text.append("■", style=bg).append(f" {state}  ")
+        text.append("■", style=bg).append(f"{state} ")
     return text.append("• resident", style="bold")
 
 
 def _strips(tl: Timeline, width: int) -> list[Text]:
-    busy = " · ".join(f"{row} {format_seconds(tl.busy[row])}" for row in ROWS)
-    head = Text("timeline ", style="bold").append(f"{busy} busy of {format_seconds(tl.wall)}")
+    head = Text("timeline", style="bold").append(f" {format_seconds(tl.wall)}")
     if tl.bound:
         head.append(f" → {tl.bound}-bound", style="bold")
-    n = max(8, width - LABEL)
+    n = max(8, width - LABEL - BUSY)
     return [head, *(_strip(row, tl.rows[row], tl, n) for row in ROWS)]
 
 
 def _strip(row: str, spans: list[Span], tl: Timeline, n: int) -> Text:
-    """One row of the Gantt strip: each span filled in its layer's shade, labelled if it fits."""
+    """One row of the Gantt strip: each span in its layer's shade, labelled where it fits,
+    then the row's busy time."""
     owner: list[int | None] = [None] * n
     starts: dict[int, int] = {}
     scale = n / tl.wall if tl.wall > 0 else 0.0
@@ -150,4 +149,4 @@ def _strip(row: str, spans: list[Span], tl: Timeline, n: int) -> Text:
             style = f"{('black', 'white')[layer % 2]} on {shades[layer % 2]}"
             text.append(label.ljust(end - c), style=style)
         c = end
-    return text
+    return text.append(f"{format_seconds(tl.busy[row]):>{BUSY}}")

@@ -1,0 +1,181 @@
+"""Discovery and a remote prefill across a real link: network namespaces joined by veth pairs,
+a node in each (needs root and iproute2; skips itself otherwise, always cleans up)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.discovery_support import MdnsNode, mutual_trust, poll, start_mdns_node, trusted_by
+from tests.nodeproc import wait_healthy
+
+pytestmark = pytest.mark.netns
+TOKEN = "netns-test-token-0123456789"
+PREFIX = "tdmt"  # namespaces are named PREFIX + pid + letter
+HINT = "--peer http://HOST:PORT"
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _sysctl(ns: str, key: str, value: str) -> None:
+    """Set a network sysctl inside `ns` (no procps needed: /proc/sys/net is per namespace)."""
+    path = "/proc/sys/" + key.replace(".", "/")
+    code = f"open({path!r}, 'w').write({value!r})"
+    subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], check=True)
+
+
+def _why_not() -> str | None:
+    """Why namespaces cannot be made here, or None when they can."""
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"{PREFIX}{os.getpid()}probe"
+    try:
+        _ip("netns", "add", probe)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot create network namespaces: {e}"
+    _ip("netns", "del", probe)
+    return None
+
+
+def _sweep_stale() -> None:
+    """Delete namespaces left by test runs whose process is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        digits = name.removeprefix(PREFIX).rstrip("abcdefghijklmnopqrstuvwxyz")
+        if name.startswith(PREFIX) and digits.isdigit() and not Path(f"/proc/{digits}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class Lab:
+    """Namespaces, veth links and node processes, all removed by `close`."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.namespaces: list[str] = []
+        self.nodes: list[MdnsNode] = []
+
+    def netns(self, letter: str) -> str:
+        name = f"{PREFIX}{os.getpid()}{letter}"
+        _ip("netns", "add", name)
+        self.namespaces.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+        for scope in ("all", "default"):  # addresses usable at once, no DAD wait
+            _sysctl(name, f"net.ipv6.conf.{scope}.accept_dad", "0")
+        return name
+
+    def link(self, a: str, a_addr: str, b: str, b_addr: str) -> None:
+        """A veth pair `a` ↔ `b` with one address (CIDR) on each end, both up."""
+        dev_a, dev_b = f"to-{b[-1]}", f"to-{a[-1]}"
+        _ip("link", "add", dev_a, "netns", a, "type", "veth", "peer", "name", dev_b, "netns", b)
+        for ns, dev, addr in ((a, dev_a, a_addr), (b, dev_b, b_addr)):
+            _ip("-n", ns, "addr", "add", addr, "dev", dev, *(["nodad"] if ":" in addr else []))
+            _ip("-n", ns, "link", "set", dev, "up")
+
+    def node(self, ns: str, host: str, role: str, *args: str, model: Path) -> MdnsNode:
+        node = start_mdns_node(
+            self.tmp, model, role, *args, token=TOKEN, host=host, netns=ns, wait=False
+        )
+        self.nodes.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop(timeout=5.0)
+        for name in self.namespaces:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    reason = _why_not()
+    if reason is not None:
+        pytest.skip(reason)
+    _sweep_stale()
+    lab = Lab(tmp_path)
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Any) -> Path:
+    return tiny_model()
+
+
+@pytest.mark.parametrize(
+    ("prefill_addr", "decode_addr"),
+    [("10.77.0.1/24", "10.77.0.2/24"), ("fd77::1/64", "fd77::2/64")],
+    ids=["ipv4", "ipv6"],
+)
+def test_nodes_in_two_namespaces_discover_each_other_and_prefill_remotely(
+    lab: Lab, model: Path, prefill_addr: str, decode_addr: str
+) -> None:
+    a, b = lab.netns("a"), lab.netns("b")
+    lab.link(a, prefill_addr, b, decode_addr)
+    host_a, host_b = prefill_addr.split("/")[0], decode_addr.split("/")[0]
+    prefill = lab.node(a, host_a, "prefill", "--name", "gpu", model=model)
+    decode = lab.node(
+        b, host_b, "decode", "--name", "mac", "--remote-prefill", "always", model=model
+    )
+    ids = [wait_healthy(n)["id"] for n in (prefill, decode)]
+    t_up = time.monotonic()
+
+    mutual = poll(lambda: mutual_trust(prefill, ids[0], decode, ids[1]), 10.0, interval=0.2)
+    seen_prefill, seen_decode = mutual
+    took = time.monotonic() - t_up
+    assert seen_prefill["address"] == prefill.url and seen_prefill["source"] == "mdns"
+    assert seen_decode["address"] == decode.url
+
+    body = {"messages": [{"role": "user", "content": "across the link"}], "max_tokens": 4}
+    reply = decode.post("/v1/chat/completions", body)
+    assert reply["tandem"]["prefill"] == "remote"
+    assert reply["tandem"]["prefill_node"] == prefill.url
+    print(
+        f"\n[{host_a} ↔ {host_b}] mutual trust {took:.2f} s after /health; "
+        f"remote prefill of {reply['tandem']['prefill_tokens']} tokens via "
+        f"{reply['tandem']['prefill_node']}, {reply['tandem']['kv_bytes']} KV bytes, "
+        f"ttft {reply['tandem']['ttft_s'] * 1000:.0f} ms"
+    )
+
+
+def test_routed_subnets_block_mdns_the_node_hints_and_peer_works(lab: Lab, model: Path) -> None:
+    """Multicast stays on its link: across a router, nodes only meet through --peer."""
+    a, r, b = lab.netns("a"), lab.netns("r"), lab.netns("b")
+    lab.link(a, "10.78.1.2/24", r, "10.78.1.1/24")
+    lab.link(b, "10.78.2.2/24", r, "10.78.2.1/24")
+    _sysctl(r, "net.ipv4.ip_forward", "1")
+    _ip("-n", a, "route", "add", "default", "via", "10.78.1.1")
+    _ip("-n", b, "route", "add", "default", "via", "10.78.2.1")
+    prefill = lab.node(a, "10.78.1.2", "prefill", "--name", "gpu", model=model)
+    decode = lab.node(
+        b, "10.78.2.2", "decode", "--name", "mac", "--peer", prefill.url,
+        "--remote-prefill", "always", model=model,
+    )  # fmt: skip
+    prefill_id = wait_healthy(prefill)["id"]
+    wait_healthy(decode)
+
+    hint = poll(
+        lambda: next((ln for ln in prefill.output().splitlines() if HINT in ln), None), 20.0
+    )
+    print(f"\nwhat the user sees: {hint}")
+    seen = poll(lambda: trusted_by(decode, prefill_id), 10.0)
+    assert seen["source"] == "static"
+    assert "mDNS: found" not in decode.output()
+    reply = decode.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    )
+    assert reply["tandem"]["prefill"] == "remote"
