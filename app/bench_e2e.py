@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from app.children import Child, LocalCluster
+from nodes.throttle import PacedSender
 
 MLX_REFERENCE = """
 import json, sys, random
@@ -86,16 +87,13 @@ async def _net_in(decode: Child, request_id: str) -> tuple[list[int], list[float
 
 async def _raw_transfer(sizes: list[int], net_gbps: float | None) -> float:
     """A plain aiohttp stream of the same frames, timed the same way: bytes/s."""
-    rate = net_gbps * 1e9 / 8 if net_gbps else None
+    sender = PacedSender(net_gbps)  # the same emulated link as the prefill node's
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
         for n in sizes:
-            t0 = time.perf_counter()
-            await resp.write(b"\0" * n)
-            if rate:
-                await asyncio.sleep(max(0.0, n / rate - (time.perf_counter() - t0)))
+            await sender.send(resp, bytes(n))
         return resp
 
     app = web.Application()

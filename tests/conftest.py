@@ -26,3 +26,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> MakeTiny:
         return made[args]
 
     return make
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`cuda` and `mps` tests skip by themselves where that hardware is missing."""
+    if item.get_closest_marker("cuda") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs an NVIDIA GPU")
+    if item.get_closest_marker("mps") is not None:
+        import torch
+
+        if not torch.backends.mps.is_available():
+            pytest.skip("needs Apple Metal")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.children import free_port
+
+__all__ = ["NodeProc", "free_port", "start_node", "wait_healthy", "wait_trusted"]
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

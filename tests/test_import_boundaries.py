@@ -30,7 +30,18 @@ BOUNDARIES: dict[str, frozenset[str]] = {
     "nodes.units": FRAMEWORKS | HF | {"aiohttp", "numpy"},
     "nodes.wire": FRAMEWORKS | HF | {"aiohttp"},
     "nodes.prefill": MLX | TUI,
+    "nodes.prefill.engine": MLX | TUI | {"aiohttp"},  # the bare-CUDA-box bench path
+    "nodes.prefill.bench": MLX | TUI | {"aiohttp"},
+    "nodes.prefill.server": MLX | TUI,
+    "nodes.prefix": FRAMEWORKS | HF | {"aiohttp", "numpy"},
+    "nodes.node": FRAMEWORKS | HF,  # roles import their framework only when started
+    "nodes.peers": FRAMEWORKS | HF,
+    "nodes.discovery": FRAMEWORKS | HF,
+    "nodes.auth": FRAMEWORKS | HF,
     "app": FRAMEWORKS,
+    "app.cli": FRAMEWORKS,
+    "app.bench_e2e": FRAMEWORKS,
+    "app.pair": FRAMEWORKS,
 }
 
 

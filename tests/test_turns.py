@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from nodes.decode.prompt_cache import common_prefix
+from nodes.prefix import common_prefix
 from tests.fake_prefill import start_fake_prefill
 from tests.nodeproc import NodeProc, start_node, wait_healthy, wait_trusted
 

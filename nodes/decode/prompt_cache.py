@@ -16,6 +16,8 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache
 
+from nodes.prefix import best_prefix
+
 DEFAULT_MAX_BYTES = 2 * 1024**3
 
 
@@ -24,14 +26,6 @@ class _Entry:
     tokens: tuple[int, ...]
     caches: list[Any]
     nbytes: int
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def clone_prefix(caches: list[Any], k: int) -> list[KVCache]:
@@ -69,11 +63,7 @@ class PromptCache:
         """
         limit = len(tokens) - 1
         with self._lock:
-            best, best_k = None, 0
-            for key in self._entries:
-                k = min(common_prefix(key, tokens), limit)
-                if k > best_k:
-                    best, best_k = key, k
+            best, best_k = best_prefix(self._entries, tokens, limit)
             if best is None:
                 return 0, None
             self._entries.move_to_end(best)

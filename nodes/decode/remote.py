@@ -81,7 +81,8 @@ async def remote_prefill(
             async for chunk in resp.content.iter_any():
                 frame_start = frame_start or time.perf_counter()
                 total += len(chunk)
-                for frame in reader.feed(chunk):
+                frames = reader.feed(chunk)
+                for frame in frames:
                     done_at = time.perf_counter()
                     builder = await _apply(frame, builder, host, caches, events, request_id, start)
                     if isinstance(frame, LayerKV):
@@ -91,7 +92,8 @@ async def remote_prefill(
                         link = LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
                         events.publish(link)
                     frame_start = done_at
-                frame_start = None
+                if frames:  # the next frame starts with the next chunk
+                    frame_start = None
             reader.finish()
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e

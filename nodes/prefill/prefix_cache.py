@@ -13,16 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
+from nodes.prefix import best_prefix
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [1, n_kv, T, D] on the host
 DEFAULT_MAX_BYTES = 1024**3
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class PrefixCache:
@@ -39,11 +33,7 @@ class PrefixCache:
         """(j, per-layer K/V of positions 0..j-1) for the longest stored prefix, j < len."""
         limit = len(tokens) - 1  # always compute at least one position
         with self._lock:
-            best, best_j = None, 0
-            for key in self._entries:
-                j = min(_common(key, tokens), limit)
-                if j > best_j:
-                    best, best_j = key, j
+            best, best_j = best_prefix(self._entries, tokens, limit)
             if best is None:
                 return 0, None
             self._entries.move_to_end(best)

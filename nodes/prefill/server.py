@@ -22,6 +22,7 @@ from aiohttp import web
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
 from nodes.prefill.prefix_cache import PrefixCache
+from nodes.throttle import PacedSender
 from nodes.wire import PROTO, FrameWriter, Header
 
 log = logging.getLogger(__name__)
@@ -50,19 +51,6 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-class _Throttle:
-    """Caps bytes sent per second (`--net-gbps`), to emulate 1 GbE / 10 GbE on one machine."""
-
-    def __init__(self, net_gbps: float | None) -> None:
-        self.rate = net_gbps * 1e9 / 8 if net_gbps else None  # bytes/s
-
-    async def wait(self, nbytes: int, started: float) -> None:
-        if self.rate:
-            left = nbytes / self.rate - (time.perf_counter() - started)
-            if left > 0:
-                await asyncio.sleep(left)
-
-
 class PrefillService:
     """Owns the engine, its device thread and the request queue."""
 
@@ -81,7 +69,7 @@ class PrefillService:
         self.device_thread = concurrent.futures.ThreadPoolExecutor(1, "tandem-device")
         self._busy = asyncio.Semaphore(1)
         self._waiting = 0
-        self._throttle = _Throttle(net_gbps)
+        self._throttle = PacedSender(net_gbps)
         self.prefix_cache = PrefixCache()
         self.served_tokens = 0
         self.served_s = 0.0
@@ -164,8 +152,7 @@ class PrefillService:
                     raise item
                 frame = writer.layer(item.layer, raw_bytes(item.k), raw_bytes(item.v))
                 t_send = time.perf_counter()
-                await response.write(frame)
-                await self._throttle.wait(len(frame), t_send)
+                await self._throttle.send(response, frame)
                 sent_s = time.perf_counter() - t_send
                 publish(LinkEvent(req.request_id, name="net_out", bytes=len(frame), seconds=sent_s))
                 publish(

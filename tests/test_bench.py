@@ -1,0 +1,90 @@
+"""Smoke tests of the benchmarks (their numbers go in notes, not in asserts on time) and of
+the host-memory tier they measure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nodes.events import LinkEvent
+from nodes.model import load_index
+from nodes.prefill.engine import PrefillEngine
+
+PREFILL_KEYS = {
+    "wall_s", "load_s", "compute_s", "overlap_ratio", "sequential_ratio", "peak_weight_bytes",
+    "peak_activation_bytes", "peak_rss_delta_bytes", "budget_bytes", "model_bytes",
+    "bytes_streamed", "tokens", "tokens_per_s", "link_gbps",
+}  # fmt: skip
+E2E_KEYS = {
+    "ttft_remote_s", "prefill_s", "ttft_ratio", "kv_bytes", "kv_Bps", "raw_Bps", "kv_ratio",
+    "decode_tok_s", "mlx_decode_tok_s", "decode_ratio",
+}  # fmt: skip
+
+
+def test_bench_prefill_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
+    from nodes.prefill.bench import main
+
+    model = tiny_model(arch="llama", layers=8)
+    index = load_index(model)
+    budget = sum(index.layer_bytes(i) for i in range(8)) // 4
+    args = ["--model", str(model), "--tokens", "96", "--budget", str(budget), "--repeat", "1"]
+    assert main([*args, "--link-gbps", "auto", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r.keys() >= PREFILL_KEYS
+    assert r["peak_weight_bytes"] <= r["budget_bytes"] == budget
+    assert r["bytes_streamed"] < r["model_bytes"]  # a resident layer stays loaded
+    assert r["link_gbps"] > 0 and r["tokens"] == 96
+    assert r["sequential_ratio"] <= r["overlap_ratio"]
+    assert main([*args, "--cold"]) == 0
+    assert "overlap" in capsys.readouterr().out
+
+
+def test_bench_prefill_on_its_own_random_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from nodes.prefill.bench import main
+
+    argv = ["--random", "4x128", "--dtype", "float32", "--tokens", "32", "--budget", "600KB"]
+    assert main([*argv, "--repeat", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 32
+
+
+def test_host_tier_reads_less_from_disk(tiny_model) -> None:
+    model = tiny_model(arch="llama", layers=8)
+    index = load_index(model)
+    total = sum(index.layer_bytes(i) for i in range(8))
+    engine = PrefillEngine(index, budget=total // 4, device="cpu", host_budget=total // 2)
+    disk: list[int] = []
+    engine.events.add_listener(
+        lambda e: disk.append(e.bytes) if isinstance(e, LinkEvent) and e.name == "disk" else None
+    )
+    tokens = list(range(40))
+    try:
+        first = [layer.k.clone() for layer in engine.prefill(tokens)]
+        assert engine.last_stats.disk_bytes == engine.last_stats.bytes_streamed
+        disk.clear()
+        second = [layer.k for layer in engine.prefill(tokens)]
+        stats = engine.last_stats
+        tier = engine.streamer.mover.tier
+        assert tier is not None and tier.bytes > 0
+        assert stats.disk_bytes == stats.bytes_streamed - tier.bytes
+        assert sum(disk) == stats.disk_bytes
+        assert all((a == b).all() for a, b in zip(first, second, strict=True))
+    finally:
+        engine.close()
+
+
+def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.bench_e2e import main
+
+    model = tiny_model(arch="llama", layers=4)
+    argv = ["--model", str(model), "--tokens", "64", "--repeat", "1", "--max-tokens", "4"]
+    assert main([*argv, "--net-gbps", "0.01", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r.keys() >= E2E_KEYS
+    spec = load_index(model).spec
+    kv = 2 * spec.num_layers * spec.num_kv_heads * 63 * spec.head_dim * 4
+    assert kv < r["kv_bytes"] < kv + 4096
+    # the KV crosses a 0.01 Gbit/s link (1.25 MB/s); a frame's first piece arrives at once
+    assert 0.5 * 1.25e6 < r["kv_Bps"] < 1.5 * 1.25e6
+    assert 0.5 * 1.25e6 < r["raw_Bps"] < 1.5 * 1.25e6
+    assert r["decode_tok_s"] > 0 and r["mlx_decode_tok_s"] > 0
