@@ -67,10 +67,15 @@ class HostTier:
         return buf, False
 
 
-def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
+def advise(fds: dict[str, int], load: Load, advice: int) -> None:
+    """posix_fadvise over the file ranges of a load's pieces."""
     for piece in load.pieces:
         fd = fds[str(piece.entry.file)]
-        os.posix_fadvise(fd, piece.entry.offset, piece.entry.nbytes, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, piece.entry.offset, piece.entry.nbytes, advice)
+
+
+def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
+    advise(fds, load, os.POSIX_FADV_DONTNEED)
 
 
 def read_load(fds: dict[str, int], load: Load, dest: memoryview) -> int:
@@ -107,6 +112,10 @@ class Mover(Protocol):
 
         `slot` is the ring index, or negative for a resident load.
         """
+        ...
+
+    def prefetch(self, load: Load) -> None:
+        """On the loader thread: ask the disk for a later load's bytes now (no wait)."""
         ...
 
     def wait_ready(self, slot: int) -> None:
@@ -171,6 +180,10 @@ class CpuMover:
         # the emulated link caps the whole fill: reading into host memory is part of the copy
         self.throttle.wait(load.nbytes, t0)
         return FillTimes(t1 - t0, time.perf_counter() - t1, load.nbytes, disk)
+
+    def prefetch(self, load: Load) -> None:
+        if self.tier is None or load.seq not in self.tier.members:
+            advise(self._fds, load, os.POSIX_FADV_WILLNEED)
 
     def wait_ready(self, slot: int) -> None:
         return None
@@ -241,6 +254,10 @@ class CudaMover:
         event.synchronize()  # h2d time is measured; the compute stream still waits on the event
         self.throttle.wait(load.nbytes, t1)
         return FillTimes(t1 - t0, time.perf_counter() - t1, load.nbytes, disk)
+
+    def prefetch(self, load: Load) -> None:
+        if self.tier is None or load.seq not in self.tier.members:
+            advise(self._fds, load, os.POSIX_FADV_WILLNEED)
 
     def wait_ready(self, slot: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self._copied[slot])

@@ -11,7 +11,9 @@ fast the mover is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -136,6 +138,14 @@ class LayerStreamer:
         self._resident_mem.clear()
 
 
+def _yield_to_compute() -> None:
+    """Run the loader at a lower CPU priority than the compute thread(s): its reads wait for
+    the gaps instead of stalling a parallel kernel. (The CUDA copy itself is DMA; this matters
+    for the host side of the copy, and most on a small CPU.)"""
+    with contextlib.suppress(AttributeError, OSError):  # elsewhere: normal priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
 def part_weights(views: dict[str, torch.Tensor], op: str, lo: int) -> dict[str, torch.Tensor]:
     """The views of one part, keyed by the tensor's short name."""
     prefix = f"{op}:{lo}:"
@@ -160,8 +170,10 @@ class _Run:
         self.thread.start()
 
     def _loader(self) -> None:
+        _yield_to_compute()
+        loads = self.s.plan.loads
         try:
-            for load in self.s.plan.loads:
+            for j, load in enumerate(loads):
                 if load.resident and load.seq in self.s._resident_ready:
                     self._mark_ready(load)
                     continue
@@ -174,6 +186,8 @@ class _Run:
                     if self.cancelled:
                         return
                 self.hooks.on_loading(load, slot)
+                if j + 1 < len(loads):  # the disk reads ahead while this load copies
+                    self.s.mover.prefetch(loads[j + 1])
                 t0 = time.perf_counter()
                 times = self.s.mover.fill(self.s.slot_id(load), self.s._memory(load), load)
                 self.stats.load_busy_s += time.perf_counter() - t0
