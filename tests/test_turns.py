@@ -198,36 +198,50 @@ async def _request_events(node: NodeProc) -> list[dict]:
     return records
 
 
-def test_full_prefill_queue_answers_503(model: Path, tmp_path: Path) -> None:
-    import urllib.error
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
-    from nodes.model import fingerprint, load_index
-
+async def test_full_queue_answers_503_and_the_decode_node_retries(
+    model: Path, oracle: Oracle, tmp_path: Path
+) -> None:
     prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.01",
                          "--queue-limit", "1", token=TOKEN)  # fmt: skip
-    fp = fingerprint(load_index(model))
-    body = json.dumps({"proto": 1, "fingerprint": fp, "tokens": list(range(40)), "start": 0})
-
-    def post() -> tuple[int, str | None]:
-        req = urllib.request.Request(
-            prefill.url + "/v1/prefill", data=body.encode(), method="POST",
-            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                r.read()
-                return r.status, None
-        except urllib.error.HTTPError as e:
-            return e.code, e.headers.get("Retry-After")
-
+    decode = start_node(
+        tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
+        token=TOKEN,
+    )  # fmt: skip
     try:
-        with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda _: post(), range(4)))
-        assert (503, "1") in results
-        assert (200, None) in results
+        await asyncio.to_thread(wait_trusted, decode)
+        await asyncio.sleep(2.0)  # the router's start-up probe of the prefill node
+        asks = [[{"role": "user", "content": f"Story {i}: a garden with sunflowers."}]
+                for i in range(3)]  # fmt: skip
+        replies = await asyncio.gather(*(asyncio.to_thread(_chat, decode, m) for m in asks))
+        for messages, reply in zip(asks, replies, strict=True):
+            assert reply.choices[0].message.content == oracle.generate(messages, 16)[0]
+            assert reply.model_extra["tandem"]["prefill"] == "remote"
+        refused = [r for r in await _request_events(prefill) if r["phase"] == "failed"]
+        assert refused and all("503" in r["detail"] for r in refused)
+        import urllib.error
+        import urllib.request
+
+        from nodes.model import fingerprint, load_index
+
+        body = {"proto": 1, "fingerprint": fingerprint(load_index(model)),
+                "tokens": list(range(40)), "start": 0}  # fmt: skip
+
+        def post() -> tuple[int, str | None]:
+            req = urllib.request.Request(
+                prefill.url + "/v1/prefill", data=json.dumps(body).encode(), method="POST",
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            )  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    r.read()
+                    return r.status, None
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("Retry-After")
+
+        results = await asyncio.gather(*(asyncio.to_thread(post) for _ in range(3)))
+        assert (503, "1") in results and (200, None) in results
     finally:
+        decode.stop()
         prefill.stop()
 
 

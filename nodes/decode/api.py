@@ -216,7 +216,6 @@ class DecodeService:
             ticker = _TokenTicker(self.events, rid)
 
             def on_text(text: str) -> None:
-                ticker.tick()
                 loop.call_soon_threadsafe(texts.put_nowait, text)
 
             held = caches[0].offset if caches else 0  # positions already in the cache
@@ -228,13 +227,11 @@ class DecodeService:
                 req.params,
                 cancel,
                 on_text,
+                ticker.tick,
             )
-            first: list[float] = []
             if req.stream:
-                response = await self._stream(request, req, job, texts, first, t0)
+                response = await self._stream(request, req, job, texts)
             gen = await job
-            if not first:
-                first.append(time.perf_counter())
             ticker.flush(gen.tokens)
             await self.host.call(self._remember, req.tokens + gen.token_ids, caches)
             if info.where == "local":
@@ -242,7 +239,8 @@ class DecodeService:
             self.events.publish(
                 RequestEvent(rid, phase="done", tokens=gen.tokens, where=info.where)
             )
-            extra = self._tandem(req, info, gen, first[0] - t0)
+            ttft = (gen.first_token_at or time.perf_counter()) - t0
+            extra = self._tandem(req, info, gen, ttft)
             if response is not None:
                 await self._finish_stream(response, req, gen, extra)
                 return response
@@ -282,25 +280,34 @@ class DecodeService:
         self.events.publish(
             RequestEvent(rid, phase="prefill_start", tokens=new, where=peer.address)
         )
-        try:
-            result = await remote_prefill(
-                self.session_factory(),
-                peer.address,
-                self.token,
-                fingerprint=self.fingerprint,
-                request_id=rid,
-                tokens=req.tokens[:-1],
-                start=k,
-                host=self.host,
-                caches=caches,
-                events=self.events,
-                timeout_s=self.remote_timeout_s,
-            )
-        except RemotePrefillError as e:
-            log.warning("remote prefill failed, prefilling locally: %s", e)
-            self.events.publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
-            await self.host.call(_trim_to, caches, k)
-            return caches, PrefillInfo("local", None, new)
+        deadline = time.monotonic() + self.remote_timeout_s
+        while True:
+            try:
+                result = await remote_prefill(
+                    self.session_factory(),
+                    peer.address,
+                    self.token,
+                    fingerprint=self.fingerprint,
+                    request_id=rid,
+                    tokens=req.tokens[:-1],
+                    start=k,
+                    host=self.host,
+                    caches=caches,
+                    events=self.events,
+                    timeout_s=max(1.0, deadline - time.monotonic()),
+                )
+                break
+            except RemotePrefillError as e:
+                await self.host.call(_trim_to, caches, k)
+                wait = e.retry_after
+                if wait is not None and time.monotonic() + wait < deadline:
+                    log.info("prefill node busy, retrying in %.1f s", wait)
+                    await asyncio.sleep(wait)
+                    continue
+                log.warning("remote prefill failed, prefilling locally: %s", e)
+                failed = RequestEvent(rid, phase="failed", detail=str(e), where="remote")
+                self.events.publish(failed)
+                return caches, PrefillInfo("local", None, new)
         # a pass near the floor says nothing about the marginal rate
         rate = result.prefill_tok_s if result.seconds > 2 * (peer.prefill_floor_s or 0) else None
         self.peers.update_rates(peer.address, rate, result.link_Bps, result.seconds)
@@ -313,8 +320,6 @@ class DecodeService:
         req: Completion,
         job: asyncio.Future[Generation],
         texts: asyncio.Queue[str],
-        first: list[float],
-        t0: float,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -328,16 +333,11 @@ class DecodeService:
             if not getter.done():
                 getter.cancel()
                 while not texts.empty():
-                    await self._send_text(response, req, texts.get_nowait(), first)
+                    await self._send_text(response, req, texts.get_nowait())
                 return response
-            await self._send_text(response, req, getter.result(), first)
+            await self._send_text(response, req, getter.result())
 
-    async def _send_text(
-        self, response: web.StreamResponse, req: Completion, text: str, first: list[float]
-    ) -> None:
-        if not first:
-            first.append(time.perf_counter())
-            self.events.publish(RequestEvent(req.request_id, phase="first_token"))
+    async def _send_text(self, response: web.StreamResponse, req: Completion, text: str) -> None:
         delta = {"content": text} if req.chat else text
         await _sse(response, self._chunk(req, delta, None))
 
@@ -416,19 +416,19 @@ def _trim_to(caches: list[Any], k: int) -> None:
 
 
 class _TokenTicker:
-    """`token` events, at most ten a second (called from the mlx thread)."""
+    """`first_token`, then `token` events at most ten a second (called on the mlx thread)."""
 
     def __init__(self, events: EventBus, rid: str) -> None:
         self.events, self.rid = events, rid
-        self.count = 0
         self.last = 0.0
 
-    def tick(self) -> None:
-        self.count += 1
+    def tick(self, count: int) -> None:
+        if count == 1:
+            self.events.publish(RequestEvent(self.rid, phase="first_token", tokens=1))
         now = time.monotonic()
         if now - self.last >= 0.1:
             self.last = now
-            self.events.publish(TokenEvent(self.rid, count=self.count))
+            self.events.publish(TokenEvent(self.rid, count=count))
 
     def flush(self, total: int) -> None:
         self.events.publish(TokenEvent(self.rid, count=total))

@@ -46,6 +46,7 @@ class Generation:
     tokens: int = 0
     finish_reason: str = "length"
     first_token_s: float = 0.0  # from the call to the first token (includes local prefill)
+    first_token_at: float = 0.0  # time.perf_counter() when the first token was sampled
     decode_s: float = 0.0
     token_ids: list[int] = field(default_factory=list)
 
@@ -111,6 +112,7 @@ class ModelHost:
         params: SamplingParams,
         cancel: threading.Event,
         on_text: Callable[[str], None] | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> Generation:
         """On the mlx thread. With `cache` holding tokens 0..n-2, `prompt` is `[t_{n-1}]`;
         with no cache, `prompt` is every token and mlx-lm prefills locally."""
@@ -133,8 +135,11 @@ class ModelHost:
             if cancel.is_set():
                 raise Cancelled
             if out.tokens == 0:
-                out.first_token_s = time.perf_counter() - t0
+                out.first_token_at = time.perf_counter()
+                out.first_token_s = out.first_token_at - t0
             out.tokens = r.generation_tokens
+            if on_token is not None:
+                on_token(out.tokens)
             out.token_ids.append(int(r.token))
             pending += r.text
             stop_at = _find_stop(pending, params.stop)

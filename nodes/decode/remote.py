@@ -20,7 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class RemotePrefillError(Exception):
-    """The prefill node could not deliver: unreachable, refused, garbage, or died mid-stream."""
+    """The prefill node could not deliver: unreachable, refused, garbage, or died mid-stream.
+
+    `retry_after` (seconds) is set when the node said it is busy (503 + Retry-After)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,8 @@ async def remote_prefill(
         ) as resp:
             if resp.status != 200:
                 detail = (await resp.text())[:300]
-                raise RemotePrefillError(f"{url} answered {resp.status}: {detail}")
+                retry = _retry_after(resp) if resp.status == 503 else None
+                raise RemotePrefillError(f"{url} answered {resp.status}: {detail}", retry)
             frame_start: float | None = None  # when the first byte of the next frame came
             async for chunk in resp.content.iter_any():
                 frame_start = frame_start or time.perf_counter()
@@ -102,6 +109,13 @@ async def remote_prefill(
             raise
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
     return RemoteResult(url, len(tokens) - start, total, time.perf_counter() - t0, transfer_s)
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> float:
+    try:
+        return min(30.0, max(0.0, float(resp.headers.get("Retry-After", "1"))))
+    except ValueError:
+        return 1.0
 
 
 async def _apply(

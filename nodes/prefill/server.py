@@ -107,9 +107,10 @@ class PrefillService:
             return _error(400, "bad_json", "body is not valid JSON")
         except BadRequest as e:
             return _error(e.status, e.code, str(e))
-        if self._waiting >= self.queue_limit:
-            return _error(503, "busy", "prefill queue is full", {"Retry-After": "1"})
         publish = self.events.publish
+        if self._waiting >= self.queue_limit:
+            publish(RequestEvent(req.request_id, phase="failed", detail="queue full (503)"))
+            return _error(503, "busy", "prefill queue is full", {"Retry-After": "1"})
         publish(RequestEvent(req.request_id, phase="queued", tokens=len(req.tokens)))
         self._waiting += 1
         try:
