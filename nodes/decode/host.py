@@ -12,14 +12,14 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm import load as mlx_load
-from mlx_lm.generate import stream_generate
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -27,6 +27,7 @@ from nodes.model.errors import ModelError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: same chunks, same numbers
 
 
 @dataclass(frozen=True)
@@ -114,50 +115,83 @@ class ModelHost:
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """On the mlx thread. With `cache` holding tokens 0..n-2, `prompt` is `[t_{n-1}]`;
-        with no cache, `prompt` is every token and mlx-lm prefills locally."""
+        """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1).
+
+        After a remote prefill `prompt` is just `[t_{n-1}]`. Token for token and text for
+        text this is mlx-lm's own `stream_generate`, except that the first token is handed
+        out as soon as it is sampled: mlx-lm's pipelined loop computes token 2 before it
+        yields token 1, which on a CPU stream puts a whole decode step into time to first
+        token.
+        """
         if params.seed is not None:
             mx.random.seed(params.seed)
         sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
         cache = cache if cache is not None else self.new_cache()
+        eos = set(self.tokenizer.eos_token_ids)
+        detokenizer = self.tokenizer.detokenizer
         out = Generation()
         t0 = time.perf_counter()
         pending = ""  # text held back while it could still be the start of a stop string
         hold = max((len(s) for s in params.stop), default=0)
-        for r in stream_generate(
-            self.model,
-            self.tokenizer,
-            mx.array(list(prompt)),
-            max_tokens=params.max_tokens,
-            sampler=sampler,
-            prompt_cache=cache,
-        ):
+        for token in self._tokens(mx.array(list(prompt)), cache, sampler, params.max_tokens):
             if cancel.is_set():
                 raise Cancelled
             if out.tokens == 0:
                 out.first_token_at = time.perf_counter()
                 out.first_token_s = out.first_token_at - t0
-            out.tokens = r.generation_tokens
+            out.tokens += 1
+            out.token_ids.append(token)
             if on_token is not None:
                 on_token(out.tokens)
-            out.token_ids.append(int(r.token))
-            pending += r.text
-            stop_at = _find_stop(pending, params.stop)
-            if stop_at is not None:
-                pending = pending[:stop_at]
+            if token in eos:
                 out.finish_reason = "stop"
-                self._emit(out, pending, on_text)
                 break
-            if r.finish_reason is not None:
-                out.finish_reason = r.finish_reason
-                self._emit(out, pending, on_text)
+            detokenizer.add_token(token)
+            pending += detokenizer.last_segment
+            if (stop_at := _find_stop(pending, params.stop)) is not None:
+                self._emit(out, pending[:stop_at], on_text)
+                out.finish_reason = "stop"
+                return self._done(out, t0)
+            if out.tokens == params.max_tokens:
                 break
             ready = len(pending) - (hold - 1 if hold else 0)
             if ready > 0:
                 self._emit(out, pending[:ready], on_text)
                 pending = pending[ready:]
+        detokenizer.finalize()  # an eos or the token limit: flush what the detokenizer holds
+        pending += detokenizer.last_segment
+        if (stop_at := _find_stop(pending, params.stop)) is not None:
+            pending, out.finish_reason = pending[:stop_at], "stop"
+        self._emit(out, pending, on_text)
+        return self._done(out, t0)
+
+    @staticmethod
+    def _done(out: Generation, t0: float) -> Generation:
         out.decode_s = time.perf_counter() - t0 - out.first_token_s
         return out
+
+    def _tokens(
+        self, prompt: mx.array, cache: list[Any], sampler: Callable[..., mx.array], max_tokens: int
+    ) -> Iterator[int]:
+        """The first token as mlx-lm's `generate_step` computes it (prefill in 2048-token
+        steps, then the last prompt token), yielded at once; then `generate_step` itself."""
+        with mx.stream(generation_stream):
+            while prompt.size > 1:
+                n = min(PREFILL_STEP, prompt.size - 1)
+                self.model(prompt[:n][None], cache=cache)
+                mx.eval([c.state for c in cache])
+                prompt = prompt[n:]
+                mx.clear_cache()
+            logits = self.model(prompt[None], cache=cache)[:, -1, :]
+            first = sampler(logits - mx.logsumexp(logits, keepdims=True))
+            first_id = int(first.item())
+        yield first_id
+        if max_tokens > 1:
+            for token, _ in generate_step(
+                mx.array([first_id]), self.model, max_tokens=max_tokens - 1, sampler=sampler,
+                prompt_cache=cache,
+            ):  # fmt: skip
+                yield int(token)
 
     @staticmethod
     def _emit(out: Generation, text: str, on_text: Callable[[str], None] | None) -> None:
