@@ -201,3 +201,29 @@ async def test_a_node_that_leaves_or_refuses_the_token_is_shown_and_notified(
         cells = [str(c) for c in table.get_row(ours)]  # type: ignore[attr-defined]
         assert any("unreachable" in c for c in cells)
         assert app.is_running
+
+
+async def test_live_updates_while_the_help_screen_is_open(cluster: DemoCluster) -> None:
+    from app.tui.screens.help import HelpScreen
+    from app.tui.widgets.nodes import NodesTable
+
+    app = live_app(cluster)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await connected(pilot, app)
+        redraws: list[int] = []
+        show_nodes = app.show_nodes
+
+        def counting() -> None:
+            redraws.append(1)
+            show_nodes()
+
+        app.show_nodes = counting  # type: ignore[method-assign]
+        await pilot.press("f1")
+        await until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        seen = len(redraws)
+        # node probes (every 0.5 s here) keep updating the dashboard behind the help screen
+        await until(pilot, lambda: len(redraws) >= seen + 3)
+        assert app.is_running and isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        assert app.query_one(NodesTable).row_count >= 2

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import aiohttp
 import zeroconf
@@ -21,7 +21,9 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
+from textual.widget import Widget
 from textual.widgets import Footer, Header
 
 from app.tui.browse import browse
@@ -34,6 +36,8 @@ from app.tui.widgets.bandwidth import BandwidthPanel
 from app.tui.widgets.chat import ChatPanel
 from app.tui.widgets.nodes import NodesTable
 from app.tui.widgets.pipeline import PipelineView
+
+W = TypeVar("W", bound=Widget)
 
 POLL_S = 2.0  # DESIGN.md: peers are health-checked every 2 s
 TICK_S = 0.5
@@ -173,7 +177,8 @@ class TandemApp(App[None]):
             self.streaming.discard(message.url)
 
     def on_node_record(self, message: NodeRecord) -> None:
-        self.query_one(PipelineView).apply(message.record, message.seen)
+        if (pipeline := self.dashboard(PipelineView)) is not None:
+            pipeline.apply(message.record, message.seen)
         self.bandwidth.apply(message.record, message.seen)
 
     def tick(self) -> None:
@@ -182,10 +187,23 @@ class TandemApp(App[None]):
 
     # ---- views
 
+    def dashboard(self, cls: type[W]) -> W | None:
+        """A dashboard widget, wherever the user is (the help screen may be on top), or None
+        before the dashboard is mounted and while the app shuts down."""
+        if not self.screen_stack:
+            return None
+        try:
+            return self.screen_stack[0].query_one(cls)
+        except NoMatches:
+            return None
+
     def show_nodes(self) -> None:
         rows = list(self.cluster.rows.values())
-        self.query_one(NodesTable).show(rows)
-        self.query_one(PipelineView).layers_hint = max((r.layers for r in rows), default=0)
+        table, pipeline = self.dashboard(NodesTable), self.dashboard(PipelineView)
+        if table is None or pipeline is None:
+            return
+        table.show(rows)
+        pipeline.layers_hint = max((r.layers for r in rows), default=0)
         trusted = self.cluster.trusted()
         models = sorted({r.model for r in trusted if r.model})
         self.sub_title = f"{len(trusted)}/{len(rows)} nodes trusted" + (
@@ -193,7 +211,8 @@ class TandemApp(App[None]):
         )
 
     def show_bandwidth(self) -> None:
-        self.query_one(BandwidthPanel).show(self.bandwidth)
+        if (panel := self.dashboard(BandwidthPanel)) is not None:
+            panel.show(self.bandwidth)
 
     def node_name(self, url: str) -> str:
         row = self.cluster.rows.get(normalize(url))
@@ -213,11 +232,12 @@ class TandemApp(App[None]):
             self.push_screen(HelpScreen())
 
     async def action_new_chat(self) -> None:
-        await self.query_one(ChatPanel).new_chat()
-        self.notify("New chat: the history is cleared.", timeout=3)
+        if (chat := self.dashboard(ChatPanel)) is not None:
+            await chat.new_chat()
+            self.notify("New chat: the history is cleared.", timeout=3)
 
     def action_cancel_reply(self) -> None:
-        if self.query_one(ChatPanel).cancel():
+        if (chat := self.dashboard(ChatPanel)) is not None and chat.cancel():
             self.notify("Reply cancelled.", timeout=3)
 
     def action_refresh_nodes(self) -> None:
