@@ -3,6 +3,7 @@ layer by layer as frames arrive, while the prefill node computes the next layer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from nodes.auth import auth_headers
 from nodes.decode.host import ModelHost
 from nodes.decode.kv import CacheBuilder
 from nodes.events import EventBus, LayerEvent, LinkEvent
-from nodes.wire import PREFIX, PROTO, Done, ErrorFrame, FrameReader, Header, LayerKV
+from nodes.wire import PREFIX, PROTO, Done, ErrorFrame, Frame, FrameReader, Header, LayerKV
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ async def remote_prefill(
     }
     t0 = time.perf_counter()
     reader = FrameReader()
-    builder: CacheBuilder | None = None
+    assembler = _Assembler(host, caches, events, request_id, start)
     total = 0
     transfer_s = 0.0
     try:
@@ -91,24 +92,80 @@ async def remote_prefill(
                 frames = reader.feed(chunk)
                 for frame in frames:
                     done_at = time.perf_counter()
-                    builder = await _apply(frame, builder, host, caches, events, request_id, start)
                     if isinstance(frame, LayerKV):
                         n = PREFIX.size + len(frame.payload)
                         seconds = done_at - frame_start
                         transfer_s += seconds
                         link = LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
                         events.publish(link)
+                    await assembler.take(frame)
                     frame_start = done_at
                 if frames:  # the next frame starts with the next chunk
                     frame_start = None
             reader.finish()
+            await assembler.finish()
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
     except Exception as e:  # ProtocolError and friends: the stream is unusable
         if isinstance(e, RemotePrefillError):
             raise
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
+    finally:
+        await assembler.close()
     return RemoteResult(url, len(tokens) - start, total, time.perf_counter() - t0, transfer_s)
+
+
+class _Assembler:
+    """Applies layer frames to the caches on the mlx thread while the network keeps reading:
+    layer i goes into its cache as layer i+1 arrives (a few frames of slack, then
+    back-pressure on the connection)."""
+
+    def __init__(
+        self, host: ModelHost, caches: list[Any], events: EventBus, request_id: str, start: int
+    ) -> None:
+        self.host, self.caches, self.events = host, caches, events
+        self.request_id, self.start = request_id, start
+        self.queue: asyncio.Queue[LayerKV | None] = asyncio.Queue(maxsize=4)
+        self.task: asyncio.Task[None] | None = None
+        self.builder: CacheBuilder | None = None
+
+    async def take(self, frame: Frame) -> None:
+        if isinstance(frame, ErrorFrame):
+            raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
+        if isinstance(frame, Header):
+            if frame.start != self.start:
+                raise RemotePrefillError(
+                    f"asked for positions from {self.start}, got {frame.start}"
+                )
+            self.builder = CacheBuilder(frame, self.caches)
+            self.task = asyncio.create_task(self._apply_all(), name="kv-assembly")
+        elif isinstance(frame, LayerKV):
+            assert self.task is not None  # the reader guarantees a header first
+            if self.task.done():
+                await self.task  # it failed: raise its error here
+            await self.queue.put(frame)
+        elif isinstance(frame, Done):
+            log.debug("request %s: %d layers received", self.request_id, frame.layers)
+
+    async def _apply_all(self) -> None:
+        assert self.builder is not None
+        while (frame := await self.queue.get()) is not None:
+            await self.host.call(self.builder.add, frame)
+            received = LayerEvent(
+                self.request_id, layer=frame.layer, state="received", bytes=len(frame.payload)
+            )
+            self.events.publish(received)
+
+    async def finish(self) -> None:
+        """Wait until every received layer is in its cache."""
+        if self.task is not None:
+            await self.queue.put(None)
+            await self.task
+
+    async def close(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> float:
@@ -116,29 +173,3 @@ def _retry_after(resp: aiohttp.ClientResponse) -> float:
         return min(30.0, max(0.0, float(resp.headers.get("Retry-After", "1"))))
     except ValueError:
         return 1.0
-
-
-async def _apply(
-    frame: object,
-    builder: CacheBuilder | None,
-    host: ModelHost,
-    caches: list[Any],
-    events: EventBus,
-    request_id: str,
-    start: int,
-) -> CacheBuilder | None:
-    if isinstance(frame, ErrorFrame):
-        raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
-    if isinstance(frame, Header):
-        if frame.start != start:
-            raise RemotePrefillError(f"asked for positions from {start}, got {frame.start}")
-        return CacheBuilder(frame, caches)
-    if isinstance(frame, LayerKV):
-        assert builder is not None  # the reader guarantees a header first
-        await host.call(builder.add, frame)
-        events.publish(
-            LayerEvent(request_id, layer=frame.layer, state="received", bytes=len(frame.payload))
-        )
-    if isinstance(frame, Done):
-        log.debug("request %s: %d layers received", request_id, frame.layers)
-    return builder
