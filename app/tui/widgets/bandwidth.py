@@ -43,9 +43,12 @@ class RateRow(Horizontal):
         yield Sparkline([0.0], classes="rate-spark")
 
     def show(self, series: RateSeries) -> None:
+        spark, value = self.query(Sparkline), self.query("Static.rate-value")
+        if not spark or not value:  # not composed yet, or being removed as the app exits
+            return
         values = list(series.values)[-SHOWN:]
-        self.query_one(Sparkline).data = [0.0] * (SHOWN - len(values)) + values
-        self.query_one(".rate-value", Static).update(rate_text(self.series_name, series))
+        spark.first().data = [0.0] * (SHOWN - len(values)) + values
+        value.first().update(rate_text(self.series_name, series))
 
 
 class BandwidthPanel(Vertical):

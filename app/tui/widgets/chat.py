@@ -52,19 +52,24 @@ class Reply(Vertical):
         yield Static("…", classes="reply-stats")
 
     async def show_text(self, text: str) -> None:
+        found = self.query(Markdown)
+        if not found:  # being removed as the app exits
+            return
+        markdown = found.first()
         if not text.startswith(self.text):  # never expected; redraw rather than append
             self.text = ""
-            await self.query_one(Markdown).update("")
+            await markdown.update("")
         new, self.text = text[len(self.text) :], text
         if new and self.first_text_at is None:
             self.first_text_at = time.monotonic()
-        await self.query_one(Markdown).append(new)
+        await markdown.append(new)
 
     def finish(self, stats: ReplyStats | None, note: str = "", name_of: NameOf = str) -> None:
         self.stats = stats
         line = stats_line(stats, name_of) if stats is not None else ""
-        self.query_one(".reply-stats", Static).update(" · ".join(p for p in (note, line) if p))
         self.set_class(bool(note), "-failed")
+        for label in self.query("Static.reply-stats"):  # none while the app exits
+            label.update(" · ".join(p for p in (note, line) if p))
 
 
 class ChatPanel(Vertical):
@@ -160,7 +165,8 @@ class ChatPanel(Vertical):
         reply = self._reply(message.reply_id)
         if reply is not None:
             await reply.show_text(message.text)
-            self.query_one("#chat-log", VerticalScroll).scroll_end(animate=False)
+            for log in self.query("VerticalScroll#chat-log"):
+                log.scroll_end(animate=False)
 
     def on_reply_done(self, message: ReplyDone) -> None:
         reply = self._reply(message.reply_id)
