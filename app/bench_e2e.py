@@ -31,19 +31,6 @@ from aiohttp import web
 from app.children import Child, LocalCluster
 from nodes.throttle import PacedSender
 
-MLX_REFERENCE = """
-import json, sys, random
-import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.generate import stream_generate
-model, tok = load(sys.argv[1]); n, m = int(sys.argv[2]), int(sys.argv[3])
-vocab = model.args.vocab_size
-prompt = [random.Random(0).randrange(vocab) for _ in range(n)]
-for r in stream_generate(model, tok, mx.array(prompt), max_tokens=m):
-    pass
-print(json.dumps({"decode_tok_s": r.generation_tps, "tokens": r.generation_tokens}))
-"""
-
 
 async def _completion(decode: Child, tokens: list[int], max_tokens: int) -> dict:
     """Stream one completion; returns the last chunk's `tandem` object."""
@@ -124,9 +111,10 @@ async def _raw_transfer(sizes: list[int], net_gbps: float | None) -> float:
 
 
 def _mlx_reference(model: Path, tokens: int, max_tokens: int) -> float:
+    root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-c", MLX_REFERENCE, str(model), str(tokens), str(max_tokens)],
-        capture_output=True, text=True, check=False,
+        [sys.executable, "-m", "nodes.decode.reference", str(model), str(tokens), str(max_tokens)],
+        cwd=root, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"mlx reference failed: {done.stderr.strip()[-500:]}")
