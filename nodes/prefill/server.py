@@ -162,7 +162,6 @@ class PrefillService:
             await response.write(writer.done())
             await response.write_eof()
             elapsed = time.perf_counter() - t0
-            self.served_tokens += len(req.tokens)
             self.served_s += elapsed
             publish(
                 RequestEvent(req.request_id, phase="prefill_done", tokens=count, where="remote")
@@ -180,12 +179,8 @@ class PrefillService:
             await response.write(writer.error("internal", f"{type(e).__name__}: {e}"))
             publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
         finally:
-            cancel.set()
-            while not job.done():  # let the device thread notice and finish its layer
-                try:
-                    layers.get_nowait()
-                except asyncio.QueueEmpty:
-                    await asyncio.sleep(0.005)
+            cancel.set()  # the device thread stops after its current layer
+            await asyncio.gather(job, return_exceptions=True)
         return response
 
     def _run(
@@ -223,6 +218,7 @@ class PrefillService:
                 full.append((k, v))
                 put(LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :]))
             self.prefix_cache.store(req.tokens, full)
+            self.served_tokens += len(req.tokens) - j  # computed, not reused
             put(None)
         except BaseException as e:
             put(e)
