@@ -28,17 +28,17 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from app.children import Child, LocalCluster
+from app.demo import DemoCluster, DemoError
 from nodes.throttle import PacedSender
 
 
-async def _completion(decode: Child, tokens: list[int], max_tokens: int) -> dict:
+async def _completion(cluster: DemoCluster, tokens: list[int], max_tokens: int) -> dict:
     """Stream one completion; returns the last chunk's `tandem` object."""
     body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    headers = {"Authorization": f"Bearer {decode.token}"}
+    headers = {"Authorization": f"Bearer {cluster.token}"}
     extra: dict = {}
     timeout = aiohttp.ClientTimeout(total=600)
-    url = decode.url + "/v1/completions"
+    url = cluster.decode_url + "/v1/completions"
     async with (
         aiohttp.ClientSession(timeout=timeout) as s,
         s.post(url, json=body, headers=headers) as r,
@@ -51,14 +51,14 @@ async def _completion(decode: Child, tokens: list[int], max_tokens: int) -> dict
     return extra
 
 
-async def _net_in(decode: Child, request_id: str) -> tuple[list[int], list[float]]:
+async def _net_in(cluster: DemoCluster, request_id: str) -> tuple[list[int], list[float]]:
     """Bytes and receive seconds of each KV frame of one request (the decode node's events)."""
     sizes: list[int] = []
     seconds: list[float] = []
-    headers = {"Authorization": f"Bearer {decode.token}"}
+    headers = {"Authorization": f"Bearer {cluster.token}"}
 
     async def read() -> None:
-        url = f"{decode.url}/v1/events?since=0"
+        url = f"{cluster.decode_url}/v1/events?since=0"
         async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
             async for line in r.content:
                 if line.startswith(b"data: "):
@@ -127,22 +127,18 @@ async def bench_e2e(
     import random
 
     with tempfile.TemporaryDirectory(prefix="tandem-e2e-") as tmp:
-        cluster = LocalCluster(Path(tmp), secrets.token_urlsafe(24))
+        cluster = DemoCluster(Path(tmp), secrets.token_urlsafe(24))
         try:
             net = ["--net-gbps", str(net_gbps)] if net_gbps else []
-            prefill = cluster.start("prefill", model, *net)
-            cluster.wait_healthy(prefill)
-            decode = cluster.start("decode", model, "--peer", prefill.url,
-                                   "--remote-prefill", "always")  # fmt: skip
-            await asyncio.to_thread(cluster.wait_healthy, decode)
-            await asyncio.to_thread(cluster.wait_trusted, decode)
+            cluster.start(model, link_gbps=None, budget=None, prefill_args=net)
+            await cluster.wait_ready()
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             runs = []
             for i in range(repeat + 1):  # the first run warms both nodes up
                 rng = random.Random(i)  # a fresh prompt each run: no prompt-cache hits
                 prompt = [rng.randrange(vocab) for _ in range(tokens)]
-                extra = await _completion(decode, prompt, max_tokens)
-                sizes, seconds = await _net_in(decode, extra["request_id"])
+                extra = await _completion(cluster, prompt, max_tokens)
+                sizes, seconds = await _net_in(cluster, extra["request_id"])
                 if i:
                     runs.append((extra, sizes, seconds))
         finally:
@@ -197,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         result = asyncio.run(bench_e2e(a.model, a.tokens, a.net_gbps, a.max_tokens, a.repeat))
-    except (RuntimeError, TimeoutError, aiohttp.ClientError) as e:
+    except (DemoError, RuntimeError, TimeoutError, aiohttp.ClientError) as e:
         print(f"tandem bench e2e: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result) if a.json else table(result))

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +83,15 @@ class DemoCluster:
     decode_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, model: Path, link_gbps: float = LINK_GBPS, budget: str = BUDGET) -> None:
+    def start(
+        self,
+        model: Path,
+        link_gbps: float | None = LINK_GBPS,
+        budget: str | None = BUDGET,
+        prefill_args: Sequence[str] = (),
+    ) -> None:
+        """Spawn both nodes; `link_gbps=None` and `budget=None` leave the prefill node at its
+        defaults (unthrottled, 80% of free memory), as `tandem bench e2e` wants."""
         token_file = self.workdir / "token"
         token_file.write_text(self.token + "\n")
         token_file.chmod(0o600)
@@ -93,9 +101,11 @@ class DemoCluster:
         self.prefill_url = f"http://127.0.0.1:{p_port}"
         self.decode_url = f"http://127.0.0.1:{d_port}"
         common = ["--model", str(model), "--no-mdns", "--token-file", str(token_file)]
+        limits = [*(["--link-gbps", str(link_gbps)] if link_gbps else []),
+                  *(["--budget", budget] if budget else []), *prefill_args]  # fmt: skip
         self._spawn("prefill", env, [
-            "--role", "prefill", "--port", str(p_port), "--name", "demo-prefill",
-            "--link-gbps", str(link_gbps), "--budget", budget, *common,
+            "--role", "prefill", "--port", str(p_port), "--name", "demo-prefill", *limits,
+            *common,
         ])  # fmt: skip
         self._spawn("decode", env, [
             "--role", "decode", "--port", str(d_port), "--name", "demo-decode",

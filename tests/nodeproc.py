@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.children import free_port
+from app.demo import free_port
 
 __all__ = ["NodeProc", "free_port", "start_node", "wait_healthy", "wait_trusted"]
 ROOT = Path(__file__).resolve().parents[1]
