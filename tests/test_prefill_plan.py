@@ -150,8 +150,10 @@ def test_loads_in_layer_order(planned: tuple[ModelIndex, Plan, int]) -> None:
         assert all(a[1] == b[0] for a, b in itertools.pairwise(mlp))
         assert [p.first for p in parts if p.op == "attn"] == [True] + [False] * (len(attn) - 1)
         assert [p.first for p in parts if p.op == "mlp"] == [True] + [False] * (len(mlp) - 1)
-    # resident layers are the first ones, so compute starts while the ring fills
-    assert plan.resident_layers == tuple(range(len(plan.resident_layers)))
+    # resident layers start at layer 0 (compute starts while the ring fills) and are spread
+    # evenly, so each one lets the loader get ahead instead of idling at the start
+    r, n = plan.resident_layers, spec.num_layers
+    assert r == tuple(j * n // len(r) for j in range(len(r)))
 
 
 SHARED_ACROSS_HEAD_GROUPS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
@@ -259,3 +261,14 @@ def test_plan_is_deterministic(index_of: Callable[[str], ModelIndex]) -> None:
     a, b = make_plan(index, budget), make_plan(index, budget)
     assert a == b
     assert _kinds(a.loads)[0] == "0:attn+mlp"  # the resident layer 0 is one load
+
+
+def test_resident_set_spreads_evenly_and_fits() -> None:
+    from nodes.prefill.plan import _resident_set
+
+    assert _resident_set([10] * 16, 25) == {0, 8}
+    assert _resident_set([10] * 16, 40) == {0, 4, 8, 12}
+    assert _resident_set([10] * 16, 9) == set()
+    assert _resident_set([10] * 4, 1000) == {0, 1, 2}  # never every layer: one streams
+    # uneven sizes: an even spread that does not fit gives way to a smaller one
+    assert _resident_set([10, 10, 30, 10], 30) == {0}

@@ -154,6 +154,8 @@ class PrefillEngine:
         row = e.nbytes // e.shape[0]
         rows = torch.empty((len(tokens), e.shape[1]), dtype=TORCH_DTYPES[e.dtype])
         buf = memoryview(rows.view(torch.uint8).numpy()).cast("B")
+        for t in set(tokens):  # queue every row's disk read at once (cold: random 1-row reads)
+            os.posix_fadvise(self._embed_fd, e.offset + t * row, row, os.POSIX_FADV_WILLNEED)
         for i, t in enumerate(tokens):
             n = os.preadv(self._embed_fd, [buf[i * row : (i + 1) * row]], e.offset + t * row)
             if n != row:
@@ -198,11 +200,12 @@ class PrefillEngine:
         t_start = time.perf_counter()
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        h = self.embed(tokens) if compute else None
-        rope = rope_tables(self._freqs, start, T, dev)
         layer_state: LayerState | None = None
         hooks = LoaderHooks(on_loading=self._on_loading(rid), on_ready=self._on_ready(rid))
         with torch.inference_mode(), self.streamer.stream(hooks, synchronous) as loads:
+            # the loader is already filling the ring while the prompt's rows are read
+            h = self.embed(tokens) if compute else None
+            rope = rope_tables(self._freqs, start, T, dev)
             for load, views in loads:
                 if load.first_of_layer:
                     publish(self._layer_event(rid, load, "computing"))

@@ -54,8 +54,8 @@ class Piece:
         """(absolute file offset, byte count) runs that make up this piece, in order."""
         e, item = self.entry, self.entry.itemsize
         row_bytes = math.prod(e.shape[1:]) * item
-        if self.cols is not None:  # one run per row: [rows, c0:c1] of a row-major matrix
-            c0, c1 = self.cols
+        if self.cols is not None and self.cols != (0, e.shape[1]):
+            c0, c1 = self.cols  # one run per row: [rows, c0:c1] of a row-major matrix
             return [
                 (e.offset + r * row_bytes + c0 * item, (c1 - c0) * item) for r in range(e.shape[0])
             ]
@@ -222,6 +222,26 @@ def _loads(groups_per_layer: list[list[list[Part]]], resident: set[int]) -> tupl
     return tuple(loads)
 
 
+def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
+    """As many whole layers as fit in `room` bytes (never all), spread evenly from layer 0.
+
+    Layer 0 lets compute start while the ring fills; each later one hands compute a layer that
+    needs no load, so the loader gets ahead of a two-slot ring. All of them at the front
+    would instead leave the loader idle, its ring full, while compute works through them.
+    """
+    n, count, used = len(layer_bytes), 0, 0
+    for size in sorted(layer_bytes):
+        if used + size > room or count >= n - 1:
+            break
+        used, count = used + size, count + 1
+    while count:
+        spread = {j * n // count for j in range(count)}
+        if sum(layer_bytes[i] for i in spread) <= room:
+            return spread
+        count -= 1  # uneven layer sizes: fewer, until an even spread fits
+    return set()
+
+
 def make_plan(index: ModelIndex, budget: int) -> Plan:
     """Choose slot size, slot count and resident set for `budget` bytes of weight memory.
 
@@ -250,13 +270,7 @@ def make_plan(index: ModelIndex, budget: int) -> Plan:
                 continue
             slot = max(_size(g) for layer in groups for g in layer)  # type: ignore[union-attr]
             n_slots = max(min_slots, min(MAX_RING_SLOTS, ring_budget // slot))
-            left = budget - n_slots * slot
-            resident: set[int] = set()
-            for i in range(n):  # the first layers: compute starts while the ring fills
-                if layer_bytes[i] > left or len(resident) >= n - 1:
-                    break
-                resident.add(i)
-                left -= layer_bytes[i]
+            resident = _resident_set(layer_bytes, budget - n_slots * slot)
             if not resident and ring_budget < budget:
                 break  # half the budget buys no resident layer: give the ring all of it
             for i in resident:  # whole parts: exactly the layer_bytes[i] counted above
