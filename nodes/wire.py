@@ -62,7 +62,7 @@ class LayerKV:
     layer: int
     k: bytes | memoryview
     v: bytes | memoryview
-    payload: bytes = b""
+    payload: bytes | bytearray = b""
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,9 @@ class FrameReader:
         self.next_layer = 0
         self._buf = bytearray()
         self._pending: tuple[int, int] | None = None  # (kind, length) once a prefix is read
+        self._payload = bytearray()  # the pending frame's payload, `_filled` bytes in
+        self._filled = 0
+        self._payload_crc = 0  # the crc32 chain including the pending layer's bytes so far
         self._ended: Done | ErrorFrame | None = None
         self._failed = False
 
@@ -258,31 +261,40 @@ class FrameReader:
             raise ProtocolError("stream ends without a done frame")
 
     def _feed(self, data: bytes | memoryview) -> list[Frame]:
-        if data and self._ended is not None:
+        # Each payload is copied once, straight into its own buffer, and a layer payload's
+        # crc32 advances chunk by chunk: a frame costs nothing extra when its last byte lands.
+        view = memoryview(data).cast("B")
+        if len(view) and self._ended is not None:
             raise ProtocolError(f"data after the {self._end_name()} frame")
-        self._buf += data
         frames: list[Frame] = []
-        while True:
+        pos = 0
+        while pos < len(view):
             if self._pending is None:
                 if not self._buf:
-                    break
-                self._check_kind(self._buf[0])  # fail on the first byte, not the ninth
+                    self._check_kind(view[pos])  # fail on the first byte, not the ninth
+                take = min(PREFIX.size - len(self._buf), len(view) - pos)
+                self._buf += view[pos : pos + take]
+                pos += take
                 if len(self._buf) < PREFIX.size:
                     break
                 kind, n = PREFIX.unpack_from(self._buf)
                 self._check_length(kind, n)  # before buffering any of the payload
+                self._buf.clear()
                 self._pending = (kind, n)
-                del self._buf[: PREFIX.size]
+                self._payload, self._filled, self._payload_crc = bytearray(n), 0, self.crc32
             kind, n = self._pending
-            if len(self._buf) < n:
-                break
-            with memoryview(self._buf) as mv:
-                payload = bytes(mv[:n])
-            del self._buf[:n]
-            self._pending = None
-            frames.append(self._decode(kind, payload))
-            if self._ended is not None and self._buf:
-                raise ProtocolError(f"data after the {self._end_name()} frame")
+            take = min(n - self._filled, len(view) - pos)
+            piece = view[pos : pos + take]
+            self._payload[self._filled : self._filled + take] = piece
+            if kind == KIND_LAYER:
+                self._payload_crc = zlib.crc32(piece, self._payload_crc)
+            self._filled += take
+            pos += take
+            if self._filled == n:
+                payload, self._payload, self._pending = self._payload, bytearray(), None
+                frames.append(self._decode(kind, payload))
+                if self._ended is not None and pos < len(view):
+                    raise ProtocolError(f"data after the {self._end_name()} frame")
         return frames
 
     def _end_name(self) -> str:
@@ -305,7 +317,7 @@ class FrameReader:
         if n > limit:
             raise ProtocolError(f"oversized frame: kind {kind}, {n} bytes, limit {limit}")
 
-    def _decode(self, kind: int, payload: bytes) -> Frame:
+    def _decode(self, kind: int, payload: bytearray) -> Frame:
         if kind == KIND_HEADER:
             obj = _load_json(payload, "header")
             _check_proto(obj.get("proto"))  # first: another version may have other keys
@@ -335,7 +347,7 @@ class FrameReader:
         self._ended = error
         return error
 
-    def _decode_layer(self, payload: bytes) -> LayerKV:
+    def _decode_layer(self, payload: bytearray) -> LayerKV:
         h = self.header
         assert h is not None
         try:
@@ -361,7 +373,7 @@ class FrameReader:
             raise ProtocolError(f"layer {layer!r} out of order, want {self.next_layer}")
         if self.next_layer >= h.layers:
             raise ProtocolError(f"more layers than the header's {h.layers}")
-        self.crc32 = zlib.crc32(payload, self.crc32)
+        self.crc32 = self._payload_crc
         self.next_layer += 1
         mv = memoryview(payload)
         k, v = entries["k"], entries["v"]

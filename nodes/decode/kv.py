@@ -13,7 +13,7 @@ from nodes.wire import Header, LayerKV, ProtocolError
 
 def layer_arrays(frame: LayerKV) -> tuple[mx.array, mx.array]:
     """K, V [1, n_kv, count, D] straight from the frame's safetensors blob (bf16 stays bf16)."""
-    arrays = mx.load(io.BytesIO(bytes(frame.payload)), format="safetensors")
+    arrays = mx.load(io.BytesIO(frame.payload), format="safetensors")
     return arrays["k"], arrays["v"]
 
 
