@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from nodes.wire import PROTO, FrameWriter, Header
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-tandem-kv"
+NETWORK_FIRST_NICE = 5  # the device thread's niceness: below the event loop, above the loader
 _WIRE_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -66,7 +69,9 @@ class PrefillService:
         self.fingerprint = fingerprint
         self.events = events
         self.queue_limit = queue_limit
-        self.device_thread = concurrent.futures.ThreadPoolExecutor(1, "tandem-device")
+        self.device_thread = concurrent.futures.ThreadPoolExecutor(
+            1, "tandem-device", initializer=_below_network
+        )
         self._busy = asyncio.Semaphore(1)
         self._waiting = 0
         self._throttle = PacedSender(net_gbps)
@@ -224,6 +229,14 @@ class PrefillService:
             put(e)
         finally:
             layers.close()
+
+
+def _below_network() -> None:
+    """The device thread (and the compute threads it starts) yields the CPU to the event
+    loop: writing a finished layer to the network is cheap and on the critical path, while
+    a CPU prefill would otherwise keep every core busy. The loader runs lower still."""
+    with contextlib.suppress(AttributeError, OSError):  # elsewhere: normal priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NETWORK_FIRST_NICE)
 
 
 def _error(
