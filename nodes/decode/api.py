@@ -405,6 +405,7 @@ class DecodeService:
             "ttft_s": ttft_s,
             "decode_tokens": gen.tokens,
             "decode_s": gen.decode_s,
+            "decode_tok_s": gen.steady_tok_s,
         }
 
 

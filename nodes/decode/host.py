@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm import load as mlx_load
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -50,6 +50,15 @@ class Generation:
     first_token_at: float = 0.0  # time.perf_counter() when the first token was sampled
     decode_s: float = 0.0
     token_ids: list[int] = field(default_factory=list)
+    token_at: list[float] = field(default_factory=list)  # perf_counter() of each token
+
+    @property
+    def steady_tok_s(self) -> float | None:
+        """Decode rate once the pipeline runs: tokens after the second over the time from the
+        second to the last (the first interval fills the one-step lookahead)."""
+        if len(self.token_at) < 3 or self.token_at[-1] <= self.token_at[1]:
+            return None
+        return (len(self.token_at) - 2) / (self.token_at[-1] - self.token_at[1])
 
 
 class Cancelled(Exception):
@@ -136,8 +145,9 @@ class ModelHost:
         for token in self._tokens(mx.array(list(prompt)), cache, sampler, params.max_tokens):
             if cancel.is_set():
                 raise Cancelled
+            out.token_at.append(time.perf_counter())
             if out.tokens == 0:
-                out.first_token_at = time.perf_counter()
+                out.first_token_at = out.token_at[0]
                 out.first_token_s = out.first_token_at - t0
             out.tokens += 1
             out.token_ids.append(token)
@@ -173,8 +183,17 @@ class ModelHost:
     def _tokens(
         self, prompt: mx.array, cache: list[Any], sampler: Callable[..., mx.array], max_tokens: int
     ) -> Iterator[int]:
-        """The first token as mlx-lm's `generate_step` computes it (prefill in 2048-token
-        steps, then the last prompt token), yielded at once; then `generate_step` itself."""
+        """mlx-lm's `generate_step`, op for op: the prompt in 2048-token steps, then one token
+        per step, each step queued (`async_eval`) before the previous token is handed out.
+
+        The one change: the first token is handed out as soon as it is sampled. mlx-lm queues
+        token 2 first, and where `async_eval` does the work on the spot (mlx's CPU backend)
+        that puts a whole decode step into time to first token."""
+
+        def step(tokens: mx.array) -> mx.array:
+            logits = self.model(tokens[None], cache=cache)[:, -1, :]
+            return sampler(logits - mx.logsumexp(logits, keepdims=True))
+
         with mx.stream(generation_stream):
             while prompt.size > 1:
                 n = min(PREFILL_STEP, prompt.size - 1)
@@ -182,16 +201,24 @@ class ModelHost:
                 mx.eval([c.state for c in cache])
                 prompt = prompt[n:]
                 mx.clear_cache()
-            logits = self.model(prompt[None], cache=cache)[:, -1, :]
-            first = sampler(logits - mx.logsumexp(logits, keepdims=True))
-            first_id = int(first.item())
-        yield first_id
-        if max_tokens > 1:
-            for token, _ in generate_step(
-                mx.array([first_id]), self.model, max_tokens=max_tokens - 1, sampler=sampler,
-                prompt_cache=cache,
-            ):  # fmt: skip
-                yield int(token)
+            y = step(prompt)
+        yield int(y.item())
+        for n in range(2, max_tokens + 1):
+            if n == 2:
+                with mx.stream(generation_stream):
+                    y = step(y)
+                mx.async_eval(y)
+            following = None
+            if n < max_tokens:  # the next step computes while this token is handed out
+                with mx.stream(generation_stream):
+                    following = step(y)
+                mx.async_eval(following)
+            yield int(y.item())
+            if following is None:
+                return
+            if n % 256 == 0:
+                mx.clear_cache()
+            y = following
 
     @staticmethod
     def _emit(out: Generation, text: str, on_text: Callable[[str], None] | None) -> None:
