@@ -76,7 +76,7 @@ def test_prefill_writes_an_mlx_lm_prompt_cache(model_dir: Path, tmp_path: Path) 
 
     stats = json.loads(stats_file.read_text())
     assert set(stats) >= STATS_KEYS
-    plan = make_plan(index, budget)
+    plan = make_plan(index, budget, direct=True)
     assert stats["tokens"] == n and stats["layers"] == 8
     assert stats["budget_bytes"] == budget
     assert stats["peak_weight_bytes"] == plan.pool_bytes <= budget

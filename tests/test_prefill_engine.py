@@ -392,7 +392,7 @@ def test_loads_overlap_compute(
     """
     index = load_index(llama_dir)
     budget = layers_in_budget * index.layer_bytes(0) + 1000
-    plan = make_plan(index, budget)
+    plan = make_plan(index, budget, direct=True)  # a CPU engine reads with O_DIRECT
     rate = plan.slot_bytes / 0.002  # bytes/s
     engine = open_engine(llama_dir, budget=budget, link_gbps=rate * 8 / 1e9, chunk_tokens=64)
     assert engine.plan == plan
@@ -505,3 +505,50 @@ def test_engine_imports_without_mlx_textual_aiohttp() -> None:
     loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
     assert "torch" in loaded and "nodes" in loaded  # the check sees what was imported
     assert not loaded & {"mlx", "mlx_lm", "textual", "aiohttp"}
+
+
+# ---------------------------------------------------------------- O_DIRECT reads on a CPU
+
+
+@pytest.mark.parametrize("how", ["page_cache", "refused_at_read"])
+def test_direct_reads_give_the_same_kv_as_the_page_cache(
+    how: str,
+    tiny_model: MakeTiny,
+    open_engine: Callable[..., PrefillEngine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CPU engine reads its big pieces with O_DIRECT straight into the slots; with O_DIRECT
+    unavailable (tmpfs) or refused at the first read (EINVAL), it reads through the page cache
+    and the K/V are bit for bit the same."""
+    import errno
+
+    from nodes.prefill import movers
+    from nodes.prefill.plan import direct_span
+
+    model = tiny_model(arch="qwen2", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512)
+    index = load_index(model)
+    budget = quarter(index) * 2
+    tokens = prompt(90)
+    direct = open_engine(model, budget=budget)
+    assert direct.streamer.mover._direct  # this file system takes O_DIRECT
+    placed = [
+        (p, o) for ld in direct.plan.loads for p, o in zip(ld.pieces, ld.offsets, strict=True)
+    ]
+    assert any(direct_span(p, o) for p, o in placed)
+    want = run(direct, tokens)
+    assert direct.streamer.mover._direct  # no read was refused: these K/V came by O_DIRECT
+    if how == "page_cache":
+        monkeypatch.setattr(movers, "open_direct", lambda files: {})
+    else:
+
+        def refuse(*args: object) -> None:
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        monkeypatch.setattr(movers, "_pread_direct", refuse)
+    other = open_engine(model, budget=budget)
+    assert other.plan == direct.plan
+    got = run(other, tokens)
+    if how == "refused_at_read":
+        assert other.streamer.mover._direct == {}  # every file dropped back for good
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
-from nodes.prefill.movers import read_load
-from nodes.prefill.plan import ALIGN, Load, Plan, make_plan
+from nodes.prefill.movers import aligned_empty, open_direct, read_load
+from nodes.prefill.plan import ALIGN, Load, Plan, direct_span, make_plan
 from tests.conftest import MakeTiny
 
 # name → MakeModelArgs fields. "qk_split" has as many KV heads as query heads and a small MLP,
@@ -28,6 +28,9 @@ MODELS: dict[str, dict[str, object]] = {
     "qwen3": {"arch": "qwen3", "layers": 8, "shards": 2},
     "qk_split": {"arch": "qwen3", "layers": 4, "hidden": 128, "heads": 8, "kv_heads": 8,
                  "intermediate": 32, "shards": 2},
+    # projections of 256 KiB and more: big enough for O_DIRECT spans (plan.DIRECT_MIN)
+    "wide": {"arch": "qwen2", "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2,
+             "intermediate": 512, "shards": 2},
 }  # fmt: skip
 
 
@@ -197,22 +200,29 @@ def test_qk_norms_shared_when_attention_splits(index_of: Callable[[str], ModelIn
         assert {p.key for p in part.pieces} >= SHARED_ACROSS_HEAD_GROUPS
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qk_split"])
+@pytest.mark.parametrize("direct", [False, True], ids=["page_cache", "o_direct"])
+@pytest.mark.parametrize("model", ["qwen2", "qk_split", "wide"])
 @pytest.mark.parametrize("budget_name", ["largest_tensor", "half_layer", "quarter"])
 def test_loads_read_back_as_tensor_slices(
-    model: str, budget_name: str, index_of: Callable[[str], ModelIndex]
+    model: str, budget_name: str, direct: bool, index_of: Callable[[str], ModelIndex]
 ) -> None:
-    """`read_load` at the plan's offsets yields exactly the row/column slices of the tensors."""
+    """`read_load` at the plan's offsets yields exactly the row/column slices of the tensors,
+    through the page cache and through O_DIRECT spans (which also write neighbouring bytes)."""
     index = index_of(model)
-    plan = make_plan(index, BUDGETS[budget_name](index))
+    plan = make_plan(index, BUDGETS[budget_name](index), direct=direct)
     tensors: dict[str, np.ndarray] = {}
     for f in index.files:
         tensors.update(load_file(f))
     fds = {str(f): os.open(f, os.O_RDONLY) for f in index.files}
+    direct_fds = open_direct([str(f) for f in index.files]) if direct else None
+    spans = 0
     try:
         for ld in plan.loads:
-            buf = np.zeros(ld.nbytes, dtype=np.uint8)
-            assert read_load(fds, ld, memoryview(buf)) == sum(p.nbytes for p in ld.pieces)
+            buf = aligned_empty(ld.nbytes).fill_(0xAB)
+            assert read_load(fds, ld, buf, direct_fds) == ld.weight_bytes
+            pieces = zip(ld.pieces, ld.offsets, strict=True)
+            spans += sum(direct_span(p, o) is not None for p, o in pieces)
+            buf = buf.numpy()
             for piece, off in zip(ld.pieces, ld.offsets, strict=True):
                 got = buf[off : off + piece.nbytes].view(np.float32).reshape(piece.shape)
                 want = tensors[piece.entry.name]
@@ -222,8 +232,10 @@ def test_loads_read_back_as_tensor_slices(
                     want = want[:, piece.cols[0] : piece.cols[1]]
                 np.testing.assert_array_equal(got, want)
     finally:
-        for fd in fds.values():
+        for fd in [*fds.values(), *(direct_fds or {}).values()]:
             os.close(fd)
+    if direct and model == "wide":  # really read by O_DIRECT (this file system allows it)
+        assert spans > 0 and direct_fds
 
 
 def test_resident_layers_are_whole_and_fit_tight_budgets(

@@ -115,7 +115,8 @@ class PrefillEngine:
             raise ValueError("chunk_tokens must be at least 1")
         self.chunk_tokens = chunk_tokens
         self.events = events or EventBus()
-        self.plan: Plan = make_plan(self.index, self.budget)
+        # on a CPU the slots are host memory: lay loads out for O_DIRECT reads straight in
+        self.plan: Plan = make_plan(self.index, self.budget, direct=self.device.type == "cpu")
         files = [str(f) for f in self.index.files]
         moving = mover(files, self.device, link_gbps)
         if host_budget:

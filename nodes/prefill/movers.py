@@ -5,7 +5,9 @@ no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap (whic
 the disk reads into compute time).
 
 - `CpuMover`: the slot *is* host memory; the loader thread reads into it, then waits out the
-  emulated host→device link (`--link-gbps`).
+  emulated host→device link (`--link-gbps`). Loads laid out for it (`Load.direct`) are read
+  with O_DIRECT: the disk DMAs into the slot, and the page cache neither costs a copy on the
+  cores that compute nor fills with weights the cyclic access would evict anyway.
 - `CudaMover`: the loader thread reads into a pinned staging buffer per slot, then enqueues
   `slot.copy_(staging, non_blocking=True)` on a dedicated copy stream and records an event;
   compute waits on that event, and the copy stream waits on the compute-done event of the
@@ -18,6 +20,8 @@ row/column slices. Plain `preadv` into pinned staging keeps the pool the only de
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -25,7 +29,9 @@ from typing import Protocol
 
 import torch
 
-from nodes.prefill.plan import Load
+from nodes.prefill.plan import DIRECT_ALIGN, Load, direct_span
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +68,7 @@ class HostTier:
         buf = self._buffers.get(load.seq)
         if buf is not None:
             return buf, True
-        buf = torch.empty(load.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        buf = aligned_empty(load.nbytes, pin=self._pin)
         self._buffers[load.seq] = buf
         return buf, False
 
@@ -78,17 +84,70 @@ def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
     advise(fds, load, os.POSIX_FADV_DONTNEED)
 
 
-def read_load(fds: dict[str, int], load: Load, dest: memoryview) -> int:
-    """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes."""
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """uint8 host memory whose first byte is `DIRECT_ALIGN`-aligned (O_DIRECT's rule)."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def open_direct(files: list[str]) -> dict[str, int]:
+    """O_DIRECT descriptors for the files that allow it (not tmpfs, not every FUSE)."""
+    fds: dict[str, int] = {}
+    if not hasattr(os, "O_DIRECT"):  # macOS: F_NOCACHE would be the analogue
+        return fds
+    for f in files:
+        try:
+            fds[f] = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            log.info("%s: no O_DIRECT here, reading through the page cache", f)
+    return fds
+
+
+def read_load(
+    fds: dict[str, int],
+    load: Load,
+    dest: torch.Tensor,
+    direct_fds: dict[str, int] | None = None,
+) -> int:
+    """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
+
+    With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned;
+    a file that refuses (EINVAL) drops back to the page cache for good.
+    """
+    mem = memoryview(dest.numpy()).cast("B")
+    direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
     total = 0
     for piece, off in zip(load.pieces, load.offsets, strict=True):
-        fd = fds[str(piece.entry.file)]
+        name = str(piece.entry.file)
+        span = direct_span(piece, off) if direct and name in direct else None
+        if span is not None and direct is not None:
+            file_offset, at, n = span
+            try:
+                _pread_direct(direct[name], mem[at : at + n], file_offset, off - at + piece.nbytes)
+                total += piece.nbytes
+                continue
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.info("%s: O_DIRECT read refused, reading through the page cache", name)
+                os.close(direct.pop(name))
         pos = off
         for file_offset, n in piece.segments():
-            _pread_exact(fd, dest[pos : pos + n], file_offset)
+            _pread_exact(fds[name], mem[pos : pos + n], file_offset)
             pos += n
         total += piece.nbytes
     return total
+
+
+def _pread_direct(fd: int, buf: memoryview, offset: int, need: int) -> None:
+    """Aligned reads until `need` bytes are in (the span may run past the end of the file)."""
+    got = 0
+    while got < need:
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"short read at offset {offset + got}")
+        got += n
 
 
 def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
@@ -157,10 +216,13 @@ class CpuMover:
     ) -> None:
         self.device = device or torch.device("cpu")
         self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        self._direct = open_direct(files) if self.device.type == "cpu" else {}
         self.throttle = Throttle(link_gbps)
         self.tier = tier
 
     def alloc(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return aligned_empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
@@ -170,18 +232,20 @@ class CpuMover:
         if not cached:
             target = host if host is not None else region
             if target.device.type != "cpu":  # e.g. mps: read into host memory first
-                target = host = torch.empty(load.nbytes, dtype=torch.uint8)
-            disk = read_load(self._fds, load, memoryview(target.numpy()))
+                target = host = aligned_empty(load.nbytes)
+            disk = read_load(self._fds, load, target, self._direct)
             if self.tier is not None and load.seq not in self.tier.members:
                 drop_from_page_cache(self._fds, load)
         t1 = time.perf_counter()
         if host is not None:
             region[: load.nbytes].copy_(host)
         # the emulated link caps the whole fill: reading into host memory is part of the copy
-        self.throttle.wait(load.nbytes, t0)
-        return FillTimes(t1 - t0, time.perf_counter() - t1, load.nbytes, disk)
+        self.throttle.wait(load.weight_bytes, t0)
+        return FillTimes(t1 - t0, time.perf_counter() - t1, load.weight_bytes, disk)
 
     def prefetch(self, load: Load) -> None:
+        if load.direct and self._direct:
+            return  # O_DIRECT reads skip the page cache: read-ahead there would be wasted
         if self.tier is None or load.seq not in self.tier.members:
             advise(self._fds, load, os.POSIX_FADV_WILLNEED)
 
@@ -192,9 +256,9 @@ class CpuMover:
         return None
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._direct.values()]:
             os.close(fd)
-        self._fds = {}
+        self._fds, self._direct = {}, {}
 
 
 class CudaMover:
@@ -228,7 +292,7 @@ class CudaMover:
         if host is not None:
             staging = host  # pinned: the tier copies straight from its own buffer
             if not cached:
-                disk = read_load(self._fds, load, memoryview(staging.numpy()))
+                disk = read_load(self._fds, load, staging)
         else:
             staging = self._staging.get(key)
             if staging is None or staging.numel() < load.nbytes:
@@ -237,7 +301,7 @@ class CudaMover:
             previous = self._staged.get(key)
             if previous is not None:
                 previous.synchronize()  # the staging buffer is free once its last copy finished
-            disk = read_load(self._fds, load, memoryview(staging.numpy()))
+            disk = read_load(self._fds, load, staging)
             if self.tier is not None:
                 drop_from_page_cache(self._fds, load)
         t1 = time.perf_counter()
@@ -252,8 +316,8 @@ class CudaMover:
         if host is None:
             self._staged[key] = event
         event.synchronize()  # h2d time is measured; the compute stream still waits on the event
-        self.throttle.wait(load.nbytes, t1)
-        return FillTimes(t1 - t0, time.perf_counter() - t1, load.nbytes, disk)
+        self.throttle.wait(load.weight_bytes, t1)
+        return FillTimes(t1 - t0, time.perf_counter() - t1, load.weight_bytes, disk)
 
     def prefetch(self, load: Load) -> None:
         if self.tier is None or load.seq not in self.tier.members:
