@@ -495,3 +495,12 @@ def test_wire_imports_no_framework() -> None:
     )
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def test_frame_crc_is_zlibs_crc32() -> None:
+    """The fast crc32 the frames use (ISA-L) is zlib's function, chained the same way."""
+    from nodes import wire
+
+    data = np.random.default_rng(7).integers(0, 256, 3_000_001, dtype=np.uint8).tobytes()
+    assert wire.crc32(data) == zlib.crc32(data)
+    assert wire.crc32(data[1000:], wire.crc32(data[:1000])) == zlib.crc32(data)
