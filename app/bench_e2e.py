@@ -19,13 +19,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import queue
 import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -75,27 +77,70 @@ async def _net_in(cluster: DemoCluster, request_id: str) -> tuple[list[int], lis
     return sizes, seconds
 
 
-async def _raw_transfer(sizes: list[int], net_gbps: float | None) -> float:
-    """A plain aiohttp stream of the same frames, timed the same way: bytes/s."""
-    sender = PacedSender(net_gbps)  # the same emulated link as the prefill node's
+@contextlib.contextmanager
+def paced_server(
+    bodies: Sequence[bytes], net_gbps: float | None, gap_s: float = 0.0
+) -> Iterator[str]:
+    """A plain aiohttp server that streams `bodies` through the paced sender, `gap_s` apart
+    (as KV frames come a layer's compute apart, each into an idle connection); yields its URL.
+
+    It runs on a thread with its own event loop, as the prefill node is a process of its own:
+    the sender's precise waits then hold up the sender, not the client timing it."""
+    ready: queue.Queue[tuple[asyncio.AbstractEventLoop, asyncio.Event, int] | BaseException]
+    ready = queue.Queue()
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
         await resp.prepare(request)
-        for n in sizes:
-            await sender.send(resp, bytes(n))
+        sender = PacedSender(net_gbps)  # the same emulated link as the prefill node's
+        for i, body in enumerate(bodies):
+            if i and gap_s:
+                await asyncio.sleep(gap_s)
+            await sender.send(resp, body)
         return resp
 
-    app = web.Application()
-    app.router.add_get("/", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    rates: list[float] = []  # bytes/s of each frame
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_get("/", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            stop = asyncio.Event()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            ready.put((asyncio.get_running_loop(), stop, port))
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    def run() -> None:
+        try:
+            asyncio.run(serve())
+        except BaseException as e:  # surfaced to the caller below
+            ready.put(e)
+
+    thread = threading.Thread(target=run, name="paced-server", daemon=True)
+    thread.start()
+    got = ready.get(timeout=30)
+    if isinstance(got, BaseException):
+        raise RuntimeError(f"paced server failed: {got}") from got
+    loop, stop, port = got
     try:
-        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/") as r:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(timeout=30)
+
+
+FRAME_GAP_S = 0.02  # between the plain transfer's frames: each starts on an idle connection
+
+
+async def _raw_transfer(sizes: list[int], net_gbps: float | None) -> float:
+    """A plain aiohttp stream of the same frames, timed the same way: bytes/s."""
+    rates: list[float] = []  # bytes/s of each frame
+    with paced_server([bytes(n) for n in sizes], net_gbps, gap_s=FRAME_GAP_S) as url:
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
             want, got, start = iter(sizes), 0, None
             target = next(want, None)
             async for chunk in r.content.iter_any():
@@ -108,8 +153,6 @@ async def _raw_transfer(sizes: list[int], net_gbps: float | None) -> float:
                     got -= target
                     start = now if got else None
                     target = next(want, None)
-    finally:
-        await runner.cleanup()
     return statistics.median(rates) if rates else float("inf")
 
 

@@ -1,9 +1,13 @@
 """A paced sender: emulates a slower network link (`--net-gbps`) on one machine.
 
-A body goes out in pieces, each released no earlier than the emulated link would carry it,
-so the receiver sees the link's rate within a frame, not only between frames. A piece is a
+A body goes out in pieces, each released when the emulated link would have delivered it, so
+the receiver sees the link's rate within a frame, not only between frames. A piece is a
 millisecond of the link (at least 4 KiB): finer pacing would cost a wake-up of the event loop
 per few dozen microseconds, and on a busy CPU those wake-ups, not the link, would set the rate.
+
+The event loop's timers wake up on whole milliseconds (epoll), up to a millisecond late, which
+at 10 Gbit is most of a frame; so the loop sleeps to within `SPIN_S` of each release and the
+rest is a precise (blocking) `time.sleep`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,17 @@ from aiohttp import web
 
 PIECE_S = 1e-3  # seconds of the emulated link per piece
 MIN_PIECE = 4096  # bytes
+SPIN_S = 1.1e-3  # the last stretch of a wait, slept precisely (the loop waits that long at most)
+
+
+async def _wait_until(t: float) -> None:
+    """Return at perf_counter() ≈ t: the loop's timer for the bulk, time.sleep for the rest."""
+    left = t - time.perf_counter()
+    if left > SPIN_S:
+        await asyncio.sleep(left - SPIN_S)
+    left = t - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
 
 
 class PacedSender:
@@ -27,11 +42,10 @@ class PacedSender:
             return
         view, t0 = memoryview(data), time.perf_counter()
         piece = max(MIN_PIECE, int(self.rate * PIECE_S))
-        for start in range(0, len(view), piece):
-            left = start / self.rate - (time.perf_counter() - t0)  # when the link is free
-            if left > 0:
-                await asyncio.sleep(left)
-            await response.write(view[start : start + piece])
-        left = len(view) / self.rate - (time.perf_counter() - t0)
-        if left > 0:
-            await asyncio.sleep(left)
+        # each piece goes out when the link would have delivered its last byte, after a
+        # small first piece (a link's first packet): the body's first byte arrives at once,
+        # its last at len / rate, and no stretch of it faster than the link
+        starts = [0, *range(min(MIN_PIECE, len(view)), len(view), piece)]
+        for start, end in zip(starts, [*starts[1:], len(view)], strict=True):
+            await _wait_until(t0 + end / self.rate)
+            await response.write(view[start:end])
