@@ -552,3 +552,31 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
         assert other.streamer.mover._direct == {}  # every file dropped back for good
     for a, b in zip(want, got, strict=True):
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+
+
+def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
+    """The prefill node's device thread runs below the event loop that sends the K/V (and
+    threads it starts inherit that); the loader runs lower still."""
+    import concurrent.futures
+    import os
+    import threading
+
+    from nodes.prefill.server import NETWORK_FIRST_NICE, _below_network
+    from nodes.prefill.streamer import _yield_to_compute
+
+    def nice_here() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def device_then_loader() -> tuple[int, int]:
+        device = nice_here()
+        box: list[int] = []
+        loader = threading.Thread(target=lambda: (_yield_to_compute(), box.append(nice_here())))
+        loader.start()
+        loader.join()
+        return device, box[0]
+
+    base = nice_here()
+    with concurrent.futures.ThreadPoolExecutor(1, initializer=_below_network) as pool:
+        device, loader = pool.submit(device_then_loader).result()
+    assert device == max(base, NETWORK_FIRST_NICE) and loader >= device >= base
+    assert nice_here() == base  # only that thread moved
