@@ -557,12 +557,13 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
 def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
     """The prefill node's device thread runs below the event loop that sends the K/V (and
     threads it starts inherit that); the loader runs lower still."""
-    import concurrent.futures
     import os
     import threading
+    from types import SimpleNamespace
 
-    from nodes.prefill.server import NETWORK_FIRST_NICE, _below_network
-    from nodes.prefill.streamer import _yield_to_compute
+    from nodes.events import EventBus
+    from nodes.prefill.server import PrefillService
+    from nodes.prefill.streamer import DEVICE_NICE, LOADER_NICE, lower_this_thread
 
     def nice_here() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
@@ -570,13 +571,18 @@ def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
     def device_then_loader() -> tuple[int, int]:
         device = nice_here()
         box: list[int] = []
-        loader = threading.Thread(target=lambda: (_yield_to_compute(), box.append(nice_here())))
+        loader = threading.Thread(
+            target=lambda: (lower_this_thread(LOADER_NICE), box.append(nice_here()))
+        )
         loader.start()
         loader.join()
         return device, box[0]
 
     base = nice_here()
-    with concurrent.futures.ThreadPoolExecutor(1, initializer=_below_network) as pool:
-        device, loader = pool.submit(device_then_loader).result()
-    assert device == max(base, NETWORK_FIRST_NICE) and loader >= device >= base
+    service = PrefillService(SimpleNamespace(close=lambda: None), "fp", EventBus())  # type: ignore[arg-type]
+    try:
+        device, loader = service.device_thread.submit(device_then_loader).result()
+    finally:
+        service.close()
+    assert device == max(base, DEVICE_NICE) and loader >= device >= base
     assert nice_here() == base  # only that thread moved

@@ -47,10 +47,14 @@ class Generation:
     tokens: int = 0
     finish_reason: str = "length"
     first_token_s: float = 0.0  # from the call to the first token (includes local prefill)
-    first_token_at: float = 0.0  # time.perf_counter() when the first token was sampled
     decode_s: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     token_at: list[float] = field(default_factory=list)  # perf_counter() of each token
+
+    @property
+    def first_token_at(self) -> float | None:
+        """time.perf_counter() when the first token was sampled."""
+        return self.token_at[0] if self.token_at else None
 
     @property
     def steady_tok_s(self) -> float | None:
@@ -147,8 +151,7 @@ class ModelHost:
                 raise Cancelled
             out.token_at.append(time.perf_counter())
             if out.tokens == 0:
-                out.first_token_at = out.token_at[0]
-                out.first_token_s = out.first_token_at - t0
+                out.first_token_s = out.token_at[0] - t0
             out.tokens += 1
             out.token_ids.append(token)
             if on_token is not None:
@@ -203,11 +206,12 @@ class ModelHost:
                 mx.clear_cache()
             y = step(prompt)
         yield int(y.item())
+        if max_tokens < 2:
+            return
+        with mx.stream(generation_stream):
+            y = step(y)
+        mx.async_eval(y)
         for n in range(2, max_tokens + 1):
-            if n == 2:
-                with mx.stream(generation_stream):
-                    y = step(y)
-                mx.async_eval(y)
             following = None
             if n < max_tokens:  # the next step computes while this token is handed out
                 with mx.stream(generation_stream):

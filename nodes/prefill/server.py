@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -24,12 +23,12 @@ from aiohttp import web
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
 from nodes.prefill.prefix_cache import PrefixCache
+from nodes.prefill.streamer import DEVICE_NICE, lower_this_thread
 from nodes.throttle import PacedSender
 from nodes.wire import PROTO, FrameWriter, Header
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-tandem-kv"
-NETWORK_FIRST_NICE = 5  # the device thread's niceness: below the event loop, above the loader
 _WIRE_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -69,8 +68,10 @@ class PrefillService:
         self.fingerprint = fingerprint
         self.events = events
         self.queue_limit = queue_limit
+        # compute (and the threads it starts) yields the CPU to this event loop: sending a
+        # finished layer is cheap and on the critical path, a CPU prefill would fill every core
         self.device_thread = concurrent.futures.ThreadPoolExecutor(
-            1, "tandem-device", initializer=_below_network
+            1, "tandem-device", initializer=functools.partial(lower_this_thread, DEVICE_NICE)
         )
         self._busy = asyncio.Semaphore(1)
         self._waiting = 0
@@ -229,14 +230,6 @@ class PrefillService:
             put(e)
         finally:
             layers.close()
-
-
-def _below_network() -> None:
-    """The device thread (and the compute threads it starts) yields the CPU to the event
-    loop: writing a finished layer to the network is cheap and on the critical path, while
-    a CPU prefill would otherwise keep every core busy. The loader runs lower still."""
-    with contextlib.suppress(AttributeError, OSError):  # elsewhere: normal priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NETWORK_FIRST_NICE)
 
 
 def _error(

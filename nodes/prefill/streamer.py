@@ -138,12 +138,18 @@ class LayerStreamer:
         self._resident_mem.clear()
 
 
-def _yield_to_compute() -> None:
-    """Run the loader at a lower CPU priority than the compute thread(s): its reads wait for
-    the gaps instead of stalling a parallel kernel. (The CUDA copy itself is DMA; this matters
-    for the host side of the copy, and most on a small CPU.)"""
-    with contextlib.suppress(AttributeError, OSError):  # elsewhere: normal priority
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+DEVICE_NICE = 5  # the compute thread: below a node's event loop, which sends the K/V
+LOADER_NICE = 10  # the loader: below compute, so its reads wait for the gaps
+
+
+def lower_this_thread(nice: int) -> None:
+    """Run the calling thread, and the threads it starts from now on, at niceness `nice`.
+
+    The loader's reads then wait for the gaps instead of stalling a parallel kernel, and
+    compute yields to the event loop that sends finished layers. (A CUDA copy is DMA; this
+    matters for the host side, and most on a small CPU.) Elsewhere: normal priority."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def part_weights(views: dict[str, torch.Tensor], op: str, lo: int) -> dict[str, torch.Tensor]:
@@ -170,7 +176,7 @@ class _Run:
         self.thread.start()
 
     def _loader(self) -> None:
-        _yield_to_compute()
+        lower_this_thread(LOADER_NICE)
         loads = self.s.plan.loads
         try:
             for j, load in enumerate(loads):
