@@ -3,8 +3,9 @@
 A frame is `u8 kind` + `u64` little-endian payload length + payload. Header, done and error
 payloads are JSON; a layer payload is a safetensors blob holding `k` and `v`, each
 `[1, n_kv_heads, count, head_dim]` in the header's dtype, metadata `{"layer": "i"}`.
-`FrameWriter` produces a valid stream; `FrameReader` checks one, fed in chunks of any size.
-Stdlib and numpy only: both the torch and the mlx side import this.
+`FrameWriter` produces a valid stream; `FrameReader` checks one, fed in chunks of any size,
+and hands each payload out as the pieces it arrived in (`Span`): the receive path copies
+nothing on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from nodes.model.safetensors_format import RawTensor, encode, nbytes_of, parse_header
+from nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of, parse_header
 
 try:  # ISA-L's crc32 is zlib's, at tens of GB/s instead of a few: the receive path's biggest cost
     from isal.isal_zlib import crc32
@@ -59,14 +60,83 @@ class Header:
         return (1, self.n_kv_heads, self.count, self.head_dim)
 
 
+COALESCE_BELOW = 64 * 1024  # pieces smaller than this are copied together: few pieces a frame
+
+
+class Span:
+    """Bytes held as a run of buffers (the chunks they arrived in, a frame's parts), joined
+    only where they are used: `bytes(span)`, `span.copy_into(buffer)`. Compares by content."""
+
+    __slots__ = ("_size", "parts")
+
+    def __init__(self, parts: tuple[memoryview | bytes | bytearray, ...] = ()) -> None:
+        self.parts = parts  # byte buffers, in order
+        self._size = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Span):
+            return NotImplemented
+        return len(self) == len(other) and bytes(self) == bytes(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable pieces: not hashable
+
+    def __repr__(self) -> str:
+        return f"Span({self._size} bytes in {len(self.parts)} pieces)"
+
+    def view(self, begin: int, end: int) -> Span:
+        """Bytes begin..end-1, still as pieces."""
+        out: list[memoryview] = []
+        at = 0
+        for part in self.parts:
+            lo, hi = max(begin - at, 0), min(end - at, len(part))
+            if lo < hi:
+                out.append(memoryview(part)[lo:hi])
+            at += len(part)
+            if at >= end:
+                break
+        return Span(tuple(out))
+
+    def copy_into(self, out: memoryview) -> None:
+        """Copy every byte, in order, into the start of `out` (a writable byte view)."""
+        at = 0
+        for part in self.parts:
+            out[at : at + len(part)] = part
+            at += len(part)
+
+
+class _SpanBuilder:
+    """Collects a payload's pieces: big ones by reference, small ones copied together (so a
+    stream cut into tiny chunks cannot cost a Python object per byte)."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview | bytearray] = []
+
+    def add(self, piece: memoryview) -> None:
+        if len(piece) >= COALESCE_BELOW:
+            self.parts.append(piece)
+        elif self.parts and isinstance(self.parts[-1], bytearray):
+            self.parts[-1] += piece
+        else:
+            self.parts.append(bytearray(piece))
+
+    def build(self) -> Span:
+        return Span(tuple(self.parts))
+
+
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's K and V as raw row-major bytes (views into `payload`, the safetensors blob)."""
+    """One layer's K and V as raw row-major bytes (spans of `payload`, the safetensors blob)."""
 
     layer: int
-    k: bytes | memoryview
-    v: bytes | memoryview
-    payload: bytes | bytearray = b""
+    k: Span
+    v: Span
+    payload: Span
 
 
 @dataclass(frozen=True)
@@ -107,7 +177,7 @@ def encode_header(h: Header) -> bytes:
 
 
 def encode_layer(layer: int, k: bytes | memoryview, v: bytes | memoryview, header: Header) -> bytes:
-    """The whole frame for one layer.
+    """The whole frame for one layer; K and V are copied once, into it.
 
     `k` and `v` hold `header.shape` in `header.dtype`, row-major: bytes or any C-contiguous
     buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`).
@@ -116,14 +186,14 @@ def encode_layer(layer: int, k: bytes | memoryview, v: bytes | memoryview, heade
     want = nbytes_of(header.dtype, header.shape)
     if len(k) != want or len(v) != want:
         raise ProtocolError(f"layer {layer}: K/V are {len(k)}/{len(v)} bytes, header says {want}")
-    blob = encode(
+    head, *data = encode_parts(
         {
             "k": RawTensor(header.dtype, header.shape, k),
             "v": RawTensor(header.dtype, header.shape, v),
         },
         {"layer": str(layer)},
     )
-    return _frame(KIND_LAYER, blob)
+    return b"".join([PREFIX.pack(KIND_LAYER, len(head) + 2 * want), head, *data])
 
 
 def encode_done(layers: int, crc32: int) -> bytes:
@@ -239,7 +309,7 @@ class FrameReader:
         self.next_layer = 0
         self._buf = bytearray()
         self._pending: tuple[int, int] | None = None  # (kind, length) once a prefix is read
-        self._payload = bytearray()  # the pending frame's payload, `_filled` bytes in
+        self._payload = _SpanBuilder()  # the pending frame's payload, `_filled` bytes in
         self._filled = 0
         self._payload_crc = 0  # the crc32 chain including the pending layer's bytes so far
         self._ended: Done | ErrorFrame | None = None
@@ -265,7 +335,7 @@ class FrameReader:
             raise ProtocolError("stream ends without a done frame")
 
     def _feed(self, data: bytes | memoryview) -> list[Frame]:
-        # Each payload is copied once, straight into its own buffer, and a layer payload's
+        # A payload is kept as views of the chunks it came in (no copy), and a layer payload's
         # crc32 advances chunk by chunk: a frame costs nothing extra when its last byte lands.
         view = memoryview(data).cast("B")
         if len(view) and self._ended is not None:
@@ -285,17 +355,18 @@ class FrameReader:
                 self._check_length(kind, n)  # before buffering any of the payload
                 self._buf.clear()
                 self._pending = (kind, n)
-                self._payload, self._filled, self._payload_crc = bytearray(n), 0, self.crc32
+                self._payload, self._filled, self._payload_crc = _SpanBuilder(), 0, self.crc32
             kind, n = self._pending
             take = min(n - self._filled, len(view) - pos)
-            piece = view[pos : pos + take]
-            self._payload[self._filled : self._filled + take] = piece
-            if kind == KIND_LAYER:
-                self._payload_crc = crc32(piece, self._payload_crc)
+            if take:
+                piece = view[pos : pos + take]
+                self._payload.add(piece)
+                if kind == KIND_LAYER:
+                    self._payload_crc = crc32(piece, self._payload_crc)
             self._filled += take
             pos += take
             if self._filled == n:
-                payload, self._payload, self._pending = self._payload, bytearray(), None
+                payload, self._pending = self._payload.build(), None
                 frames.append(self._decode(kind, payload))
                 if self._ended is not None and pos < len(view):
                     raise ProtocolError(f"data after the {self._end_name()} frame")
@@ -321,7 +392,10 @@ class FrameReader:
         if n > limit:
             raise ProtocolError(f"oversized frame: kind {kind}, {n} bytes, limit {limit}")
 
-    def _decode(self, kind: int, payload: bytearray) -> Frame:
+    def _decode(self, kind: int, span: Span) -> Frame:
+        if kind == KIND_LAYER:
+            return self._decode_layer(span)
+        payload = bytes(span)  # JSON: at most MAX_JSON_BYTES
         if kind == KIND_HEADER:
             obj = _load_json(payload, "header")
             _check_proto(obj.get("proto"))  # first: another version may have other keys
@@ -329,8 +403,6 @@ class FrameReader:
             _check_header(header)
             self.header = header
             return header
-        if kind == KIND_LAYER:
-            return self._decode_layer(payload)
         if kind == KIND_DONE:
             done = Done(**_fields(_load_json(payload, "done"), Done, "done"))
             _check_uint(done.layers, "done layers")
@@ -351,11 +423,11 @@ class FrameReader:
         self._ended = error
         return error
 
-    def _decode_layer(self, payload: bytearray) -> LayerKV:
+    def _decode_layer(self, payload: Span) -> LayerKV:
         h = self.header
         assert h is not None
         try:
-            entries, metadata, data_start = parse_header(payload)
+            entries, metadata, data_start = parse_header(_blob_header(payload))
         # parse_header raises SafetensorsError (a ValueError) for what it checks; hostile
         # JSON can still surface as these (deep nesting, Infinity, metadata not an object).
         except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:
@@ -379,14 +451,22 @@ class FrameReader:
             raise ProtocolError(f"more layers than the header's {h.layers}")
         self.crc32 = self._payload_crc
         self.next_layer += 1
-        mv = memoryview(payload)
         k, v = entries["k"], entries["v"]
         return LayerKV(
             self.next_layer - 1,
-            mv[data_start + k.begin : data_start + k.end],
-            mv[data_start + v.begin : data_start + v.end],
+            payload.view(data_start + k.begin, data_start + k.end),
+            payload.view(data_start + v.begin, data_start + v.end),
             payload,
         )
+
+
+def _blob_header(payload: Span) -> bytes:
+    """The leading bytes of a safetensors blob that hold its header (length and JSON)."""
+    head = bytes(payload.view(0, 8))
+    if len(head) < 8:
+        return head  # parse_header says what is wrong
+    (n,) = struct.unpack("<Q", head)
+    return bytes(payload.view(0, 8 + n)) if 8 + n <= len(payload) else head
 
 
 @runtime_checkable
@@ -420,12 +500,15 @@ async def read_frames(
 
 
 def layer_to_numpy(lkv: LayerKV, header: Header) -> tuple[np.ndarray, np.ndarray]:
-    """K and V as read-only numpy views `[1, n_kv_heads, count, head_dim]`.
+    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]` (the one copy of the pieces).
 
     numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it into
     bf16 with `mx.array(a).view(mx.bfloat16)`.
     """
-    dt = _NUMPY_DTYPE[header.dtype]
-    k = np.frombuffer(lkv.k, dtype=dt).reshape(header.shape)
-    v = np.frombuffer(lkv.v, dtype=dt).reshape(header.shape)
-    return k, v
+
+    def array(span: Span) -> np.ndarray:
+        flat = np.empty(len(span), np.uint8)
+        span.copy_into(memoryview(flat))
+        return flat.view(_NUMPY_DTYPE[header.dtype]).reshape(header.shape)
+
+    return array(lkv.k), array(lkv.v)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nodes.wire import (
+    COALESCE_BELOW,
     PROTO,
     Done,
     ErrorFrame,
@@ -30,6 +31,7 @@ from nodes.wire import (
     Header,
     LayerKV,
     ProtocolError,
+    Span,
     encode_done,
     encode_error,
     encode_header,
@@ -134,7 +136,7 @@ def test_round_trip(dtype: str) -> None:
     for f, (k, v) in zip(layers, kvs, strict=True):
         assert isinstance(f, LayerKV)
         assert bytes(f.k) == k and bytes(f.v) == v  # raw bits, NaN payloads included
-        crc = zlib.crc32(f.payload, crc)
+        crc = zlib.crc32(bytes(f.payload), crc)
         nk, nv = layer_to_numpy(f, h)
         assert nk.shape == nv.shape == (1, 2, 5, 4)
         assert nk.dtype == {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[dtype]
@@ -162,6 +164,40 @@ def test_one_byte_at_a_time() -> None:
     r.finish()
     assert frames == decode_all(data)
     assert [type(f) for f in frames] == [Header, LayerKV, LayerKV, LayerKV, Done]
+
+
+def test_payloads_are_views_of_the_chunks_they_came_in() -> None:
+    """The reader copies no big chunk: K and V are handed out as views of what was fed."""
+    h = dataclasses.replace(H, layers=2, count=16384)  # 512 KiB each of K and V
+    data, kvs = make_stream(h)
+    chunks = [data[i : i + 256 * 1024] for i in range(0, len(data), 256 * 1024)]  # as received
+    r = FrameReader()
+    layers = [f for c in chunks for f in r.feed(c) if isinstance(f, LayerKV)]
+    for f, (k, v) in zip(layers, kvs, strict=True):
+        assert bytes(f.k) == k and bytes(f.v) == v
+        big = [p for p in f.payload.parts if len(p) >= COALESCE_BELOW]
+        assert big and all(isinstance(p, memoryview) and p.obj in chunks for p in big)
+        assert sum(len(p) for p in big) > 0.8 * len(f.payload)
+
+
+def test_small_pieces_are_gathered() -> None:
+    """A stream fed a byte at a time is held in one buffer a frame, not an object a byte."""
+    h = dataclasses.replace(H, layers=1, count=100)
+    data, kvs = make_stream(h)
+    r = FrameReader()
+    frames = [f for i in range(len(data)) for f in r.feed(data[i : i + 1])]
+    (f,) = [f for f in frames if isinstance(f, LayerKV)]
+    assert len(f.payload.parts) == 1 and (bytes(f.k), bytes(f.v)) == kvs[0]
+
+
+def test_span_views_and_copies() -> None:
+    s = Span((b"abc", memoryview(b"defgh"), bytearray(b"ij")))
+    assert len(s) == 10 and bytes(s) == b"abcdefghij"
+    assert bytes(s.view(2, 7)) == b"cdefg" and bytes(s.view(3, 3)) == b""
+    assert s.view(1, 9) == Span((b"bcdefghi",)) and s != Span((b"abc",))
+    out = bytearray(12)
+    s.view(4, 10).copy_into(memoryview(out))
+    assert out == b"efghij" + bytes(6)
 
 
 def test_error_frame_ends_the_stream() -> None:
@@ -473,7 +509,7 @@ def test_mx_load_reads_a_layer_payload(dtype: str, tmp_path: Path) -> None:
     h = dataclasses.replace(H, dtype=dtype)
     lkv = next(f for f in decode_all(make_stream(h)[0]) if isinstance(f, LayerKV))
     path = tmp_path / "x.safetensors"
-    path.write_bytes(lkv.payload)
+    path.write_bytes(bytes(lkv.payload))
     arrays, metadata = mx.load(str(path), return_metadata=True)
     assert metadata == {"layer": "0"}
     want_dtype = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}[dtype]

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from nodes.wire import Header, LayerKV, ProtocolError
+from nodes.wire import Header, LayerKV, ProtocolError, layer_to_numpy
 
 
-def layer_arrays(frame: LayerKV) -> tuple[mx.array, mx.array]:
-    """K, V [1, n_kv, count, D] straight from the frame's safetensors blob (bf16 stays bf16)."""
-    arrays = mx.load(io.BytesIO(frame.payload), format="safetensors")
-    return arrays["k"], arrays["v"]
+def layer_arrays(frame: LayerKV, header: Header) -> tuple[mx.array, mx.array]:
+    """K, V [1, n_kv, count, D] from the frame's received pieces (bf16 stays bf16)."""
+    k, v = layer_to_numpy(frame, header)
+    if header.dtype == "BF16":  # numpy holds the raw bits as uint16
+        return mx.array(k).view(mx.bfloat16), mx.array(v).view(mx.bfloat16)
+    return mx.array(k), mx.array(v)
 
 
 class CacheBuilder:
@@ -30,7 +31,7 @@ class CacheBuilder:
         self.caches = caches
 
     def add(self, frame: LayerKV) -> None:
-        k, v = layer_arrays(frame)
+        k, v = layer_arrays(frame, self.header)
         cache: KVCache = self.caches[frame.layer]
         cache.update_and_fetch(k, v)
         mx.eval(cache.keys, cache.values)

@@ -107,6 +107,13 @@ def read_header(f: BinaryIO) -> tuple[dict[str, HeaderEntry], dict[str, str], in
 
 def encode(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None) -> bytes:
     """Serialize tensors in the given order. Same input, same bytes."""
+    return b"".join(encode_parts(tensors, metadata))
+
+
+def encode_parts(
+    tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None = None
+) -> list[bytes | memoryview]:
+    """`encode`'s bytes as its parts, without copying: the header, then each tensor's data."""
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -123,6 +130,6 @@ def encode(tensors: Mapping[str, RawTensor], metadata: Mapping[str, str] | None 
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned
-    parts = [struct.pack("<Q", len(raw)), raw]
-    parts.extend(bytes(t.data) for t in tensors.values())
-    return b"".join(parts)
+    parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)) + raw]
+    parts.extend(memoryview(t.data) for t in tensors.values())
+    return parts
