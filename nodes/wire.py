@@ -325,11 +325,16 @@ class FrameReader:
             self._failed = True
             raise
 
+    @property
+    def mid_frame(self) -> bool:
+        """Whether some bytes of a frame not yet complete have been fed."""
+        return bool(self._buf) or self._pending is not None
+
     def finish(self) -> None:
         """End of stream: raises ProtocolError unless it ended cleanly on done or error."""
         if self._failed:
             raise ProtocolError("reader already failed")
-        if self._buf or self._pending is not None:
+        if self.mid_frame:
             raise ProtocolError("stream ends inside a frame (truncated)")
         if self._ended is None:
             raise ProtocolError("stream ends without a done frame")

@@ -200,6 +200,16 @@ def test_span_views_and_copies() -> None:
     assert out == b"efghij" + bytes(6)
 
 
+def test_mid_frame() -> None:
+    data, _ = make_stream(H)
+    r = FrameReader()
+    assert not r.mid_frame
+    cut = len(encode_header(H)) + 3  # the header and 3 bytes of the first layer frame
+    assert len(r.feed(data[:cut])) == 1 and r.mid_frame
+    r.feed(data[cut:])
+    assert not r.mid_frame
+
+
 def test_error_frame_ends_the_stream() -> None:
     data, _ = make_stream(H, end="error")
     frames = decode_all(data)

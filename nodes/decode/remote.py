@@ -85,23 +85,23 @@ async def remote_prefill(
                 detail = (await resp.text())[:300]
                 retry = _retry_after(resp) if resp.status == 503 else None
                 raise RemotePrefillError(f"{url} answered {resp.status}: {detail}", retry)
-            frame_start: float | None = None  # when the first byte of the next frame came
+            # a frame's receive time: from the chunk with its first byte to the one with its last
+            frame_start: float | None = None
             async for chunk in resp.content.iter_any():
-                frame_start = frame_start or time.perf_counter()
+                arrived = time.perf_counter()
+                frame_start = frame_start or arrived
                 total += len(chunk)
                 frames = reader.feed(chunk)
                 for frame in frames:
-                    done_at = time.perf_counter()
                     if isinstance(frame, LayerKV):
                         n = PREFIX.size + len(frame.payload)
-                        seconds = done_at - frame_start
+                        seconds = arrived - frame_start
                         transfer_s += seconds
                         link = LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
                         events.publish(link)
                     await assembler.take(frame)
-                    frame_start = done_at
-                if frames:  # the next frame starts with the next chunk
-                    frame_start = None
+                if frames:  # the next frame's first byte came in this chunk or comes later
+                    frame_start = arrived if reader.mid_frame else None
             reader.finish()
             await assembler.finish()
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
