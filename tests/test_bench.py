@@ -18,7 +18,7 @@ PREFILL_KEYS = {
 }  # fmt: skip
 E2E_KEYS = {
     "ttft_remote_s", "prefill_s", "ttft_ratio", "kv_bytes", "kv_Bps", "raw_Bps", "kv_ratio",
-    "decode_tok_s", "mlx_decode_tok_s", "decode_ratio",
+    "raw_idle_Bps", "decode_tok_s", "mlx_decode_tok_s", "decode_ratio",
 }  # fmt: skip
 
 
@@ -87,4 +87,5 @@ def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
     # the KV crosses a 0.01 Gbit/s link (1.25 MB/s); a frame's first piece arrives at once
     assert 0.5 * 1.25e6 < r["kv_Bps"] < 1.5 * 1.25e6
     assert 0.5 * 1.25e6 < r["raw_Bps"] < 1.5 * 1.25e6
+    assert 0.5 * 1.25e6 < r["raw_idle_Bps"] < 1.5 * 1.25e6
     assert r["decode_tok_s"] > 0 and r["mlx_decode_tok_s"] > 0
