@@ -175,6 +175,7 @@ async def _raw_transfer(
                 await load
             finally:
                 load.cancel()
+                await asyncio.gather(load, return_exceptions=True)
     return statistics.median(loaded or [math.inf]), statistics.median(idle or [math.inf])
 
 
