@@ -4,8 +4,8 @@ A frame is `u8 kind` + `u64` little-endian payload length + payload. Header, don
 payloads are JSON; a layer payload is a safetensors blob holding `k` and `v`, each
 `[1, n_kv_heads, count, head_dim]` in the header's dtype, metadata `{"layer": "i"}`.
 `FrameWriter` produces a valid stream; `FrameReader` checks one, fed in chunks of any size,
-and hands each payload out as the pieces it arrived in (`Span`): the receive path copies
-nothing on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
+and hands each payload out as the pieces it arrived in (`Span`): the receive path copies no
+big chunk on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ COALESCE_BELOW = 64 * 1024  # pieces smaller than this are copied together: few 
 
 
 class Span:
-    """Bytes held as a run of buffers (the chunks they arrived in, a frame's parts), joined
-    only where they are used: `bytes(span)`, `span.copy_into(buffer)`. Compares by content."""
+    """Bytes held as the buffers they arrived in (views of received chunks), joined only where
+    they are used: `bytes(span)`, `span.copy_into(buffer)`. Compares by content."""
 
     __slots__ = ("_size", "parts")
 
