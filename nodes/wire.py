@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -300,16 +300,28 @@ def _fields(obj: dict[str, Any], cls: type, what: str) -> dict[str, Any]:
 
 
 class FrameReader:
-    """Incremental, validating decoder: `feed()` chunks, then `finish()` at end of stream."""
+    """Incremental, validating decoder: `feed()` chunks, then `finish()` at end of stream.
 
-    def __init__(self, max_layer_extra: int = LAYER_EXTRA_BYTES) -> None:
+    Or read in place, as `asyncio.BufferedProtocol` does: `get_buffer()` says where the next
+    bytes go (the rest of a prefix, or of a payload in a buffer of its own, from `alloc` for a
+    layer), `buffer_updated(n)` says that n bytes landed there. A reader takes one or the other.
+    """
+
+    def __init__(
+        self,
+        max_layer_extra: int = LAYER_EXTRA_BYTES,
+        alloc: Callable[[int], bytearray] = bytearray,
+    ) -> None:
         self.max_layer_extra = max_layer_extra
         self.header: Header | None = None
         self.crc32 = 0
         self.next_layer = 0
-        self._buf = bytearray()
+        self.alloc = alloc
+        self._prefix = bytearray(PREFIX.size)  # the pending prefix, `_prefix_n` bytes in
+        self._prefix_n = 0
         self._pending: tuple[int, int] | None = None  # (kind, length) once a prefix is read
         self._payload = _SpanBuilder()  # the pending frame's payload, `_filled` bytes in
+        self._target: memoryview | None = None  # the same, read in place (`get_buffer`)
         self._filled = 0
         self._payload_crc = 0  # the crc32 chain including the pending layer's bytes so far
         self._ended: Done | ErrorFrame | None = None
@@ -328,7 +340,7 @@ class FrameReader:
     @property
     def mid_frame(self) -> bool:
         """Whether some bytes of a frame not yet complete have been fed."""
-        return bool(self._buf) or self._pending is not None
+        return self._prefix_n > 0 or self._pending is not None
 
     def finish(self) -> None:
         """End of stream: raises ProtocolError unless it ended cleanly on done or error."""
@@ -349,33 +361,85 @@ class FrameReader:
         pos = 0
         while pos < len(view):
             if self._pending is None:
-                if not self._buf:
-                    self._check_kind(view[pos])  # fail on the first byte, not the ninth
-                take = min(PREFIX.size - len(self._buf), len(view) - pos)
-                self._buf += view[pos : pos + take]
+                take = min(PREFIX.size - self._prefix_n, len(view) - pos)
+                self._prefix[self._prefix_n : self._prefix_n + take] = view[pos : pos + take]
                 pos += take
-                if len(self._buf) < PREFIX.size:
+                if not self._prefix_got(take, frames):
                     break
-                kind, n = PREFIX.unpack_from(self._buf)
-                self._check_length(kind, n)  # before buffering any of the payload
-                self._buf.clear()
-                self._pending = (kind, n)
-                self._payload, self._filled, self._payload_crc = _SpanBuilder(), 0, self.crc32
-            kind, n = self._pending
+                self._payload = _SpanBuilder()
+            _, n = self._pending  # type: ignore[misc]  # _prefix_got set it
             take = min(n - self._filled, len(view) - pos)
             if take:
-                piece = view[pos : pos + take]
-                self._payload.add(piece)
-                if kind == KIND_LAYER:
-                    self._payload_crc = crc32(piece, self._payload_crc)
-            self._filled += take
+                self._payload.add(view[pos : pos + take])
             pos += take
-            if self._filled == n:
-                payload, self._pending = self._payload.build(), None
-                frames.append(self._decode(kind, payload))
-                if self._ended is not None and pos < len(view):
-                    raise ProtocolError(f"data after the {self._end_name()} frame")
+            self._payload_got(view[pos - take : pos], frames)
+            if self._ended is not None and pos < len(view):
+                raise ProtocolError(f"data after the {self._end_name()} frame")
         return frames
+
+    def get_buffer(self) -> memoryview:
+        """Where the stream's next bytes go (at least one byte; fill any part of it)."""
+        if self._failed:
+            raise ProtocolError("reader already failed")
+        if self._ended is not None:
+            return memoryview(self._prefix)  # whatever lands here is an error
+        if self._pending is None:
+            return memoryview(self._prefix)[self._prefix_n :]
+        assert self._target is not None
+        return self._target[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """`nbytes` landed at the start of `get_buffer()`; return the frames they complete."""
+        if self._failed:
+            raise ProtocolError("reader already failed")
+        try:
+            frames: list[Frame] = []
+            if nbytes and self._ended is not None:
+                raise ProtocolError(f"data after the {self._end_name()} frame")
+            if self._pending is None:
+                if not self._prefix_got(nbytes, frames):
+                    return frames
+                kind, n = self._pending  # type: ignore[misc]  # _prefix_got set it
+                buffer = self.alloc(n) if kind == KIND_LAYER else bytearray(n)
+                self._target = memoryview(buffer)[:n]  # a pooled buffer may be longer
+                self._payload_got(self._target[:0], frames)  # an empty payload is complete
+                return frames
+            assert self._target is not None
+            self._payload_got(self._target[self._filled : self._filled + nbytes], frames)
+            return frames
+        except ProtocolError:
+            self._failed = True
+            raise
+
+    def _prefix_got(self, nbytes: int, frames: list[Frame]) -> bool:
+        """`nbytes` more of the prefix are in: whether it is whole (then a payload is pending)."""
+        if nbytes and self._prefix_n == 0:
+            self._check_kind(self._prefix[0])  # fail on the first byte, not the ninth
+        self._prefix_n += nbytes
+        if self._prefix_n < PREFIX.size:
+            return False
+        kind, n = PREFIX.unpack_from(self._prefix)
+        self._check_length(kind, n)  # before buffering any of the payload
+        self._prefix_n = 0
+        self._pending = (kind, n)
+        self._filled, self._payload_crc = 0, self.crc32
+        return True
+
+    def _payload_got(self, piece: memoryview, frames: list[Frame]) -> None:
+        """`piece`, the pending payload's next bytes, is in place; decode a complete frame."""
+        assert self._pending is not None
+        kind, n = self._pending
+        if kind == KIND_LAYER and len(piece):
+            self._payload_crc = crc32(piece, self._payload_crc)
+        self._filled += len(piece)
+        if self._filled < n:
+            return
+        if self._target is not None:
+            payload, self._target = Span((self._target,)), None
+        else:
+            payload = self._payload.build()
+        self._pending = None
+        frames.append(self._decode(kind, payload))
 
     def _end_name(self) -> str:
         return "done" if isinstance(self._ended, Done) else "error"
@@ -505,15 +569,20 @@ async def read_frames(
 
 
 def layer_to_numpy(lkv: LayerKV, header: Header) -> tuple[np.ndarray, np.ndarray]:
-    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]` (the one copy of the pieces).
+    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]`.
 
-    numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it into
-    bf16 with `mx.array(a).view(mx.bfloat16)`.
+    A span read in place (one piece) comes back as a view of the frame's buffer, with no
+    copy: copy it (`mx.array` does) before that buffer is reused. Pieces are joined into
+    a new array. numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn
+    it into bf16 with `mx.array(a).view(mx.bfloat16)`.
     """
 
     def array(span: Span) -> np.ndarray:
-        flat = np.empty(len(span), np.uint8)
-        span.copy_into(memoryview(flat))
+        if len(span.parts) == 1:
+            flat = np.frombuffer(span.parts[0], np.uint8)
+        else:
+            flat = np.empty(len(span), np.uint8)
+            span.copy_into(memoryview(flat))
         return flat.view(_NUMPY_DTYPE[header.dtype]).reshape(header.shape)
 
     return array(lkv.k), array(lkv.v)

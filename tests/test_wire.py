@@ -64,13 +64,28 @@ def make_stream(h: Header, end: str = "done") -> tuple[bytes, list[tuple[bytes, 
     return b"".join(parts), kvs
 
 
-def decode_all(data: bytes, chunks: list[int] | None = None) -> list[Frame]:
-    """Feed `data` cut at the offsets in `chunks` (or whole), then finish."""
+def read_in_place(r: FrameReader, chunk: bytes) -> list[Frame]:
+    """Give `chunk` to `r` as `recv_into` would: into the reader's own buffers, each read as
+    much as the buffer takes."""
+    frames: list[Frame] = []
+    pos = 0
+    while pos < len(chunk):
+        view = r.get_buffer()
+        n = min(len(view), len(chunk) - pos)
+        view[:n] = chunk[pos : pos + n]
+        pos += n
+        frames += r.buffer_updated(n)
+    return frames
+
+
+def decode_all(data: bytes, chunks: list[int] | None = None, in_place: bool = False) -> list[Frame]:
+    """Feed `data` cut at the offsets in `chunks` (or whole), then finish. `in_place`: read
+    it into the reader's buffers (`get_buffer`) instead of feeding it."""
     r = FrameReader()
     cuts = [0, *sorted(chunks or []), len(data)]
     frames: list[Frame] = []
     for a, b in itertools.pairwise(cuts):
-        frames += r.feed(data[a:b])
+        frames += read_in_place(r, data[a:b]) if in_place else r.feed(data[a:b])
     r.finish()
     return frames
 
@@ -210,6 +225,66 @@ def test_mid_frame() -> None:
     assert not r.mid_frame
 
 
+def test_in_place_layers_land_in_buffers_from_alloc() -> None:
+    """Read in place, a layer's payload is the buffer `alloc` gave (one piece, no copy),
+    even a longer one, as a pool may give; JSON frames get buffers of their own."""
+    h = dataclasses.replace(H, count=64)
+    data, kvs = make_stream(h)
+    given: list[bytearray] = []
+
+    def alloc(n: int) -> bytearray:
+        given.append(bytearray(n + 100))
+        return given[-1]
+
+    r = FrameReader(alloc=alloc)
+    frames = read_in_place(r, data)
+    r.finish()
+    layers = [f for f in frames if isinstance(f, LayerKV)]
+    assert [(bytes(f.k), bytes(f.v)) for f in layers] == kvs
+    assert len(given) == h.layers
+    for f, buffer in zip(layers, given, strict=True):
+        (part,) = f.payload.parts
+        assert isinstance(part, memoryview) and part.obj is buffer
+        assert len(f.payload) == len(buffer) - 100
+    assert frames == decode_all(data)
+
+
+def test_in_place_reads_take_one_frame_at_a_time() -> None:
+    """`get_buffer` never reaches past the frame in progress: a read into it cannot take
+    bytes of the next frame, so each read's time belongs to one frame."""
+    data, _ = make_stream(H)
+    r = FrameReader()
+    sizes, frames = [], 0
+    pos = 0
+    while pos < len(data):
+        view = r.get_buffer()
+        n = min(len(view), len(data) - pos)
+        view[:n] = data[pos : pos + n]
+        pos += n
+        sizes.append(n)
+        frames += len(r.buffer_updated(n))
+    assert frames == 2 + H.layers
+    assert len(sizes) == 2 * frames  # a prefix, then a payload: each read whole
+    with pytest.raises(ProtocolError, match="after the done"):
+        r.buffer_updated(len(r.get_buffer()))
+    with pytest.raises(ProtocolError, match="already failed"):
+        r.get_buffer()
+
+
+def test_layer_to_numpy_views_a_buffer_read_in_place() -> None:
+    h = dataclasses.replace(H, layers=1, count=16384)  # 512 KiB each of K and V
+    data, kvs = make_stream(h)
+    lkv = next(f for f in read_in_place(FrameReader(), data) if isinstance(f, LayerKV))
+    k, v = layer_to_numpy(lkv, h)
+    (part,) = lkv.payload.parts
+    assert np.shares_memory(k, np.frombuffer(part, np.uint8))  # no copy
+    assert (k.tobytes(), v.tobytes()) == kvs[0] and k.shape == h.shape
+    cuts = list(range(0, len(data), 200_000))  # as received: K and V straddle chunks
+    fed = next(f for f in decode_all(data, cuts) if isinstance(f, LayerKV))
+    assert len(fed.k.parts) > 1  # pieces: joined into an array of their own
+    assert layer_to_numpy(fed, h)[0].tobytes() == kvs[0][0]
+
+
 def test_error_frame_ends_the_stream() -> None:
     data, _ = make_stream(H, end="error")
     frames = decode_all(data)
@@ -335,16 +410,18 @@ MALFORMED: dict[str, bytes] = {
 }
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["fed", "in place"])
 @pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
-def test_malformed_raises(data: bytes) -> None:
+def test_malformed_raises(data: bytes, in_place: bool) -> None:
     with pytest.raises(ProtocolError):
-        decode_all(data)
+        decode_all(data, in_place=in_place)
 
 
-def test_malformed_messages() -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["fed", "in place"])
+def test_malformed_messages(in_place: bool) -> None:
     def err(name: str) -> str:
         with pytest.raises(ProtocolError) as e:
-            decode_all(MALFORMED[name])
+            decode_all(MALFORMED[name], in_place=in_place)
         return str(e.value)
 
     assert "protocol version 2" in err("other proto version")
@@ -473,7 +550,7 @@ headers = st.builds(
 def test_any_chunking_decodes_the_same(h: Header, end: str, data: st.DataObject) -> None:
     stream, kvs = make_stream(h, end)
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=20))
-    frames = decode_all(stream, cuts)
+    frames = decode_all(stream, cuts, in_place=data.draw(st.booleans()))
     assert frames[0] == h
     got = [(bytes(f.k), bytes(f.v)) for f in frames if isinstance(f, LayerKV)]
     assert got == kvs
@@ -481,15 +558,21 @@ def test_any_chunking_decodes_the_same(h: Header, end: str, data: st.DataObject)
     assert frames == decode_all(stream)
 
 
-def _decode_or_protocol_error(data: bytes, cuts: list[int]) -> None:
+def _decode_or_protocol_error(data: bytes, cuts: list[int], in_place: bool = False) -> None:
     with contextlib.suppress(ProtocolError):
-        decode_all(data, cuts)
+        decode_all(data, cuts, in_place)
 
 
 @FAST
-@given(data=st.binary(max_size=300), cuts=st.lists(st.integers(0, 300), max_size=5))
-def test_random_bytes_only_raise_protocol_error(data: bytes, cuts: list[int]) -> None:
-    _decode_or_protocol_error(data, [c for c in cuts if c <= len(data)])
+@given(
+    data=st.binary(max_size=300),
+    cuts=st.lists(st.integers(0, 300), max_size=5),
+    in_place=st.booleans(),
+)
+def test_random_bytes_only_raise_protocol_error(
+    data: bytes, cuts: list[int], in_place: bool
+) -> None:
+    _decode_or_protocol_error(data, [c for c in cuts if c <= len(data)], in_place)
 
 
 _VALID = make_stream(dataclasses.replace(H, layers=2, count=2, n_kv_heads=1, head_dim=2))[0]
@@ -500,14 +583,15 @@ _VALID = make_stream(dataclasses.replace(H, layers=2, count=2, n_kv_heads=1, hea
     edits=st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), max_size=4),
     cut=st.integers(0, len(_VALID)),
     tail=st.binary(max_size=16),
+    in_place=st.booleans(),
 )
 def test_corrupted_stream_only_raises_protocol_error(
-    edits: list[tuple[int, int]], cut: int, tail: bytes
+    edits: list[tuple[int, int]], cut: int, tail: bytes, in_place: bool
 ) -> None:
     data = bytearray(_VALID)
     for i, b in edits:
         data[i] = b
-    _decode_or_protocol_error(bytes(data[:cut]) + tail, [])
+    _decode_or_protocol_error(bytes(data[:cut]) + tail, [], in_place)
 
 
 # --- the decode side's view ------------------------------------------------------------------
