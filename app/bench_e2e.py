@@ -38,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from app.demo import DemoCluster, DemoError
+from nodes.kv_link import arrival_seconds, receiver_socket, tune_sender
 from nodes.throttle import PacedSender
 
 
@@ -95,6 +96,8 @@ def paced_server(
 
     async def handler(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
+        if request.transport is not None:
+            tune_sender(request.transport.get_extra_info("socket"))  # as the prefill node's
         await resp.prepare(request)
         sender = PacedSender(net_gbps)  # the same emulated link as the prefill node's
         for i, body in enumerate(bodies):
@@ -141,20 +144,23 @@ FRAME_GAP_S = 0.02  # between the plain transfer's frames: each starts on an idl
 
 
 async def _frame_rates(session: aiohttp.ClientSession, url: str, sizes: list[int]) -> list[float]:
-    """One plain transfer of frames of `sizes` bytes: bytes/s of each, timed as KV frames are."""
+    """One plain transfer of frames of `sizes` bytes: bytes/s of each, timed as KV frames are
+    (`arrival_seconds`: from the chunk with a frame's first bytes to the one with its last)."""
     rates: list[float] = []
     async with session.get(url) as r:
-        want, got, start = iter(sizes), 0, None
+        want, got, start, early = iter(sizes), 0, 0.0, 0
         target = next(want, None)
         async for chunk in r.content.iter_any():
-            start = start or time.perf_counter()
+            now = time.perf_counter()
+            if not got:  # a frame's first bytes
+                start, early = now, len(chunk)
             got += len(chunk)
             while target is not None and got >= target:
-                now = time.perf_counter()
-                if now > start:
-                    rates.append(target / (now - start))
+                seconds = arrival_seconds(target, now - start, target - early)
+                if seconds > 0:
+                    rates.append(target / seconds)
                 got -= target
-                start = now if got else None
+                start, early = now, got  # the next frame's first bytes came in this chunk
                 target = next(want, None)
     return rates
 
@@ -165,7 +171,8 @@ async def _raw_transfer(
     """A plain aiohttp stream of the same frames: (bytes/s while the cluster serves one more
     remote prefill, the load the KV frames were sent under; bytes/s with idle cores)."""
     with paced_server([bytes(n) for n in sizes], net_gbps, gap_s=FRAME_GAP_S) as url:
-        async with aiohttp.ClientSession() as s:
+        connector = aiohttp.TCPConnector(socket_factory=receiver_socket)  # as the decode node's
+        async with aiohttp.ClientSession(connector=connector) as s:
             idle = await _frame_rates(s, url, sizes)
             load = asyncio.create_task(_completion(cluster, load_prompt, max_tokens=1))
             try:

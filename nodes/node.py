@@ -91,10 +91,6 @@ class Node:
         self.address = url_for(config.host, config.port)
         self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 
-    def client(self) -> aiohttp.ClientSession:
-        assert self.session is not None
-        return self.session
-
     def health(self) -> dict[str, Any]:
         return {
             "status": "ok",
@@ -278,7 +274,6 @@ async def _start_decode(node: Node) -> None:
         node.fingerprint,
         node.events,
         node.peers,
-        node.client,
         node.config.token,
         node.config.remote_prefill,
         max_tokens_limit=node.index.spec.max_position_embeddings,

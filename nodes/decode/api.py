@@ -23,7 +23,7 @@ from aiohttp import web
 
 from nodes.decode.host import Cancelled, Generation, ModelHost, SamplingParams
 from nodes.decode.prompt_cache import PromptCache
-from nodes.decode.remote import RemotePrefillError, remote_prefill
+from nodes.decode.remote import BufferPool, RemotePrefillError, remote_prefill
 from nodes.decode.router import LocalRate, Mode, choose
 from nodes.events import EventBus, RequestEvent, TokenEvent
 from nodes.model.spec import ModelSpec
@@ -74,7 +74,6 @@ class DecodeService:
         fingerprint: str,
         events: EventBus,
         peers: PeerTable,
-        session_factory: Any,
         token: str | None,
         mode: Mode = "auto",
         max_tokens_limit: int = 4096,
@@ -84,7 +83,7 @@ class DecodeService:
         self.fingerprint = fingerprint
         self.events = events
         self.peers = peers
-        self.session_factory = session_factory  # () -> aiohttp.ClientSession
+        self.frame_buffers = BufferPool()  # KV frames are read into these, reused
         self.token = token
         self.mode = mode
         self.max_tokens_limit = max_tokens_limit
@@ -114,9 +113,10 @@ class DecodeService:
         tokens = [(5 * i + 1) % self.spec.vocab_size for i in range(count)]
         try:
             result = await remote_prefill(
-                self.session_factory(), address, self.token, fingerprint=self.fingerprint,
+                address, self.token, fingerprint=self.fingerprint,
                 request_id=f"probe-{uuid.uuid4().hex[:8]}", tokens=tokens, start=0,
                 host=self.host, caches=caches, events=EventBus(), timeout_s=30.0,
+                buffers=self.frame_buffers,
             )  # fmt: skip
         except RemotePrefillError as e:
             log.info("probe of %s failed: %s", address, e)
@@ -284,7 +284,6 @@ class DecodeService:
         while True:
             try:
                 result = await remote_prefill(
-                    self.session_factory(),
                     peer.address,
                     self.token,
                     fingerprint=self.fingerprint,
@@ -295,6 +294,7 @@ class DecodeService:
                     caches=caches,
                     events=self.events,
                     timeout_s=max(1.0, deadline - time.monotonic()),
+                    buffers=self.frame_buffers,
                 )
                 break
             except RemotePrefillError as e:

@@ -4,18 +4,31 @@ layer by layer as frames arrive, while the prefill node computes the next layer.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from nodes.auth import auth_headers
+from nodes.decode import http_stream
 from nodes.decode.host import ModelHost
+from nodes.decode.http_stream import HttpError
 from nodes.decode.kv import CacheBuilder
 from nodes.events import EventBus, LayerEvent, LinkEvent
-from nodes.wire import PREFIX, PROTO, Done, ErrorFrame, Frame, FrameReader, Header, LayerKV
+from nodes.kv_link import arrival_seconds
+from nodes.wire import (
+    PREFIX,
+    PROTO,
+    Done,
+    ErrorFrame,
+    Frame,
+    FrameReader,
+    Header,
+    LayerKV,
+    Span,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +60,32 @@ class RemoteResult:
         return self.kv_bytes / self.transfer_s if self.transfer_s > 0 else None
 
 
+class BufferPool:
+    """Buffers that layer frames are read into, reused: the pages of a buffer read into
+    again are already mapped, where a fresh one takes a page fault per 4 KiB as bytes land.
+    Used from the event loop only."""
+
+    def __init__(self, keep_bytes: int = 256 * 2**20) -> None:
+        self.keep_bytes = keep_bytes  # idle buffers kept, in bytes at most
+        self._free: list[bytearray] = []
+
+    def take(self, n: int) -> bytearray:
+        """A buffer of n bytes or a little more (its contents are stale)."""
+        for i, buffer in enumerate(self._free):
+            if n <= len(buffer) <= 2 * n:
+                return self._free.pop(i)
+        return bytearray(n)
+
+    def give(self, span: Span) -> None:
+        """The buffers `span` was read into are free again (nothing else refers to them)."""
+        for part in span.parts:
+            buffer = part.obj if isinstance(part, memoryview) else part
+            kept = sum(len(b) for b in self._free)
+            if isinstance(buffer, bytearray) and kept + len(buffer) <= self.keep_bytes:
+                self._free.append(buffer)
+
+
 async def remote_prefill(
-    session: aiohttp.ClientSession,
     url: str,
     token: str | None,
     *,
@@ -60,6 +97,7 @@ async def remote_prefill(
     caches: list[Any],
     events: EventBus,
     timeout_s: float = 300.0,
+    buffers: BufferPool | None = None,
 ) -> RemoteResult:
     """Fill `caches` (holding positions 0..start-1) with positions start..len(tokens)-1."""
     body = {
@@ -70,41 +108,47 @@ async def remote_prefill(
         "start": start,
     }
     t0 = time.perf_counter()
-    reader = FrameReader()
-    assembler = _Assembler(host, caches, events, request_id, start)
+    buffers = buffers or BufferPool()
+    reader = FrameReader(alloc=buffers.take)
+    assembler = _Assembler(host, caches, events, request_id, start, buffers)
     total = 0
     transfer_s = 0.0
     try:
-        async with session.post(
-            f"{url}/v1/prefill",
-            json=body,
-            headers=auth_headers(token),
-            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_read=min(60.0, timeout_s)),
-        ) as resp:
+        async with (
+            asyncio.timeout(timeout_s),
+            http_stream.post(
+                f"{url}/v1/prefill",
+                json.dumps(body).encode(),
+                auth_headers(token),
+                read_timeout_s=min(60.0, timeout_s),
+            ) as resp,
+        ):
             if resp.status != 200:
-                detail = (await resp.text())[:300]
-                retry = _retry_after(resp) if resp.status == 503 else None
+                detail = (await resp.read(300)).decode(errors="replace")
+                retry = _retry_after(resp.headers) if resp.status == 503 else None
                 raise RemotePrefillError(f"{url} answered {resp.status}: {detail}", retry)
-            # a frame's receive time: from the chunk with its first byte to the one with its last
-            frame_start: float | None = None
-            async for chunk in resp.content.iter_any():
+            # a frame's receive time: from the read with its first bytes to the one with its
+            # last (a read never runs past the frame it is in: the reader gives its buffer)
+            first: tuple[float, int] | None = None  # at the frame's first read: time, bytes in
+            while n := await resp.read_into(reader.get_buffer()):
                 arrived = time.perf_counter()
-                frame_start = frame_start or arrived
-                total += len(chunk)
-                frames = reader.feed(chunk)
-                for frame in frames:
+                first = first or (arrived, resp.conn.received)
+                total += n
+                for frame in reader.buffer_updated(n):
                     if isinstance(frame, LayerKV):
-                        n = PREFIX.size + len(frame.payload)
-                        seconds = arrived - frame_start
+                        size = PREFIX.size + len(frame.payload)
+                        seconds = arrival_seconds(
+                            size, arrived - first[0], resp.conn.received - first[1]
+                        )
                         transfer_s += seconds
-                        link = LinkEvent(request_id, name="net_in", bytes=n, seconds=seconds)
+                        link = LinkEvent(request_id, name="net_in", bytes=size, seconds=seconds)
                         events.publish(link)
+                    first = None
                     await assembler.take(frame)
-                if frames:  # the next frame's first byte came in this chunk or comes later
-                    frame_start = arrived if reader.mid_frame else None
+                    await asyncio.sleep(0)  # reads that never wait would starve the loop
             reader.finish()
             await assembler.finish()
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+    except (HttpError, TimeoutError, OSError) as e:
         raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
     except Exception as e:  # ProtocolError and friends: the stream is unusable
         if isinstance(e, RemotePrefillError):
@@ -121,9 +165,15 @@ class _Assembler:
     back-pressure on the connection)."""
 
     def __init__(
-        self, host: ModelHost, caches: list[Any], events: EventBus, request_id: str, start: int
+        self,
+        host: ModelHost,
+        caches: list[Any],
+        events: EventBus,
+        request_id: str,
+        start: int,
+        buffers: BufferPool,
     ) -> None:
-        self.host, self.caches, self.events = host, caches, events
+        self.host, self.caches, self.events, self.buffers = host, caches, events, buffers
         self.request_id, self.start = request_id, start
         self.queue: asyncio.Queue[LayerKV | None] = asyncio.Queue(maxsize=4)
         self.task: asyncio.Task[None] | None = None
@@ -151,6 +201,7 @@ class _Assembler:
         assert self.builder is not None
         while (frame := await self.queue.get()) is not None:
             await self.host.call(self.builder.add, frame)
+            self.buffers.give(frame.payload)  # copied into the cache: the buffer is free
             received = LayerEvent(
                 self.request_id, layer=frame.layer, state="received", bytes=len(frame.payload)
             )
@@ -168,8 +219,8 @@ class _Assembler:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
-def _retry_after(resp: aiohttp.ClientResponse) -> float:
+def _retry_after(headers: Mapping[str, str]) -> float:
     try:
-        return min(30.0, max(0.0, float(resp.headers.get("Retry-After", "1"))))
+        return min(30.0, max(0.0, float(headers.get("retry-after", "1"))))
     except ValueError:
         return 1.0

@@ -21,6 +21,7 @@ import torch
 from aiohttp import web
 
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
+from nodes.kv_link import tune_sender
 from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
 from nodes.prefill.prefix_cache import PrefixCache
 from nodes.prefill.streamer import DEVICE_NICE, lower_this_thread
@@ -144,6 +145,8 @@ class PrefillService:
         )
         writer = FrameWriter(header)
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
+        if request.transport is not None:
+            tune_sender(request.transport.get_extra_info("socket"))
         await response.prepare(request)
         await response.write(writer.start())
         loop = asyncio.get_running_loop()

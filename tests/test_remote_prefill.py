@@ -1,0 +1,103 @@
+"""The decode node's side of `/v1/prefill` in-process (nodes/decode/remote.py): caches filled
+from a stream read in place, frame buffers reused, each failure a RemotePrefillError."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from nodes.decode.host import ModelHost
+from nodes.decode.remote import BufferPool, RemotePrefillError, remote_prefill
+from nodes.events import EventBus, LinkEvent
+from nodes.model import fingerprint, load_index
+from nodes.wire import Span
+from tests.fake_prefill import start_fake_prefill
+
+TOKEN = "t0ken"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model(arch="llama", layers=2)
+
+
+@pytest.fixture(scope="module")
+def host(model: Path) -> Iterator[ModelHost]:
+    h = ModelHost(model)
+    asyncio.run(h.start())
+    yield h
+    h.close()
+
+
+async def _prefill(
+    host: ModelHost, model: Path, url: str, pool: BufferPool, timeout_s: float = 30.0
+) -> tuple[list, EventBus]:
+    caches = await host.call(host.new_cache)
+    events = EventBus()
+    await remote_prefill(
+        url, TOKEN, fingerprint=fingerprint(load_index(model)), request_id="r1",
+        tokens=list(range(1, 40)), start=0, host=host, caches=caches, events=events,
+        timeout_s=timeout_s, buffers=pool,
+    )  # fmt: skip
+    return caches, events
+
+
+async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Path) -> None:
+    fake = await start_fake_prefill(model, TOKEN, "zeros")
+    pool = BufferPool()
+    made: list[bytearray] = []  # kept alive: their ids stay distinct
+    take = pool.take
+
+    def counting_take(n: int) -> bytearray:
+        buffer = take(n)
+        made.append(buffer)
+        return buffer
+
+    pool.take = counting_take  # type: ignore[method-assign]
+    try:
+        events = EventBus()
+        for _ in range(3):
+            caches = await host.call(host.new_cache)
+            result = await remote_prefill(
+                fake.url, TOKEN, fingerprint=fingerprint(load_index(model)), request_id="r1",
+                tokens=list(range(1, 40)), start=0, host=host, caches=caches, events=events,
+                buffers=pool,
+            )  # fmt: skip
+            assert result.tokens == 39 and result.kv_bytes > 0
+            assert [c.offset for c in caches] == [39, 39]
+            assert all(not mx.any(c.keys[..., :39, :]).item() for c in caches)  # zeros sent
+    finally:
+        await fake.close()
+    assert len(made) == 3 * 2  # a buffer per layer frame...
+    assert len({id(b) for b in made}) <= 2  # ...the same ones again: given back once applied
+    links = [e for e in events.replay(since=0) if isinstance(e, LinkEvent)]
+    assert len(links) == 3 * 2 and all(e.name == "net_in" and e.seconds >= 0 for e in links)
+
+
+def test_buffer_pool() -> None:
+    pool = BufferPool(keep_bytes=3000)
+    a = pool.take(1000)
+    assert len(a) == 1000
+    pool.give(Span((memoryview(a)[:1000],)))
+    assert pool.take(400) is not a  # more than twice the need: not handed out
+    assert pool.take(900) is a  # a little longer than asked: reused
+    b, c, d = pool.take(1000), pool.take(1000), pool.take(1000)
+    for buffer in (a, b, c, d):
+        pool.give(Span((memoryview(buffer),)))
+    assert {id(pool.take(1000)) for _ in range(4)} & {id(d)} == set()  # over keep_bytes: dropped
+    pool.give(Span((b"not ours",)))  # bytes are never handed out again
+
+
+@pytest.mark.parametrize("mode", ["503", "409", "error_frame", "garbage", "die", "hang"])
+async def test_failures_raise_remote_prefill_error(host: ModelHost, model: Path, mode: str) -> None:
+    fake = await start_fake_prefill(model, TOKEN, mode)
+    try:
+        with pytest.raises(RemotePrefillError) as e:
+            await _prefill(host, model, fake.url, BufferPool(), timeout_s=1.0)
+    finally:
+        await fake.close()
+    assert (e.value.retry_after == 1.0) == (mode == "503")
