@@ -64,9 +64,9 @@ def make_stream(h: Header, end: str = "done") -> tuple[bytes, list[tuple[bytes, 
     return b"".join(parts), kvs
 
 
-def read_in_place(r: FrameReader, chunk: bytes) -> list[Frame]:
+def read_in_place(r: FrameReader, chunk: bytes, reads: list[int] | None = None) -> list[Frame]:
     """Give `chunk` to `r` as `recv_into` would: into the reader's own buffers, each read as
-    much as the buffer takes."""
+    much as the buffer takes (its size appended to `reads`)."""
     frames: list[Frame] = []
     pos = 0
     while pos < len(chunk):
@@ -75,6 +75,8 @@ def read_in_place(r: FrameReader, chunk: bytes) -> list[Frame]:
         view[:n] = chunk[pos : pos + n]
         pos += n
         frames += r.buffer_updated(n)
+        if reads is not None:
+            reads.append(n)
     return frames
 
 
@@ -254,17 +256,10 @@ def test_in_place_reads_take_one_frame_at_a_time() -> None:
     bytes of the next frame, so each read's time belongs to one frame."""
     data, _ = make_stream(H)
     r = FrameReader()
-    sizes, frames = [], 0
-    pos = 0
-    while pos < len(data):
-        view = r.get_buffer()
-        n = min(len(view), len(data) - pos)
-        view[:n] = data[pos : pos + n]
-        pos += n
-        sizes.append(n)
-        frames += len(r.buffer_updated(n))
-    assert frames == 2 + H.layers
-    assert len(sizes) == 2 * frames  # a prefix, then a payload: each read whole
+    reads: list[int] = []
+    frames = read_in_place(r, data, reads)
+    assert len(frames) == 2 + H.layers
+    assert len(reads) == 2 * len(frames)  # a prefix, then a payload: each read whole
     with pytest.raises(ProtocolError, match="after the done"):
         r.buffer_updated(len(r.get_buffer()))
     with pytest.raises(ProtocolError, match="already failed"):
