@@ -5,14 +5,17 @@ exactly N tokens, and reports:
 - `ttft_remote_s` (request to first token) vs `prefill_s` (the remote prefill alone):
   `ttft_ratio` — how much the handoff adds on top of the prefill itself;
 - `kv_Bps`, the KV frames' receive rate, vs `raw_Bps`, a plain aiohttp transfer of the same
-  frames measured the same way: `kv_ratio`. Both are medians of per-frame rates (first byte to
-  last), and both are taken under the same load: here both nodes share one machine, and KV
-  frames cross loopback while the prefill's compute threads hold every core, so the plain
-  transfer runs while the cluster serves one more remote prefill. `raw_idle_Bps` is the plain
-  transfer on idle cores, for reference;
+  frames measured the same way: `kv_ratio`. Both are medians of per-frame rates, each the rate
+  at which a frame's bytes arrived after its first read (`kv_link.arrival_seconds`); both go
+  over sockets set up alike (`kv_link`), and both are taken under the same load: here both
+  nodes share one machine, and KV frames cross loopback while the prefill's compute threads
+  hold every core, so the plain transfer runs while the cluster serves one more remote
+  prefill. `raw_idle_Bps` is the plain transfer on idle cores, for reference;
 - `decode_tok_s` after the handoff vs `mlx_decode_tok_s`, mlx-lm's own generation at the same
   context (in a separate process: app/ never imports mlx): `decode_ratio`. Both are steady-state
-  rates taken the same way: tokens after the second over the second-to-last token's time.
+  rates taken the same way (tokens after the second over the second-to-last token's time), and
+  both are medians of `--repeat` runs, interleaved: mlx-lm runs right after each request, while
+  the cluster idles, so a busy spell on the machine weighs on both.
 """
 
 from __future__ import annotations
@@ -188,8 +191,9 @@ async def _raw_transfer(
 
 def _mlx_reference(model: Path, tokens: int, max_tokens: int) -> float:
     root = Path(__file__).resolve().parents[1]
+    args = [str(model), str(tokens), str(max_tokens)]
     done = subprocess.run(
-        [sys.executable, "-m", "nodes.decode.reference", str(model), str(tokens), str(max_tokens)],
+        [sys.executable, "-m", "nodes.decode.reference", *args],
         cwd=root, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -211,12 +215,15 @@ async def bench_e2e(
                 [rng.randrange(vocab) for _ in range(tokens)]
                 for rng in map(random.Random, range(repeat + 2))
             ]
-            runs = []
+            runs, mlx_rates = [], []
             for i in range(repeat + 1):  # the first run warms both nodes up
                 extra = await _completion(cluster, prompts[i], max_tokens)
                 sizes, seconds = await _net_in(cluster, extra["request_id"])
                 if i:
                     runs.append((extra, sizes, seconds))
+                    # mlx-lm alone, right after: both rates sample the machine's same minutes
+                    mlx = await asyncio.to_thread(_mlx_reference, model, tokens, max_tokens)
+                    mlx_rates.append(mlx)
             raw_Bps, raw_idle_Bps = await _raw_transfer(cluster, sizes, net_gbps, prompts[-1])
         finally:
             cluster.stop()
@@ -229,7 +236,7 @@ async def bench_e2e(
     kv_Bps = statistics.median(
         statistics.median(n / t for n, t in zip(z, s, strict=True) if t > 0) for _, z, s in runs
     )
-    mlx_tok_s = _mlx_reference(model, tokens, max_tokens)
+    mlx_tok_s = statistics.median(mlx_rates)
     return {
         "tokens": tokens,
         "ttft_remote_s": ttft,
