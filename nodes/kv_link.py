@@ -9,9 +9,9 @@ A KV stream is a frame per layer, each sent at once after that layer's compute, 
   stream's connection is new for each request.
 - Reno congestion control on the sender: it sends a burst at once, and its window grows until
   a loss. BBR, a common default, paces each burst at its bandwidth estimate, which trails the
-  link after every compute gap; CUBIC's HyStart stops the window's growth at the first sign of
-  queueing, below one frame. On loopback here either stretched a 2 MB frame to twice its
-  transfer time or more.
+  link after every compute gap: on loopback here it stretched a 2 MB frame to twice its
+  transfer time or more. CUBIC's HyStart can end slow start at the first sign of queueing;
+  here it fell between the two.
 
 All best effort: a setting the system refuses is left as it is.
 """

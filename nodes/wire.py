@@ -3,9 +3,10 @@
 A frame is `u8 kind` + `u64` little-endian payload length + payload. Header, done and error
 payloads are JSON; a layer payload is a safetensors blob holding `k` and `v`, each
 `[1, n_kv_heads, count, head_dim]` in the header's dtype, metadata `{"layer": "i"}`.
-`FrameWriter` produces a valid stream; `FrameReader` checks one, fed in chunks of any size,
-and hands each payload out as the pieces it arrived in (`Span`): the receive path copies no
-big chunk on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
+`FrameWriter` produces a valid stream; `FrameReader` checks one, either fed in chunks of any
+size (each payload handed out as the pieces it arrived in, a `Span`) or read in place, each
+payload straight into a buffer of its own (`get_buffer`): the receive path copies no big
+chunk on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
 """
 
 from __future__ import annotations
@@ -364,7 +365,7 @@ class FrameReader:
                 take = min(PREFIX.size - self._prefix_n, len(view) - pos)
                 self._prefix[self._prefix_n : self._prefix_n + take] = view[pos : pos + take]
                 pos += take
-                if not self._prefix_got(take, frames):
+                if not self._prefix_got(take):
                     break
                 self._payload = _SpanBuilder()
             _, n = self._pending  # type: ignore[misc]  # _prefix_got set it
@@ -397,7 +398,7 @@ class FrameReader:
             if nbytes and self._ended is not None:
                 raise ProtocolError(f"data after the {self._end_name()} frame")
             if self._pending is None:
-                if not self._prefix_got(nbytes, frames):
+                if not self._prefix_got(nbytes):
                     return frames
                 kind, n = self._pending  # type: ignore[misc]  # _prefix_got set it
                 buffer = self.alloc(n) if kind == KIND_LAYER else bytearray(n)
@@ -411,7 +412,7 @@ class FrameReader:
             self._failed = True
             raise
 
-    def _prefix_got(self, nbytes: int, frames: list[Frame]) -> bool:
+    def _prefix_got(self, nbytes: int) -> bool:
         """`nbytes` more of the prefix are in: whether it is whole (then a payload is pending)."""
         if nbytes and self._prefix_n == 0:
             self._check_kind(self._prefix[0])  # fail on the first byte, not the ninth
