@@ -191,9 +191,8 @@ async def _raw_transfer(
 
 def _mlx_reference(model: Path, tokens: int, max_tokens: int) -> float:
     root = Path(__file__).resolve().parents[1]
-    args = [str(model), str(tokens), str(max_tokens)]
     done = subprocess.run(
-        [sys.executable, "-m", "nodes.decode.reference", *args],
+        [sys.executable, "-m", "nodes.decode.reference", str(model), str(tokens), str(max_tokens)],
         cwd=root, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:

@@ -16,7 +16,7 @@ import socket
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
-from nodes.kv_link import tune_receiver
+from nodes.kv_link import receiver_socket
 
 READ_AHEAD = 64 * 1024  # bytes buffered for the status line, headers and chunk sizes
 MAX_LINE = 8 * 1024  # bytes in one status, header or chunk-size line
@@ -45,12 +45,11 @@ class Connection:
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         error: OSError = OSError(f"{host}:{port} has no address")
-        for family, kind, proto, _, address in infos:
-            sock = socket.socket(family, kind, proto)
+        for info in infos:
+            sock, address = receiver_socket(info), info[4]
             try:
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                tune_receiver(sock)
                 async with asyncio.timeout(read_timeout_s):
                     await loop.sock_connect(sock, address)
                 return cls(sock, read_timeout_s)

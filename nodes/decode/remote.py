@@ -49,7 +49,7 @@ class RemoteResult:
     tokens: int  # positions computed remotely
     kv_bytes: int  # response body bytes
     seconds: float  # request to last frame
-    transfer_s: float  # time spent receiving layer frames (their first to last byte)
+    transfer_s: float  # layer frames' bytes at the rate they arrived (`arrival_seconds`)
 
     @property
     def prefill_tok_s(self) -> float | None:
@@ -127,8 +127,8 @@ async def remote_prefill(
                 detail = (await resp.read(300)).decode(errors="replace")
                 retry = _retry_after(resp.headers) if resp.status == 503 else None
                 raise RemotePrefillError(f"{url} answered {resp.status}: {detail}", retry)
-            # a frame's receive time: from the read with its first bytes to the one with its
-            # last (a read never runs past the frame it is in: the reader gives its buffer)
+            # a frame's receive time: its reads from the first to the last, at the rate of the
+            # bytes after the first (a read never runs past its frame: the reader gives the buffer)
             first: tuple[float, int] | None = None  # at the frame's first read: time, bytes in
             while n := await resp.read_into(reader.get_buffer()):
                 arrived = time.perf_counter()
