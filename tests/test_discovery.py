@@ -360,32 +360,6 @@ def _advert(name: str = "box", node_id: str = "0123456789abcdef", port: int = 84
     return Advert(node_id, name, ("prefill",), 1, "ab" * 32, "cpu", 1 << 30, "127.0.0.1", port)
 
 
-async def test_name_collision_is_renamed_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    # on real interfaces: over loopback alone zeroconf's probe does not see conflicts
-    advert = replace(_advert("collide"), host="0.0.0.0")
-    squatter = AsyncServiceInfo(
-        SERVICE,
-        advert.instance_name(),
-        port=1,
-        properties={"id": "squatter"},
-        server="squatter.local.",
-        parsed_addresses=["127.0.0.1"],
-    )
-    table = PeerTable("0123456789abcdef", advert.fingerprint, None)
-    async with AsyncZeroconf() as azc, aiohttp.ClientSession() as s:
-        await _register(azc, squatter)
-        discovery = Discovery(advert, table, s, hint_after_s=0)
-        await discovery.start()
-        try:
-            deadline = time.monotonic() + 8.0
-            while discovery.service_name == advert.instance_name() and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-        finally:
-            await discovery.stop()
-    assert discovery.service_name == f"collide-01234567-2.{SERVICE}"
-    assert "already advertised" in caplog.text
-
-
 def test_instance_names_differ_per_id_and_stay_valid() -> None:
     a, b = _advert("gpu.lan"), _advert("gpu.lan", "fedcba9876543210")
     assert a.instance_name() != b.instance_name()

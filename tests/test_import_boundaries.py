@@ -26,6 +26,7 @@ FRAMEWORKS = TORCH | MLX | TUI
 BOUNDARIES: dict[str, frozenset[str]] = {
     "nodes.model": FRAMEWORKS | HF | {"aiohttp"},
     "nodes.model.factory": FRAMEWORKS | HF,  # tokenizers only inside make_model()
+    "nodes.model.gguf_import": FRAMEWORKS | HF | {"aiohttp"},  # mlx and HF inside functions
     "nodes.events": FRAMEWORKS | HF | {"aiohttp", "numpy"},
     "nodes.units": FRAMEWORKS | HF | {"aiohttp", "numpy"},
     "nodes.wire": FRAMEWORKS | HF | {"aiohttp"},
@@ -42,6 +43,8 @@ BOUNDARIES: dict[str, frozenset[str]] = {
     "app.cli": FRAMEWORKS,
     "app.bench_e2e": FRAMEWORKS,
     "app.pair": FRAMEWORKS,
+    "app.demo": FRAMEWORKS | HF,
+    "app.real_model": FRAMEWORKS | HF,
 }
 
 

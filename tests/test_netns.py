@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from nodes.discovery import SERVICE_TYPE
 from tests.discovery_support import MdnsNode, mutual_trust, poll, start_mdns_node, trusted_by
-from tests.nodeproc import wait_healthy
+from tests.nodeproc import free_port, wait_healthy
 
 pytestmark = pytest.mark.netns
 TOKEN = "netns-test-token-0123456789"
@@ -84,9 +85,11 @@ class Lab:
             _ip("-n", ns, "addr", "add", addr, "dev", dev, *(["nodad"] if ":" in addr else []))
             _ip("-n", ns, "link", "set", dev, "up")
 
-    def node(self, ns: str, host: str, role: str, *args: str, model: Path) -> MdnsNode:
+    def node(
+        self, ns: str, host: str, role: str, *args: str, model: Path, port: int | None = None
+    ) -> MdnsNode:
         node = start_mdns_node(
-            self.tmp, model, role, *args, token=TOKEN, host=host, netns=ns, wait=False
+            self.tmp, model, role, *args, token=TOKEN, host=host, netns=ns, port=port, wait=False
         )
         self.nodes.append(node)
         return node
@@ -179,3 +182,21 @@ def test_routed_subnets_block_mdns_the_node_hints_and_peer_works(lab: Lab, model
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     )
     assert reply["tandem"]["prefill"] == "remote"
+
+
+def test_a_second_node_with_the_same_id_advertises_under_a_new_name(lab: Lab, model: Path) -> None:
+    """A copied config dir: two nodes, one id, one name, on one link. The second one's probe
+    meets the first one's records over the veth and renames itself, with a warning."""
+    a, b = lab.netns("a"), lab.netns("b")
+    lab.link(a, "10.79.0.1/24", b, "10.79.0.2/24")
+    port = free_port()  # the same port in both: the id file (config/nodes/PORT.id) is shared
+    first = lab.node(a, "10.79.0.1", "prefill", "--name", "collide", model=model, port=port)
+    node_id = wait_healthy(first)["id"]
+    name = f"collide-{node_id[:8]}.{SERVICE_TYPE}"
+    poll(lambda: f"mDNS: advertising {name}" in first.output(), 20.0)
+    second = lab.node(b, "10.79.0.2", "prefill", "--name", "collide", model=model, port=port)
+    assert wait_healthy(second)["id"] == node_id
+    renamed = f"collide-{node_id[:8]}-2.{SERVICE_TYPE}"
+    poll(lambda: f"mDNS: advertising {renamed}" in second.output(), 20.0)
+    assert f"{name} is already advertised" in second.output()
+    assert "already advertised" not in first.output()

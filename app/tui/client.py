@@ -175,14 +175,20 @@ class NodeClient:
             raise NodeError("unreachable", _why(e)) from None
 
     async def chat(
-        self, messages: list[dict[str, str]], max_tokens: int = 256
+        self,
+        messages: list[dict[str, str]],
+        max_tokens: int = 256,
+        temperature: float | None = None,
     ) -> AsyncIterator[ChatPart]:
-        """Stream a chat completion: `Delta`s, then the reply's `ReplyStats`.
+        """Stream a chat completion: `Delta`s, then the reply's `ReplyStats`; `temperature`
+        None leaves the node's default.
 
         Closing the generator (or cancelling its task) closes the connection, which cancels
         the decode and the remote prefill on the nodes.
         """
-        body = {"messages": messages, "stream": True, "max_tokens": max_tokens}
+        body: dict[str, Any] = {"messages": messages, "stream": True, "max_tokens": max_tokens}
+        if temperature is not None:
+            body["temperature"] = temperature
         try:
             async with self.session.post(
                 f"{self.url}/v1/chat/completions",

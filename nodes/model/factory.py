@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 
 from nodes.model.errors import ModelError
-from nodes.model.safetensors_format import RawTensor, encode
+from nodes.model.safetensors_format import RawTensor, encode, float_bytes
 from nodes.model.spec import FAMILIES, Family
 
 CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus.txt"
@@ -52,18 +52,6 @@ class MakeModelArgs:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
-
-
-def _to_bytes(a: np.ndarray, dtype: str) -> tuple[str, bytes]:
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    if dtype == "float32":
-        return "F32", a.tobytes()
-    if dtype == "float16":
-        return "F16", a.astype(np.float16).tobytes()
-    # bfloat16: round to nearest even on the upper 16 bits of the float32 pattern
-    u = a.view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return "BF16", u.astype(np.uint16).tobytes()
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -221,7 +209,7 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
 
     shards: list[dict[str, RawTensor]] = [{} for _ in range(args.shards)]
     for name, array in _weights(args, head_dim):
-        dtype, data = _to_bytes(array, args.dtype)
+        dtype, data = float_bytes(array, args.dtype)
         shards[_shard_of(name, args)][name] = RawTensor(dtype, tuple(array.shape), data)
     meta = {"format": "pt"}
     for stale in out.glob("model*.safetensors*"):

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
+import numpy as np
+
 ITEMSIZE: dict[str, int] = {
     "F64": 8,
     "F32": 4,
@@ -48,6 +50,21 @@ class HeaderEntry:
     shape: tuple[int, ...]
     begin: int  # byte offset from the start of the data section
     end: int
+
+
+def float_bytes(a: np.ndarray, dtype: str) -> tuple[str, bytes]:
+    """Float values as (safetensors dtype, bytes) in `dtype`: "float32", "float16" or
+    "bfloat16" (round to nearest even on the upper 16 bits of the float32 pattern)."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "float32":
+        return "F32", a.tobytes()
+    if dtype == "float16":
+        return "F16", a.astype(np.float16).tobytes()
+    if dtype != "bfloat16":
+        raise ValueError(f"unsupported float dtype {dtype!r}")
+    u = a.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return "BF16", u.astype(np.uint16).tobytes()
 
 
 def nbytes_of(dtype: str, shape: tuple[int, ...]) -> int:

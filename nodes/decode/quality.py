@@ -1,0 +1,75 @@
+"""Handoff quality, teacher-forced: how well a handed-off prompt cache predicts a fixed real
+continuation, against mlx-lm's own prefill of the same prompt on the same model.
+
+For bf16 and quantized models greedy text is the wrong judge (torch and mlx round differently,
+so near-tied logits flip; DESIGN.md): both caches read the same continuation instead, and we
+compare the argmax at every position and the continuation's perplexity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from nodes.decode.host import PREFILL_STEP
+
+
+@dataclass(frozen=True)
+class Quality:
+    """One continuation read after two caches of the same prompt."""
+
+    tokens: int  # continuation tokens scored
+    top1_agreement: float  # fraction of positions whose argmax agrees
+    perplexity: float  # of the continuation after the handed-off cache
+    reference_perplexity: float  # the same after mlx-lm's own prefill
+
+    @property
+    def perplexity_ratio(self) -> float:
+        return self.perplexity / self.reference_perplexity
+
+
+def read_continuation(
+    model: Any, cache: list[Any], last_prompt_token: int, continuation: Sequence[int]
+) -> tuple[list[float], list[int]]:
+    """Feed `[t_{n-1}, c_0 .. c_{m-2}]` after `cache` (tokens 0..n-2): the log-probability of
+    each `c_i` and the argmax at each position."""
+    inputs = mx.array([[last_prompt_token, *continuation[:-1]]])
+    logits = model(inputs, cache=cache)[0].astype(mx.float32)  # [m, V]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets = mx.array(list(continuation))
+    picked = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    return picked.tolist(), mx.argmax(logits, axis=-1).tolist()
+
+
+def own_prefill(model: Any, prompt_head: Sequence[int]) -> list[Any]:
+    """mlx-lm's own cache of `prompt_head` (tokens 0..n-2), in generate's prefill steps."""
+    cache = make_prompt_cache(model)
+    for start in range(0, len(prompt_head), PREFILL_STEP):
+        model(mx.array([list(prompt_head[start : start + PREFILL_STEP])]), cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def handoff_quality(
+    model: Any, handed_off: list[Any], prompt: Sequence[int], continuation: Sequence[int]
+) -> Quality:
+    """Score `continuation` after the handed-off cache (holding `prompt[:-1]`) and after
+    mlx-lm's own prefill of the same tokens."""
+    if len(prompt) < 2 or len(continuation) < 1:
+        raise ValueError("need a prompt of at least 2 tokens and a continuation")
+    ours_lp, ours_top = read_continuation(model, handed_off, prompt[-1], continuation)
+    ref_lp, ref_top = read_continuation(
+        model, own_prefill(model, prompt[:-1]), prompt[-1], continuation
+    )
+    agree = sum(a == b for a, b in zip(ours_top, ref_top, strict=True)) / len(continuation)
+    return Quality(
+        tokens=len(continuation),
+        top1_agreement=agree,
+        perplexity=math.exp(-sum(ours_lp) / len(ours_lp)),
+        reference_perplexity=math.exp(-sum(ref_lp) / len(ref_lp)),
+    )

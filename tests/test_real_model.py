@@ -1,0 +1,187 @@
+"""The real model, SmolLM2-135M-Instruct, from its GGUF: the conversion, mlx-lm's answers on
+both forms, exact float32 replies through real nodes, and bf16 handoff quality."""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from safetensors.numpy import load_file
+
+from app.real_model import RealModel
+from tests.nodeproc import ROOT, NodeProc, start_node, wait_trusted
+
+TOKEN = "real-model-token-0123456789"
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."
+CORPUS = (ROOT / "assets" / "corpus.txt").read_text()
+PROMPTS = [
+    QUESTION,
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    # a long document: well over 400 prompt tokens with the chat template
+    "Read this text and say in one sentence what it is about.\n\n" + CORPUS[:2400],
+]
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+pytestmark = pytest.mark.slow
+
+
+@functools.cache
+def _mlx_load(model_dir: Path) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    return load(str(model_dir))
+
+
+def _mlx_reply(model_dir: Path, prompt: str, max_tokens: int) -> tuple[str, int]:
+    """mlx-lm's own greedy reply to a chat prompt, and the prompt's length in tokens."""
+    from mlx_lm import generate
+
+    model, tokenizer = _mlx_load(model_dir)
+    messages = [{"role": "user", "content": prompt}]
+    tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return generate(model, tokenizer, tokens, max_tokens=max_tokens), len(tokens)
+
+
+def test_the_mlx_form_holds_the_gguf_bits_and_the_hf_form_their_values(
+    real_model: RealModel,
+) -> None:
+    config = json.loads((real_model.path("mlx-q4") / "config.json").read_text())
+    quant = config["quantization"]
+    assert (quant["bits"], quant["group_size"], quant["mode"]) == (4, 32, "affine")
+    assert quant["model.embed_tokens"] == {"bits": 8, "group_size": 32}  # Q8_0
+    assert config["tie_word_embeddings"] is True and config["rope_theta"] == 100000.0
+    assert config["rope_parameters"]["rope_theta"] == 100000.0
+
+    packed = mx.load(str(real_model.path("mlx-q4") / "model.safetensors"))
+    f32 = load_file(str(real_model.path("float32") / "model.safetensors"))
+    bf16 = mx.load(str(real_model.path("bfloat16") / "model.safetensors"))
+    assert "lm_head.weight" not in f32  # tied, as in the GGUF
+    for i in range(config["num_hidden_layers"]):
+        for module in QKV:
+            name = f"model.layers.{i}.{module}"
+            w, scales, biases = (
+                packed[f"{name}.{part}"] for part in ("weight", "scales", "biases")
+            )
+            assert w.dtype == mx.uint32
+            # dequantized as mlx-lm does it, in the scales' float16: each group rounds at the
+            # size of its largest term, |bias| + 15·|scale|
+            mine = np.array(mx.dequantize(w, scales, biases, 32, 4), dtype=np.float32)
+            size = np.abs(np.array(biases, np.float32)) + 15 * np.abs(np.array(scales, np.float32))
+            size = np.repeat(size, 32, axis=1)
+            ref = f32[f"{name}.weight"]
+            assert (np.abs(mine - ref) / size).max() <= 2**-10, name
+            # what a wrong Q/K row order looks like: errors of the weights' own size
+            if module != "self_attn.v_proj":
+                heads = ref.shape[0] // 64
+                wrong = ref.reshape(heads, 2, 32, -1).swapaxes(1, 2).reshape(ref.shape)
+                assert (np.abs(mine - wrong) / size).max() > 0.5
+            rounded = (ref.view(np.uint32) + 0x7FFF + ((ref.view(np.uint32) >> 16) & 1)) >> 16
+            stored = np.array(bf16[f"{name}.weight"].view(mx.uint16))
+            assert np.array_equal(stored, rounded.astype(np.uint16)), name
+
+
+def test_transformers_reads_the_gguf_as_our_float_form(real_model: RealModel) -> None:
+    """An independent reader of the same GGUF (transformers' own dequantizer and its own
+    undoing of llama.cpp's Q/K permutation) gives exactly our float32 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from app.real_model import locate_gguf
+
+    gguf = locate_gguf(real_model.root.parent)
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).state_dict()
+    ours = load_file(str(real_model.path("float32") / "model.safetensors"))
+    names = [f"model.layers.{i}.{m}.weight" for i in (0, 13, 29) for m in QKV]
+    for name in [*names, "model.embed_tokens.weight", "model.layers.5.mlp.down_proj.weight"]:
+        np.testing.assert_array_equal(theirs[name].numpy(), ours[name], err_msg=name)
+
+
+@pytest.mark.parametrize("form", ["mlx-q4", "float32"])
+def test_mlx_lm_answers_the_capital_question_on_both_forms(
+    real_model: RealModel, form: str
+) -> None:
+    reply, _ = _mlx_reply(real_model.path(form), QUESTION, max_tokens=20)
+    assert reply == ANSWER
+
+
+@pytest.fixture(scope="module")
+def float_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[NodeProc, NodeProc]]:
+    tmp = tmp_path_factory.mktemp("real-f32")
+    model = real_model.path("float32")
+    # a budget well under the model (517 MB): the layers stream through it
+    prefill = start_node(tmp, model, "prefill", "--budget", "96MiB", token=TOKEN)
+    decode = start_node(
+        tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always", token=TOKEN
+    )
+    try:
+        wait_trusted(decode)
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_float32_replies_through_the_nodes_equal_mlx_lm(
+    real_model: RealModel, float_cluster: tuple[NodeProc, NodeProc]
+) -> None:
+    prefill, decode = float_cluster
+    client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN, timeout=600)
+    lengths = []
+    for prompt in PROMPTS:
+        max_tokens = 12 if len(prompt) > 1000 else 24
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens, temperature=0,
+        )  # fmt: skip
+        extra = reply.model_extra["tandem"]
+        assert extra["prefill"] == "remote" and extra["prefill_node"] == prefill.url
+        want, n = _mlx_reply(real_model.path("float32"), prompt, max_tokens)
+        assert reply.choices[0].message.content == want, prompt[:40]
+        assert reply.usage.prompt_tokens == n
+        lengths.append(n)
+    assert max(lengths) >= 400
+
+
+def test_bfloat16_handoff_reads_a_real_continuation_as_mlx_lm_does(
+    real_model: RealModel, tmp_path: Path
+) -> None:
+    """The prefill engine's bf16 KV (through `tandem prefill`), then a fixed real continuation
+    read teacher-forced by mlx-lm, against mlx-lm's own bf16 prefill."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from nodes.decode.quality import handoff_quality
+
+    model_dir = real_model.path("bfloat16")
+    model, tokenizer = _mlx_load(model_dir)
+    text = tokenizer.encode(CORPUS)  # real English prose, 780-odd tokens
+    prompt, continuation = text[:400], text[400:560]
+    tokens_file = tmp_path / "tokens.json"
+    tokens_file.write_text(json.dumps(prompt[:-1]))
+    out = tmp_path / "cache.safetensors"
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "prefill", "--model", str(model_dir),
+         "--tokens-file", str(tokens_file), "--out", str(out), "--budget", "48MiB"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    quality = handoff_quality(model, load_prompt_cache(str(out)), prompt, continuation)
+    print(
+        f"\nbf16 handoff over {quality.tokens} tokens after a {len(prompt)}-token prompt: "
+        f"top-1 agreement {quality.top1_agreement:.3f}, perplexity {quality.perplexity:.4f} "
+        f"vs mlx-lm's {quality.reference_perplexity:.4f} ({quality.perplexity_ratio - 1:+.2%})"
+    )
+    assert quality.tokens == 160
+    assert quality.top1_agreement >= 0.95
+    assert abs(quality.perplexity_ratio - 1) <= 0.01
