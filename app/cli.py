@@ -49,6 +49,12 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument(
+        "--quantize", type=int, default=None, metavar="BITS",
+        help="an MLX quantized checkpoint instead, by mlx-lm's converter (2-8 bits)",
+    )  # fmt: skip
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--recipe", default=None, help="mlx-lm mixed recipe, e.g. mixed_3_6")
     p.set_defaults(func=cmd_make_model)
 
 
@@ -70,6 +76,9 @@ def cmd_make_model(a: argparse.Namespace) -> int:
         rope_scaling=a.rope_scaling,
         rope_theta=a.rope_theta,
         tie_embeddings=a.tie_embeddings,
+        quantize=a.quantize,
+        group_size=a.group_size,
+        recipe=a.recipe,
     )
     out = make_model(a.dir, args)
     log.info("wrote %s", out)

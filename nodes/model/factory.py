@@ -8,7 +8,9 @@ on `assets/corpus.txt`. The config writes `tie_word_embeddings` and `rope_theta`
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,9 @@ class MakeModelArgs:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
+    quantize: int | None = None  # bits: an MLX quantized checkpoint, through mlx-lm's converter
+    group_size: int = 64
+    recipe: str | None = None  # mlx-lm's mixed recipes, e.g. "mixed_3_6"
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -169,8 +174,11 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
     """Write a complete HF-format model directory and return its path.
 
     `with_tokenizer=False` skips the tokenizer (and the `tokenizers` import): enough for the
-    prefill bench on a bare GPU box, which feeds token ids directly.
+    prefill bench on a bare GPU box, which feeds token ids directly. `args.quantize` writes
+    the same model as an MLX quantized checkpoint instead (`quantize_model`).
     """
+    if args.quantize is not None or args.recipe is not None:
+        return quantize_model(out_dir, args)
     if args.arch not in FAMILIES:
         raise ModelError(f"unsupported architecture {args.arch!r}; choose from {FAMILIES}")
     if args.vocab < 300:
@@ -226,4 +234,42 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
         total += sum(len(t.data) for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(_dump(index))
+    return out
+
+
+def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
+    """The float model of `args`, quantized by mlx-lm's own converter (`mlx_lm.convert`):
+    `args.quantize` bits in groups of `args.group_size`, or a mixed `args.recipe`; scales and
+    float weights in `args.dtype`. mlx is imported here only (DESIGN.md layout)."""
+    import tempfile
+
+    from mlx_lm import convert
+
+    out = Path(out_dir)
+    if args.quantize is not None and args.quantize not in (2, 3, 4, 5, 6, 8):
+        raise ModelError(f"--quantize must be one of 2, 3, 4, 5, 6, 8 bits, not {args.quantize}")
+    if args.group_size not in (32, 64, 128):
+        raise ModelError(f"--group-size must be 32, 64 or 128, not {args.group_size}")
+    if args.hidden % args.group_size or args.intermediate % args.group_size:
+        raise ModelError("--hidden and --intermediate must be multiples of --group-size")
+    float_args = dataclasses.replace(args, quantize=None, recipe=None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
+        src = make_model(Path(tmp) / "float", float_args)
+        dest = Path(tmp) / "quantized"
+        try:
+            convert(
+                str(src),
+                str(dest),
+                quantize=True,
+                q_bits=args.quantize,
+                q_group_size=args.group_size,
+                dtype=args.dtype,
+                quant_predicate=args.recipe,
+            )
+        except ValueError as e:
+            raise ModelError(f"mlx-lm cannot quantize this model: {e}") from None
+        if out.exists():
+            shutil.rmtree(out)
+        dest.rename(out)
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nodes.model.errors import ModelError
+from nodes.model.quant import Quant
 from nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, read_header
 from nodes.model.spec import ModelSpec, load_spec
 
@@ -41,8 +42,26 @@ class ModelIndex:
 
     @property
     def dtype(self) -> str:
-        """The dtype of the transformer blocks' weights (safetensors spelling)."""
-        return self.layers[0]["self_attn.q_proj.weight"].dtype
+        """The compute dtype (safetensors spelling): the blocks' float weights', as mlx-lm's
+        arithmetic ends up. A quantized checkpoint whose norms and scales differ (SmolLM2's
+        GGUF: F32 norms, F16 scales) computes in F32, as mlx promotes."""
+        layer = self.layers[0]
+        norm = layer["input_layernorm.weight"].dtype
+        scales = layer.get("self_attn.q_proj.scales")
+        if scales is None or scales.dtype == norm:
+            return norm
+        return "F32"
+
+    def quant(self, layer: int, module: str) -> Quant | None:
+        """How `model.layers.{layer}.{module}` is stored; None for float (norms always are:
+        mlx quantizes only linear layers and embeddings)."""
+        if f"{module}.scales" not in self.layers[layer]:
+            return None
+        return self.spec.quantization.of(f"model.layers.{layer}.{module}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.spec.quantization.quantized
 
     def layer_bytes(self, i: int) -> int:
         return sum(e.nbytes for e in self.layers[i].values())
@@ -55,7 +74,7 @@ class ModelIndex:
 
 
 def expected_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The tensors each decoder layer must hold, with their shapes."""
+    """The tensors each decoder layer must hold, with their logical (float) shapes."""
     h, hd, nh, nkv, inter = (
         spec.hidden_size,
         spec.head_dim,
@@ -134,20 +153,54 @@ def load_index(model_dir: str | Path) -> ModelIndex:
     return ModelIndex(spec=spec, layers=tuple(layers), globals=globals_, files=tuple(files))
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def stored_shapes(
+    name: str, shape: tuple[int, ...], quant: Quant | None
+) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The tensors that store a module's weight `name` of logical `shape`, with the dtypes
+    each may have: the float weight, or packed words plus scales and biases."""
+    if quant is None or len(shape) != 2 or not name.endswith(".weight"):
+        return {name: (shape, FLOAT_DTYPES)}
+    rows, cols = shape
+    module = name.removesuffix(".weight")
+    return {
+        name: ((rows, quant.packed_cols(cols)), ("U32",)),
+        f"{module}.scales": ((rows, quant.groups(cols)), FLOAT_DTYPES),
+        f"{module}.biases": ((rows, quant.groups(cols)), FLOAT_DTYPES),
+    }
+
+
+def _check_stored(
+    tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], quant: Quant | None,
+    prefix: str, path: Path,
+) -> None:  # fmt: skip
+    rows_cols = shape[-1] if len(shape) == 2 else 0
+    if quant is not None and rows_cols % quant.group_size:
+        raise ModelError(
+            f"{path}: {prefix}{name} has {rows_cols} columns, not whole groups of "
+            f"{quant.group_size}"
+        )
+    for stored, (want, dtypes) in stored_shapes(name, shape, quant).items():
+        entry = tensors.get(stored)
+        if entry is None:
+            raise ModelError(f"{path}: missing tensor {prefix}{stored}")
+        if entry.shape != want:
+            raise ModelError(f"{entry.file}: {entry.name} has shape {entry.shape}, expected {want}")
+        if entry.dtype not in dtypes:
+            raise ModelError(f"{entry.file}: {entry.name} has unsupported dtype {entry.dtype}")
+
+
 def _check(
     spec: ModelSpec,
     layers: list[dict[str, TensorEntry]],
     globals_: dict[str, TensorEntry],
     path: Path,
 ) -> None:
-    embed = globals_.get("model.embed_tokens.weight")
-    if embed is None:
-        raise ModelError(f"{path}: missing tensor model.embed_tokens.weight")
-    if embed.shape != (spec.vocab_size, spec.hidden_size):
-        raise ModelError(
-            f"{embed.file}: model.embed_tokens.weight has shape {embed.shape}, "
-            f"config says ({spec.vocab_size}, {spec.hidden_size})"
-        )
+    embed_quant = spec.quantization.of("model.embed_tokens")
+    _check_stored(globals_, "model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size),
+                  embed_quant, "", path)  # fmt: skip
     if "model.norm.weight" not in globals_:
         raise ModelError(f"{path}: missing tensor model.norm.weight")
     if not spec.tie_word_embeddings and "lm_head.weight" not in globals_:
@@ -155,18 +208,16 @@ def _check(
     expected = expected_layer_shapes(spec)
     dtype = None
     for i, tensors in enumerate(layers):
+        prefix = f"model.layers.{i}."
         for short, shape in expected.items():
-            entry = tensors.get(short)
-            if entry is None:
-                raise ModelError(f"{path}: missing tensor model.layers.{i}.{short}")
-            if entry.shape != shape:
-                raise ModelError(
-                    f"{entry.file}: {entry.name} has shape {entry.shape}, expected {shape}"
-                )
-            if entry.dtype not in ("F32", "F16", "BF16"):
-                raise ModelError(f"{entry.file}: {entry.name} has unsupported dtype {entry.dtype}")
-            dtype = dtype or entry.dtype
-            if entry.dtype != dtype:
-                raise ModelError(
-                    f"{entry.file}: {entry.name} is {entry.dtype}, other layers {dtype}"
-                )
+            quant = spec.quantization.of(prefix + short.removesuffix(".weight"))
+            _check_stored(tensors, short, shape, quant, prefix, path)
+            for stored in stored_shapes(short, shape, quant):
+                entry = tensors[stored]
+                if entry.dtype == "U32":
+                    continue
+                dtype = dtype or entry.dtype
+                if entry.dtype != dtype and not spec.quantization.quantized:
+                    raise ModelError(
+                        f"{entry.file}: {entry.name} is {entry.dtype}, other layers {dtype}"
+                    )

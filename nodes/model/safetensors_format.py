@@ -24,6 +24,7 @@ ITEMSIZE: dict[str, int] = {
     "I32": 4,
     "I16": 2,
     "I8": 1,
+    "U32": 4,  # MLX quantized weights: packed words
     "U8": 1,
     "BOOL": 1,
 }

@@ -7,11 +7,12 @@ Config traps (DESIGN.md, "Facts"): `rope_theta` may stand at the top level or on
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from nodes.model.errors import ModelError
+from nodes.model.quant import QuantConfig, parse_quantization
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -71,6 +72,7 @@ class ModelSpec:
     torch_dtype: str  # as written in config.json, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    quantization: QuantConfig = field(default_factory=lambda: QuantConfig(None, {}), hash=False)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -181,6 +183,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
             eos_token_ids=_eos_ids(config, generation),
             bos_token_id=config.get("bos_token_id"),
+            quantization=parse_quantization(config, str(where)),
         )
     except KeyError as e:
         raise ModelError(f"{where}: missing key {e.args[0]!r}") from None

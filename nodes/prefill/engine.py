@@ -28,8 +28,9 @@ from nodes.prefill.blocks import (
     mlp_part,
     rope_tables,
 )
+from nodes.prefill.dequant import dequantize
 from nodes.prefill.movers import FillTimes, HostTier, Mover, make_mover
-from nodes.prefill.plan import Load, Plan, make_plan
+from nodes.prefill.plan import ALIGN, Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class PrefillEngine:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
         self.spec = self.index.spec
         self.device = torch.device(device) if device is not None else default_device()
-        self.dtype = TORCH_DTYPES[self.index.dtype]
+        self.dtype = TORCH_DTYPES[self.index.dtype]  # compute dtype
+        self._itemsize = torch.finfo(self.dtype).bits // 8
         self.budget = budget if budget is not None else default_budget(self.index, self.device)
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
@@ -123,16 +125,20 @@ class PrefillEngine:
             streamed = [ld for ld in self.plan.loads if not ld.resident]
             moving.tier = HostTier(streamed, host_budget, pin=self.device.type == "cuda")
         self.streamer = LayerStreamer(self.plan, moving)
+        # a part's quantized matrices are dequantized here, one part at a time
+        self._scratch = torch.empty(self.plan.scratch_bytes, dtype=torch.uint8, device=self.device)
         self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
         self._freqs = inv_freq(self.spec)
         self.last_stats = PrefillStats()
         log.info(
-            "plan: %s granularity, %d ring slots of %d B, resident layers %s, pool %d B of %d",
+            "plan: %s granularity, %d ring slots of %d B, resident layers %s, pool %d B "
+            "+ scratch %d B of %d",
             self.plan.granularity,
             self.plan.n_slots,
             self.plan.slot_bytes,
             list(self.plan.resident_layers),
             self.plan.pool_bytes,
+            self.plan.scratch_bytes,
             self.budget,
         )
 
@@ -149,19 +155,40 @@ class PrefillEngine:
                 f"token id {bad[0]!r} outside the vocabulary [0, {self.spec.vocab_size})"
             )
 
-    def embed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Gather only the embedding rows of `tokens` from disk: [T, H] on the device."""
-        e = self.index.globals["model.embed_tokens.weight"]
+    def _gather_rows(self, name: str, tokens: Sequence[int]) -> torch.Tensor:
+        """Rows `tokens` of a global 2-D tensor, read from disk: [T, cols] on the host."""
+        e = self.index.globals[name]
+        fd = self._embed_fd
+        if e.file != self.index.globals["model.embed_tokens.weight"].file:
+            fd = os.open(e.file, os.O_RDONLY)
         row = e.nbytes // e.shape[0]
         rows = torch.empty((len(tokens), e.shape[1]), dtype=TORCH_DTYPES[e.dtype])
         buf = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-        for t in set(tokens):  # queue every row's disk read at once (cold: random 1-row reads)
-            os.posix_fadvise(self._embed_fd, e.offset + t * row, row, os.POSIX_FADV_WILLNEED)
-        for i, t in enumerate(tokens):
-            n = os.preadv(self._embed_fd, [buf[i * row : (i + 1) * row]], e.offset + t * row)
-            if n != row:
-                raise ModelError(f"{e.file}: short read in the embedding table")
-        return rows.to(self.device, self.dtype)
+        try:
+            for t in set(tokens):  # queue every row's read at once (cold: random 1-row reads)
+                os.posix_fadvise(fd, e.offset + t * row, row, os.POSIX_FADV_WILLNEED)
+            for i, t in enumerate(tokens):
+                n = os.preadv(fd, [buf[i * row : (i + 1) * row]], e.offset + t * row)
+                if n != row:
+                    raise ModelError(f"{e.file}: short read in {name}")
+        finally:
+            if fd != self._embed_fd:
+                os.close(fd)
+        return rows
+
+    def embed(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Gather only the embedding rows of `tokens` from disk: [T, H] on the device; a
+        quantized table's rows are dequantized after the gather (packed words, scales and
+        biases of those rows only)."""
+        weight = self._gather_rows("model.embed_tokens.weight", tokens)
+        quant = self.spec.quantization.of("model.embed_tokens")
+        if quant is None:
+            return weight.to(self.device, self.dtype)
+        scales = self._gather_rows("model.embed_tokens.scales", tokens).to(self.device)
+        biases = self._gather_rows("model.embed_tokens.biases", tokens).to(self.device)
+        # mlx-lm's embedding dequantizes in the scales' dtype, whatever the model computes in
+        rows = dequantize(weight.to(self.device), scales, biases, quant, scales.dtype)
+        return rows.to(self.dtype)
 
     def prefill(
         self,
@@ -189,7 +216,7 @@ class PrefillEngine:
             start=start,
             layers=spec.num_layers,
             budget_bytes=self.budget,
-            peak_weight_bytes=self.plan.pool_bytes,
+            peak_weight_bytes=self.plan.device_bytes,
             resident_layers=list(self.plan.resident_layers),
         )
         itemsize = torch.finfo(self.dtype).bits // 8
@@ -238,7 +265,7 @@ class PrefillEngine:
         stats.disk_bytes = stream.disk_bytes
         stats.compute_busy_s = sum(stats.layer_compute_s)
         if dev.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(dev) - self.plan.pool_bytes
+            peak = torch.cuda.max_memory_allocated(dev) - self.plan.device_bytes
             stats.peak_activation_bytes = max(0, peak)
 
     def _new_layer_state(
@@ -271,7 +298,7 @@ class PrefillEngine:
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         for part in load.parts:
-            w = part_weights(views, part.op, part.lo)
+            w = self._dequantized(part, part_weights(views, part.op, part.lo))
             if part.op == "attn":
                 attention_part(
                     self.spec, h, state, w, part.lo, part.hi, part.first, start, rope,
@@ -279,6 +306,27 @@ class PrefillEngine:
                 )  # fmt: skip
             else:
                 mlp_part(self.spec, h, state, w, part.first, self.chunk_tokens)
+
+    def _dequantized(self, part: Part, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part's weights with each quantized matrix dequantized into the scratch."""
+        if not self.index.quantized:
+            return w
+        out: dict[str, torch.Tensor] = {}
+        cursor = 0
+        for key, view in w.items():
+            module = key.removesuffix(".weight")
+            quant = self.index.quant(part.layer, module)
+            if key.endswith((".scales", ".biases")) or quant is None or key == module:
+                if not key.endswith((".scales", ".biases")):
+                    out[key] = view
+                continue
+            scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]
+            rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
+            nbytes = rows * cols * self._itemsize
+            dest = self._scratch[cursor : cursor + nbytes].view(self.dtype).view(rows, cols)
+            cursor += -(-nbytes // ALIGN) * ALIGN
+            out[key] = dequantize(view, scales, biases, quant, self.dtype, out=dest)
+        return out
 
     def _layer_event(self, rid: str, load: Load, state: str, nbytes: int = 0) -> LayerEvent:
         return LayerEvent(

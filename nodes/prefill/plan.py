@@ -19,6 +19,7 @@ from typing import Literal
 
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, TensorEntry
+from nodes.model.safetensors_format import ITEMSIZE
 
 ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this
@@ -110,6 +111,12 @@ class Plan:
     n_slots: int
     slot_bytes: int
     budget_bytes: int
+    scratch_bytes: int = 0  # where a quantized model's parts are dequantized
+
+    @property
+    def device_bytes(self) -> int:
+        """Everything the weights take on the device: pool plus scratch, within the budget."""
+        return self.pool_bytes + self.scratch_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -129,19 +136,52 @@ class Plan:
         return {1: "layer", 2: "part"}.get(n, "slice")
 
 
-def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
+def _matrix(
+    index: ModelIndex,
+    i: int,
+    module: str,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> list[Piece]:
+    """The pieces holding rows/cols of layer i's `module` weight: the float matrix, or its
+    packed words, scales and biases (a column range in values maps to words and groups)."""
+    t, quant = index.layers[i], index.quant(i, module)
+    if quant is None:
+        return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows, cols=cols)]
+    words = groups = None
+    if cols is not None:
+        assert cols[0] % quant.group_size == 0 and cols[1] % quant.group_size == 0
+        words = (quant.packed_cols(cols[0]), quant.packed_cols(cols[1]))
+        groups = (quant.groups(cols[0]), quant.groups(cols[1]))
+    return [
+        Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows, cols=words),
+        Piece(f"{module}.scales", t[f"{module}.scales"], rows=rows, cols=groups),
+        Piece(f"{module}.biases", t[f"{module}.biases"], rows=rows, cols=groups),
+    ]
+
+
+def _cuts_groups(index: ModelIndex, i: int, module: str, bounds: list[int]) -> bool:
+    """Whether column `bounds` of layer i's `module` cut only between whole groups."""
+    quant = index.quant(i, module)
+    return quant is None or all(b % quant.group_size == 0 for b in bounds)
+
+
+def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part] | None:
+    """Attention in `groups` KV-head groups; None where those cut o_proj's scale groups."""
     spec, t = index.spec, index.layers[i]
     rep, hd = spec.num_heads // spec.num_kv_heads, spec.head_dim
     bounds = [round(g * spec.num_kv_heads / groups) for g in range(groups + 1)]
+    if not _cuts_groups(index, i, "self_attn.o_proj", [b * rep * hd for b in bounds]):
+        return None
     parts = []
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         q_rows, kv_rows = (lo * rep * hd, hi * rep * hd), (lo * hd, hi * hd)
         pieces = [Piece("input_layernorm.weight", t["input_layernorm.weight"])] if g == 0 else []
         pieces += [
-            Piece("self_attn.q_proj.weight", t["self_attn.q_proj.weight"], rows=q_rows),
-            Piece("self_attn.k_proj.weight", t["self_attn.k_proj.weight"], rows=kv_rows),
-            Piece("self_attn.v_proj.weight", t["self_attn.v_proj.weight"], rows=kv_rows),
-            Piece("self_attn.o_proj.weight", t["self_attn.o_proj.weight"], cols=q_rows),
+            *_matrix(index, i, "self_attn.q_proj", rows=q_rows),
+            *_matrix(index, i, "self_attn.k_proj", rows=kv_rows),
+            *_matrix(index, i, "self_attn.v_proj", rows=kv_rows),
+            *_matrix(index, i, "self_attn.o_proj", cols=q_rows),
         ]
         if spec.attention_bias:
             pieces += [
@@ -159,19 +199,40 @@ def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
 
 
 def _mlp_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
+    """The MLP in about `groups` column ranges, cut between down_proj's scale groups."""
     t, inter = index.layers[i], index.spec.intermediate_size
-    bounds = [round(g * inter / groups) for g in range(groups + 1)]
+    quant = index.quant(i, "mlp.down_proj")
+    unit = quant.group_size if quant is not None else 1
+    units = inter // unit
+    bounds = sorted({round(g * units / groups) * unit for g in range(groups + 1)} | {inter})
     parts = []
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         pieces = [Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])]
         pieces = pieces if g == 0 else []
         pieces += [
-            Piece("mlp.gate_proj.weight", t["mlp.gate_proj.weight"], rows=(lo, hi)),
-            Piece("mlp.up_proj.weight", t["mlp.up_proj.weight"], rows=(lo, hi)),
-            Piece("mlp.down_proj.weight", t["mlp.down_proj.weight"], cols=(lo, hi)),
+            *_matrix(index, i, "mlp.gate_proj", rows=(lo, hi)),
+            *_matrix(index, i, "mlp.up_proj", rows=(lo, hi)),
+            *_matrix(index, i, "mlp.down_proj", cols=(lo, hi)),
         ]
         parts.append(Part(i, "mlp", lo, hi, g == 0, tuple(pieces)))
     return parts
+
+
+def _whole(index: ModelIndex, i: int) -> list[Part]:
+    attn = _attn_parts(index, i, 1)
+    assert attn is not None  # one group cuts nothing
+    return attn + _mlp_parts(index, i, 1)
+
+
+def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
+    """Scratch a part needs for its quantized matrices, dequantized to the compute dtype."""
+    total = 0
+    for piece in part.pieces:
+        quant = index.quant(part.layer, piece.key.removesuffix(".weight"))
+        if quant is not None and piece.key.endswith(".weight"):
+            rows, words = piece.shape
+            total += _round_up(rows * words * 32 // quant.bits * itemsize, ALIGN)
+    return total
 
 
 def _direct_ok(piece: Piece) -> bool:
@@ -228,14 +289,14 @@ def _layer_groups(
     index: ModelIndex, i: int, max_bytes: int, direct: bool
 ) -> list[list[Part]] | None:
     """The coarsest split of layer i whose every load fits `max_bytes`; None if none does."""
-    whole = _attn_parts(index, i, 1) + _mlp_parts(index, i, 1)
+    whole = _whole(index, i)
     if _size(whole, direct) <= max_bytes:
         return [whole]
     spec = index.spec
     attn = None
     for g in range(1, spec.num_kv_heads + 1):
         parts = _attn_parts(index, i, g)
-        if all(_size([p], direct) <= max_bytes for p in parts):
+        if parts is not None and all(_size([p], direct) <= max_bytes for p in parts):
             attn = parts
             break
     if attn is None:
@@ -246,6 +307,8 @@ def _layer_groups(
         parts = _mlp_parts(index, i, g)
         if all(_size([p], direct) <= max_bytes for p in parts):
             mlp = parts
+            break
+        if len(parts) < g:  # cut at every scale group already: no finer split exists
             break
     if mlp is None:
         return None
@@ -297,6 +360,12 @@ def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
     return set()
 
 
+def _scratch(index: ModelIndex, groups: list[list[list[Part]]], itemsize: int) -> int:
+    """Bytes to dequantize the largest part's matrices into (0 for a float model)."""
+    parts = [part for layer in groups for g in layer for part in g]
+    return max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
+
+
 def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
     """Choose slot size, slot count and resident set for `budget` bytes of weight memory.
 
@@ -304,35 +373,59 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
     loaded across requests); the ring takes all of it when that is the only way to double
     buffer; a single slot (no overlap) is the last resort. `direct` lays loads out for
     O_DIRECT reads (`_layout`).
+
+    A quantized model's loads hold its packed bytes as stored; each part is dequantized into
+    a scratch of the compute dtype, counted in the budget beside the ring and the resident
+    set. Its resident layers keep the streamed layers' slices (one load, several parts), so
+    the scratch stays the size of a slice's matrices, not a whole MLP's.
     """
     n = index.spec.num_layers
+    itemsize = ITEMSIZE[index.dtype]
     largest = max(e.nbytes for layer in index.layers for e in layer.values())
     if budget < largest:
         raise ModelError(
             f"budget {budget} B is smaller than the largest tensor ({largest} B); raise --budget"
         )
-    layer_bytes = [
-        _size(_attn_parts(index, i, 1) + _mlp_parts(index, i, 1), direct) for i in range(n)
-    ]
-    if sum(layer_bytes) <= budget:
-        whole = [[_attn_parts(index, i, 1) + _mlp_parts(index, i, 1)] for i in range(n)]
+    whole = [[_whole(index, i)] for i in range(n)]
+    layer_bytes = [_size(w[0], direct) for w in whole]
+    if sum(layer_bytes) + _scratch(index, whole, itemsize) <= budget:
         loads = _loads(whole, set(range(n)), direct)
-        return Plan(loads, tuple(range(n)), 0, 0, budget)
+        scratch = _scratch(index, whole, itemsize)
+        return Plan(loads, tuple(range(n)), 0, 0, budget, scratch)
 
+    quantized = index.quantized
     for ring_budget, min_slots in ((budget // 2, 2), (budget, 2), (budget, 1)):
-        # Try slot sizes from a whole layer down; the first that fits min_slots wins.
-        for target in sorted({max(layer_bytes), ring_budget // min_slots}, reverse=True):
+        # Try slot sizes from a whole layer down; the first that fits min_slots wins. A float
+        # model needs two sizes at most; a quantized one may need smaller slices still, to
+        # leave room for their scratch.
+        top = min(max(layer_bytes), ring_budget // min_slots)
+        targets = sorted({max(layer_bytes), ring_budget // min_slots}, reverse=True)
+        while quantized and top > largest:
+            top //= 2
+            targets.append(max(top, largest))
+        for target in targets:
             target = min(target, ring_budget // min_slots)
             groups = [_layer_groups(index, i, target, direct) for i in range(n)]
             if any(g is None for g in groups):
                 continue
             slot = max(_size(g, direct) for layer in groups for g in layer)  # type: ignore[union-attr]
-            n_slots = max(min_slots, min(MAX_RING_SLOTS, ring_budget // slot))
-            resident = _resident_set(layer_bytes, budget - n_slots * slot)
+            scratch = _scratch(index, groups, itemsize) if quantized else 0  # type: ignore[arg-type]
+            if min_slots * slot + scratch > budget:
+                continue
+            room = ring_budget - scratch if ring_budget == budget else ring_budget
+            n_slots = max(min_slots, min(MAX_RING_SLOTS, room // slot))
+            if quantized:  # resident layers keep their slices: sizes as laid out that way
+                sizes = [_size([p for g in layer for p in g], direct) for layer in groups]  # type: ignore[union-attr]
+            else:
+                sizes = layer_bytes
+            resident = _resident_set(sizes, budget - n_slots * slot - scratch)
             if not resident and ring_budget < budget:
                 break  # half the budget buys no resident layer: give the ring all of it
-            for i in resident:  # whole parts: exactly the layer_bytes[i] counted above
-                groups[i] = [_attn_parts(index, i, 1) + _mlp_parts(index, i, 1)]
+            for i in resident:
+                if quantized:  # all of its slices, in one load
+                    groups[i] = [[p for g in groups[i] for p in g]]  # type: ignore[union-attr]
+                else:  # whole parts: exactly the layer_bytes[i] counted above
+                    groups[i] = [_whole(index, i)]
             loads = _loads(groups, resident, direct)  # type: ignore[arg-type]
-            return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget)
+            return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")

@@ -27,7 +27,12 @@ from nodes.prefill.plan import Load, Plan
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+TORCH_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U32": torch.int32,  # packed quantized words: the bits are all that matter
+}
 
 
 class StreamCancelled(Exception):

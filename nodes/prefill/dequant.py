@@ -1,0 +1,88 @@
+"""MLX affine dequantization in torch, bit for bit as `mx.dequantize` computes it.
+
+A row of a quantized matrix is a little-endian bit stream of `bits`-bit values packed into
+uint32 words from the low bits up (3-, 5- and 6-bit values cross word boundaries); each
+`group_size` consecutive values share a scale and a bias: `w = scale * q + bias`, computed
+as mlx does, in the scales' dtype, rounding after the product and after the sum. Where the
+model computes in a wider dtype than its scales (float32 norms beside float16 scales), the
+scales are widened first, as mlx's matmul does.
+
+Runs with plain torch ops, the same on CPU and CUDA; `out` takes the result in place so a
+caller's scratch bounds the memory, and rows go in blocks so temporaries stay small.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nodes.model.quant import Quant
+
+BLOCK_ELEMENTS = 1 << 21  # values per row block: temporaries of a few MiB
+
+
+def _unpack_aligned(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, W] int32 words → [R, W·32/bits] int32 values, for bits dividing 32."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    # arithmetic shifts smear the sign bit into the high bits; the mask drops them
+    q = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return q.view(words.shape[0], words.shape[1] * per)
+
+
+def _unpack_crossing(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """[R, W] int32 words → [R, cols] int64 values for bits that cross words (3, 5, 6)."""
+    w64 = words.to(torch.int64) & 0xFFFFFFFF
+    w64 = torch.cat([w64, torch.zeros_like(w64[:, :1])], dim=1)  # a word past the end
+    offset = torch.arange(cols, dtype=torch.int64, device=words.device) * bits
+    word, shift = offset // 32, offset % 32
+    pair = w64[:, word] | (w64[:, word + 1] << 32)  # 64 bits starting at the value's word
+    return (pair >> shift) & ((1 << bits) - 1)
+
+
+def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """The integer values of packed rows: [R, W] → [R, cols]."""
+    if 32 % bits == 0:
+        return _unpack_aligned(words, bits)
+    return _unpack_crossing(words, bits, cols)
+
+
+def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
+    """The dtype the dequantization runs in: the scales', widened to the compute dtype."""
+    if scales == compute:
+        return scales
+    return torch.float32
+
+
+def dequantize(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor,
+    quant: Quant,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float weights [R, C] in `dtype` from packed `words` [R, C·bits/32] (int32 or uint32
+    storage), `scales` and `biases` [R, C/group_size]."""
+    rows, groups = scales.shape
+    g = quant.group_size
+    cols = groups * g
+    if words.shape != (rows, quant.packed_cols(cols)) or biases.shape != scales.shape:
+        raise ValueError(
+            f"packed {tuple(words.shape)}, scales {tuple(scales.shape)}, biases "
+            f"{tuple(biases.shape)} do not describe {quant.bits}-bit groups of {g}"
+        )
+    if words.dtype != torch.int32:
+        words = words.view(torch.int32)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=dtype, device=words.device)
+    work = work_dtype(scales.dtype, dtype)
+    step = max(1, BLOCK_ELEMENTS // cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        q = unpack(words[r0:r1], quant.bits, cols).to(work).view(r1 - r0, groups, g)
+        s = scales[r0:r1].to(work).unsqueeze(-1)
+        b = biases[r0:r1].to(work).unsqueeze(-1)
+        w = q * s  # two roundings, as mlx: the product, then the sum
+        w += b
+        out[r0:r1] = w.view(r1 - r0, cols)
+    return out
