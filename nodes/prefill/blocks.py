@@ -10,6 +10,7 @@ Shapes: T = new tokens, S = start + T (keys), H = hidden, D = head_dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,7 @@ def attention_part(
     spec: ModelSpec,
     h: torch.Tensor,
     state: LayerState,
-    w: dict[str, torch.Tensor],
+    w: Mapping[str, torch.Tensor],
     kv_lo: int,
     kv_hi: int,
     first: bool,
@@ -109,7 +110,7 @@ def attention_part(
     state.v[0, kv_lo:kv_hi, start:] = v
     keys = state.k[:, kv_lo:kv_hi]  # [1, nkv, S, D]
     values = state.v[:, kv_lo:kv_hi]
-    wo = w["self_attn.o_proj.weight"]  # [H, nq*D]
+    wo = w["self_attn.o_proj.weight"]  # [H, nq*D]; the last weight asked for (see dequant)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
         s_end = start + c1  # keys beyond the chunk's last query are masked anyway
@@ -131,7 +132,7 @@ def mlp_part(
     spec: ModelSpec,
     h: torch.Tensor,
     state: LayerState,
-    w: dict[str, torch.Tensor],
+    w: Mapping[str, torch.Tensor],
     first: bool,
     chunk: int,
 ) -> None:
@@ -140,11 +141,12 @@ def mlp_part(
         state.x_norm = rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
     x = state.x_norm
     assert x is not None
-    gate, up, down = w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"]
     for c0 in range(0, h.shape[0], chunk):
         xc = x[c0 : c0 + chunk]  # [c, H]
-        act = F.silu(F.linear(xc, gate)) * F.linear(xc, up)  # [c, cols]
-        h[c0 : c0 + chunk] += F.linear(act, down)
+        # each weight asked for right before its use: a quantized one may share its scratch
+        gate = F.silu(F.linear(xc, w["mlp.gate_proj.weight"]))
+        act = gate * F.linear(xc, w["mlp.up_proj.weight"])  # [c, cols]
+        h[c0 : c0 + chunk] += F.linear(act, w["mlp.down_proj.weight"])
 
 
 def activation_bytes(spec: ModelSpec, count: int, start: int, chunk: int, itemsize: int) -> int:

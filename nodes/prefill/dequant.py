@@ -13,9 +13,13 @@ caller's scratch bounds the memory, and rows go in blocks so temporaries stay sm
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 import torch
 
 from nodes.model.quant import Quant
+
+SCRATCH_ALIGN = 64  # bytes: every matrix in the scratch starts aligned (plan.ALIGN)
 
 BLOCK_ELEMENTS = 1 << 21  # values per row block: temporaries of a few MiB
 
@@ -86,3 +90,61 @@ def dequantize(
         w += b
         out[r0:r1] = w.view(r1 - r0, cols)
     return out
+
+
+class DequantizedWeights(Mapping[str, torch.Tensor]):
+    """A part's weights by short name, each quantized matrix dequantized into `scratch` when
+    it is asked for (its `.scales`/`.biases` are consumed, not listed).
+
+    Matrices stay in the scratch while they fit, so a part whose matrices all fit is
+    dequantized once per load. When one does not fit, the scratch starts over at its front.
+    That is safe because the blocks ask for a weight right before using it and keep none
+    across another request, except the last one asked for (o_proj through attention's query
+    chunks); so a plan may size the scratch for one matrix, which then is dequantized again
+    per token chunk.
+    """
+
+    def __init__(
+        self,
+        views: dict[str, torch.Tensor],
+        quant_of: Callable[[str], Quant | None],
+        scratch: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> None:
+        self._views = views
+        self._quant_of = quant_of
+        self._scratch = scratch  # uint8 on the device
+        self._dtype = dtype
+        self._done: dict[str, torch.Tensor] = {}
+        self._cursor = 0
+        self._keys = [k for k in views if not k.endswith((".scales", ".biases"))]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        view = self._views[key]
+        module = key.removesuffix(".weight")
+        quant = self._quant_of(module) if key != module else None
+        if quant is None:
+            return view
+        if key in self._done:
+            return self._done[key]
+        rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
+        nbytes = rows * cols * torch.finfo(self._dtype).bits // 8
+        if self._cursor + nbytes > self._scratch.numel():
+            self._done.clear()  # start over: what was there is dead (see the class doc)
+            self._cursor = 0
+        if nbytes > self._scratch.numel():
+            raise ValueError(
+                f"{key}: {nbytes} B dequantized exceed the {self._scratch.numel()} B scratch"
+            )
+        dest = self._scratch[self._cursor : self._cursor + nbytes].view(self._dtype)
+        self._cursor += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
+        out = dequantize(view, scales, biases, quant, self._dtype, out=dest.view(rows, cols))
+        self._done[key] = out
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,9 +28,9 @@ from nodes.prefill.blocks import (
     mlp_part,
     rope_tables,
 )
-from nodes.prefill.dequant import dequantize
+from nodes.prefill.dequant import DequantizedWeights, dequantize
 from nodes.prefill.movers import FillTimes, HostTier, Mover, make_mover
-from nodes.prefill.plan import ALIGN, Load, Part, Plan, make_plan
+from nodes.prefill.plan import Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
 
 log = logging.getLogger(__name__)
@@ -307,26 +307,12 @@ class PrefillEngine:
             else:
                 mlp_part(self.spec, h, state, w, part.first, self.chunk_tokens)
 
-    def _dequantized(self, part: Part, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The part's weights with each quantized matrix dequantized into the scratch."""
+    def _dequantized(self, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """The part's weights, each quantized matrix dequantized into the scratch on use."""
         if not self.index.quantized:
             return w
-        out: dict[str, torch.Tensor] = {}
-        cursor = 0
-        for key, view in w.items():
-            module = key.removesuffix(".weight")
-            quant = self.index.quant(part.layer, module)
-            if key.endswith((".scales", ".biases")) or quant is None or key == module:
-                if not key.endswith((".scales", ".biases")):
-                    out[key] = view
-                continue
-            scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]
-            rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
-            nbytes = rows * cols * self._itemsize
-            dest = self._scratch[cursor : cursor + nbytes].view(self.dtype).view(rows, cols)
-            cursor += -(-nbytes // ALIGN) * ALIGN
-            out[key] = dequantize(view, scales, biases, quant, self.dtype, out=dest)
-        return out
+        return DequantizedWeights(w, lambda module: self.index.quant(part.layer, module),
+                                  self._scratch, self.dtype)  # fmt: skip
 
     def _layer_event(self, rid: str, load: Load, state: str, nbytes: int = 0) -> LayerEvent:
         return LayerEvent(

@@ -25,6 +25,7 @@ ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this
 DIRECT_MIN = 64 * 1024  # smaller pieces (norms, biases) are not worth a span of their own
 MAX_RING_SLOTS = 3
+MIN_SLICE = 4096  # bytes: the smallest load a quantized plan tries before giving up
 
 
 def _round_up(n: int, to: int) -> int:
@@ -224,15 +225,20 @@ def _whole(index: ModelIndex, i: int) -> list[Part]:
     return attn + _mlp_parts(index, i, 1)
 
 
-def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
-    """Scratch a part needs for its quantized matrices, dequantized to the compute dtype."""
-    total = 0
+def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]:
+    """Bytes of each of a part's quantized matrices once dequantized to the compute dtype."""
+    sizes = []
     for piece in part.pieces:
         quant = index.quant(part.layer, piece.key.removesuffix(".weight"))
         if quant is not None and piece.key.endswith(".weight"):
             rows, words = piece.shape
-            total += _round_up(rows * words * 32 // quant.bits * itemsize, ALIGN)
-    return total
+            sizes.append(_round_up(rows * words * 32 // quant.bits * itemsize, ALIGN))
+    return sizes
+
+
+def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
+    """Scratch that holds all of a part's quantized matrices dequantized at once."""
+    return sum(dequantized_sizes(index, part, itemsize))
 
 
 def _direct_ok(piece: Piece) -> bool:
@@ -360,10 +366,15 @@ def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
     return set()
 
 
-def _scratch(index: ModelIndex, groups: list[list[list[Part]]], itemsize: int) -> int:
-    """Bytes to dequantize the largest part's matrices into (0 for a float model)."""
+def _scratch(
+    index: ModelIndex, groups: list[list[list[Part]]], itemsize: int, whole_parts: bool = True
+) -> int:
+    """Bytes to dequantize into (0 for a float model): every matrix of the largest part at
+    once, or (`whole_parts=False`) only the largest matrix, one at a time."""
     parts = [part for layer in groups for g in layer for part in g]
-    return max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
+    if whole_parts:
+        return max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
+    return max((max(dequantized_sizes(index, p, itemsize), default=0) for p in parts), default=0)
 
 
 def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
@@ -376,8 +387,10 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
 
     A quantized model's loads hold its packed bytes as stored; each part is dequantized into
     a scratch of the compute dtype, counted in the budget beside the ring and the resident
-    set. Its resident layers keep the streamed layers' slices (one load, several parts), so
-    the scratch stays the size of a slice's matrices, not a whole MLP's.
+    set: room for all the part's matrices where the budget allows it, else for its largest
+    matrix, each dequantized when compute reaches it. Its resident layers keep the streamed
+    layers' slices (one load, several parts), so the scratch stays the size of a slice's
+    matrices, not a whole MLP's.
     """
     n = index.spec.num_layers
     itemsize = ITEMSIZE[index.dtype]
@@ -400,9 +413,9 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
         # leave room for their scratch.
         top = min(max(layer_bytes), ring_budget // min_slots)
         targets = sorted({max(layer_bytes), ring_budget // min_slots}, reverse=True)
-        while quantized and top > largest:
+        while quantized and top > MIN_SLICE:  # slices cut tensors: smaller than the largest
             top //= 2
-            targets.append(max(top, largest))
+            targets.append(top)
         for target in targets:
             target = min(target, ring_budget // min_slots)
             groups = [_layer_groups(index, i, target, direct) for i in range(n)]
@@ -410,6 +423,8 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
                 continue
             slot = max(_size(g, direct) for layer in groups for g in layer)  # type: ignore[union-attr]
             scratch = _scratch(index, groups, itemsize) if quantized else 0  # type: ignore[arg-type]
+            if min_slots * slot + scratch > budget:  # then one matrix at a time (see engine)
+                scratch = _scratch(index, groups, itemsize, whole_parts=False)  # type: ignore[arg-type]
             if min_slots * slot + scratch > budget:
                 continue
             room = ring_budget - scratch if ring_budget == budget else ring_budget
