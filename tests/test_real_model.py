@@ -116,12 +116,8 @@ def test_mlx_lm_answers_the_capital_question_on_both_forms(
     assert reply == ANSWER
 
 
-@pytest.fixture(scope="module")
-def float_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[NodeProc, NodeProc]]:
-    tmp = tmp_path_factory.mktemp("real-f32")
-    model = real_model.path("float32")
-    # a budget well under the model (517 MB): the layers stream through it
-    prefill = start_node(tmp, model, "prefill", "--budget", "96MiB", token=TOKEN)
+def _cluster(model: Path, tmp: Path, budget: str) -> Iterator[tuple[NodeProc, NodeProc]]:
+    prefill = start_node(tmp, model, "prefill", "--budget", budget, token=TOKEN)
     decode = start_node(
         tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always", token=TOKEN
     )
@@ -131,6 +127,33 @@ def float_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[Nod
     finally:
         decode.stop()
         prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def float_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[NodeProc, NodeProc]]:
+    # a budget well under the model (517 MB): the layers stream through it
+    yield from _cluster(real_model.path("float32"), tmp_path_factory.mktemp("real-f32"), "96MiB")
+
+
+@pytest.fixture(scope="module")
+def q4_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[NodeProc, NodeProc]]:
+    # a third of the packed model (98 MB, 66 MB of it in the layers), scratch included
+    yield from _cluster(real_model.path("mlx-q4"), tmp_path_factory.mktemp("real-q4"), "24MB")
+
+
+def _prefill_cache(model_dir: Path, tokens: list[int], tmp: Path, budget: str) -> list[Any]:
+    """The prefill engine's cache of `tokens`, through `tandem prefill`, as mlx-lm loads it."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    tokens_file, out = tmp / "tokens.json", tmp / "cache.safetensors"
+    tokens_file.write_text(json.dumps(tokens))
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "prefill", "--model", str(model_dir),
+         "--tokens-file", str(tokens_file), "--out", str(out), "--budget", budget],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return load_prompt_cache(str(out))
 
 
 def test_float32_replies_through_the_nodes_equal_mlx_lm(
@@ -159,29 +182,61 @@ def test_bfloat16_handoff_reads_a_real_continuation_as_mlx_lm_does(
 ) -> None:
     """The prefill engine's bf16 KV (through `tandem prefill`), then a fixed real continuation
     read teacher-forced by mlx-lm, against mlx-lm's own bf16 prefill."""
-    from mlx_lm.models.cache import load_prompt_cache
-
     from nodes.decode.quality import handoff_quality
 
     model_dir = real_model.path("bfloat16")
     model, tokenizer = _mlx_load(model_dir)
     text = tokenizer.encode(CORPUS)  # real English prose, 780-odd tokens
     prompt, continuation = text[:400], text[400:560]
-    tokens_file = tmp_path / "tokens.json"
-    tokens_file.write_text(json.dumps(prompt[:-1]))
-    out = tmp_path / "cache.safetensors"
-    done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "prefill", "--model", str(model_dir),
-         "--tokens-file", str(tokens_file), "--out", str(out), "--budget", "48MiB"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    quality = handoff_quality(model, load_prompt_cache(str(out)), prompt, continuation)
+    cache = _prefill_cache(model_dir, prompt[:-1], tmp_path, "48MiB")
+    quality = handoff_quality(model, cache, prompt, continuation)
     print(
         f"\nbf16 handoff over {quality.tokens} tokens after a {len(prompt)}-token prompt: "
         f"top-1 agreement {quality.top1_agreement:.3f}, perplexity {quality.perplexity:.4f} "
         f"vs mlx-lm's {quality.reference_perplexity:.4f} ({quality.perplexity_ratio - 1:+.2%})"
     )
     assert quality.tokens == 160
+    assert quality.top1_agreement >= 0.95
+    assert abs(quality.perplexity_ratio - 1) <= 0.01
+
+
+def test_the_four_bit_model_through_the_nodes_answers_as_mlx_lm_does(
+    real_model: RealModel, q4_cluster: tuple[NodeProc, NodeProc]
+) -> None:
+    """The GGUF's exact 4 bits on both nodes: the prefill node streams them packed."""
+    prefill, decode = q4_cluster
+    client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN, timeout=600)
+    prompts = [*PROMPTS[:3], "Name three colours of the rainbow."]
+    same = 0
+    for prompt in prompts:
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt}], max_tokens=24,
+            temperature=0,
+        )  # fmt: skip
+        extra = reply.model_extra["tandem"]
+        assert extra["prefill"] == "remote" and extra["prefill_node"] == prefill.url
+        want, _ = _mlx_reply(real_model.path("mlx-q4"), prompt, 24)
+        same += reply.choices[0].message.content == want
+    assert same >= 3, f"{same} of {len(prompts)} greedy replies equal mlx-lm's"
+    health = prefill.get("/health", auth=False)
+    assert health["budget_bytes"] == 24_000_000
+
+
+def test_four_bit_handoff_reads_a_real_continuation_as_mlx_lm_does(
+    real_model: RealModel, tmp_path: Path
+) -> None:
+    from nodes.decode.quality import handoff_quality
+
+    model_dir = real_model.path("mlx-q4")
+    model, tokenizer = _mlx_load(model_dir)
+    text = tokenizer.encode(CORPUS)
+    prompt, continuation = text[:240], text[240:400]
+    cache = _prefill_cache(model_dir, prompt[:-1], tmp_path, "16MB")
+    quality = handoff_quality(model, cache, prompt, continuation)
+    print(
+        f"\n4-bit handoff over {quality.tokens} tokens after a {len(prompt)}-token prompt: "
+        f"top-1 agreement {quality.top1_agreement:.3f}, perplexity {quality.perplexity:.4f} "
+        f"vs mlx-lm's {quality.reference_perplexity:.4f} ({quality.perplexity_ratio - 1:+.2%})"
+    )
     assert quality.top1_agreement >= 0.95
     assert abs(quality.perplexity_ratio - 1) <= 0.01

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from app.demo import REAL_FORM
 from app.real_model import RealModel
 from tests.conftest import REAL_MODEL_CACHE
 
@@ -73,7 +74,7 @@ def test_headless_demo_speaks_through_a_remote_prefill(
         words
     )
     assert "random-weight" not in done.stderr
-    assert f"the demo model: {real_model.path('bfloat16')}" in done.stderr
+    assert f"the demo model: {real_model.path(REAL_FORM)}" in done.stderr
 
 
 def test_offline_demo_says_so_once_and_runs_the_random_model(tmp_path: Path) -> None:
