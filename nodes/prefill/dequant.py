@@ -25,12 +25,14 @@ BLOCK_ELEMENTS = 1 << 21  # values per row block: temporaries of a few MiB
 
 
 def _unpack_aligned(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """[R, W] int32 words → [R, W·32/bits] int32 values, for bits dividing 32."""
-    per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    # arithmetic shifts smear the sign bit into the high bits; the mask drops them
-    q = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return q.view(words.shape[0], words.shape[1] * per)
+    """[R, W] words → [R, W·32/bits] uint8 values, for 2, 4 and 8 bits: byte by byte (the
+    words are little-endian, so byte k holds the values that start at bit 8k)."""
+    by = words.view(torch.uint8)  # [R, 4W]
+    if bits == 8:
+        return by
+    mask = (1 << bits) - 1
+    q = torch.stack([(by >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
+    return q.view(words.shape[0], words.shape[1] * 32 // bits)
 
 
 def _unpack_crossing(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -45,7 +47,7 @@ def _unpack_crossing(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
 
 def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """The integer values of packed rows: [R, W] → [R, cols]."""
-    if 32 % bits == 0:
+    if bits in (2, 4, 8):
         return _unpack_aligned(words, bits)
     return _unpack_crossing(words, bits, cols)
 
@@ -83,12 +85,18 @@ def dequantize(
     step = max(1, BLOCK_ELEMENTS // cols)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        q = unpack(words[r0:r1], quant.bits, cols).to(work).view(r1 - r0, groups, g)
-        s = scales[r0:r1].to(work).unsqueeze(-1)
-        b = biases[r0:r1].to(work).unsqueeze(-1)
-        w = q * s  # two roundings, as mlx: the product, then the sum
-        w += b
-        out[r0:r1] = w.view(r1 - r0, cols)
+        q = unpack(words[r0:r1], quant.bits, cols).view(r1 - r0, groups, g)
+        # in the output itself where it has the working dtype, else in a temporary
+        w = (
+            out[r0:r1].view(r1 - r0, groups, g)
+            if work == dtype
+            else torch.empty_like(q, dtype=work)
+        )
+        w.copy_(q)
+        w.mul_(scales[r0:r1].to(work).unsqueeze(-1))  # two roundings, as mlx: the product,
+        w.add_(biases[r0:r1].to(work).unsqueeze(-1))  # then the sum
+        if work != dtype:
+            out[r0:r1] = w.view(r1 - r0, cols)
     return out
 
 
