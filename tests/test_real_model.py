@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from app.real_model import RealModel
+from nodes.decode.quality import Quality
 from tests.nodeproc import ROOT, NodeProc, start_node, wait_trusted
 
 TOKEN = "real-model-token-0123456789"
@@ -177,25 +178,31 @@ def test_float32_replies_through_the_nodes_equal_mlx_lm(
     assert max(lengths) >= 400
 
 
+def _handoff_quality(model_dir: Path, split: tuple[int, int], budget: str, tmp: Path) -> Quality:
+    """The prefill engine's KV of the first `split[0]` tokens of a real English text (through
+    `tandem prefill`), then the text's next tokens up to `split[1]`, read teacher-forced by
+    mlx-lm, against mlx-lm's own prefill of the same model."""
+    from nodes.decode.quality import handoff_quality
+
+    model, tokenizer = _mlx_load(model_dir)
+    text = tokenizer.encode(CORPUS)  # 780-odd tokens
+    prompt, continuation = text[: split[0]], text[split[0] : split[1]]
+    quality = handoff_quality(model, _prefill_cache(model_dir, prompt[:-1], tmp, budget),
+                              prompt, continuation)  # fmt: skip
+    print(
+        f"\n{model_dir.name} handoff over {quality.tokens} tokens after a {len(prompt)}-token "
+        f"prompt: top-1 agreement {quality.top1_agreement:.3f}, perplexity "
+        f"{quality.perplexity:.4f} vs mlx-lm's {quality.reference_perplexity:.4f} "
+        f"({quality.perplexity_ratio - 1:+.2%})"
+    )
+    assert quality.tokens == split[1] - split[0]
+    return quality
+
+
 def test_bfloat16_handoff_reads_a_real_continuation_as_mlx_lm_does(
     real_model: RealModel, tmp_path: Path
 ) -> None:
-    """The prefill engine's bf16 KV (through `tandem prefill`), then a fixed real continuation
-    read teacher-forced by mlx-lm, against mlx-lm's own bf16 prefill."""
-    from nodes.decode.quality import handoff_quality
-
-    model_dir = real_model.path("bfloat16")
-    model, tokenizer = _mlx_load(model_dir)
-    text = tokenizer.encode(CORPUS)  # real English prose, 780-odd tokens
-    prompt, continuation = text[:400], text[400:560]
-    cache = _prefill_cache(model_dir, prompt[:-1], tmp_path, "48MiB")
-    quality = handoff_quality(model, cache, prompt, continuation)
-    print(
-        f"\nbf16 handoff over {quality.tokens} tokens after a {len(prompt)}-token prompt: "
-        f"top-1 agreement {quality.top1_agreement:.3f}, perplexity {quality.perplexity:.4f} "
-        f"vs mlx-lm's {quality.reference_perplexity:.4f} ({quality.perplexity_ratio - 1:+.2%})"
-    )
-    assert quality.tokens == 160
+    quality = _handoff_quality(real_model.path("bfloat16"), (400, 560), "48MiB", tmp_path)
     assert quality.top1_agreement >= 0.95
     assert abs(quality.perplexity_ratio - 1) <= 0.01
 
@@ -225,18 +232,6 @@ def test_the_four_bit_model_through_the_nodes_answers_as_mlx_lm_does(
 def test_four_bit_handoff_reads_a_real_continuation_as_mlx_lm_does(
     real_model: RealModel, tmp_path: Path
 ) -> None:
-    from nodes.decode.quality import handoff_quality
-
-    model_dir = real_model.path("mlx-q4")
-    model, tokenizer = _mlx_load(model_dir)
-    text = tokenizer.encode(CORPUS)
-    prompt, continuation = text[:240], text[240:400]
-    cache = _prefill_cache(model_dir, prompt[:-1], tmp_path, "16MB")
-    quality = handoff_quality(model, cache, prompt, continuation)
-    print(
-        f"\n4-bit handoff over {quality.tokens} tokens after a {len(prompt)}-token prompt: "
-        f"top-1 agreement {quality.top1_agreement:.3f}, perplexity {quality.perplexity:.4f} "
-        f"vs mlx-lm's {quality.reference_perplexity:.4f} ({quality.perplexity_ratio - 1:+.2%})"
-    )
+    quality = _handoff_quality(real_model.path("mlx-q4"), (240, 400), "16MB", tmp_path)
     assert quality.top1_agreement >= 0.95
     assert abs(quality.perplexity_ratio - 1) <= 0.01
