@@ -62,6 +62,8 @@ def test_the_mlx_form_holds_the_gguf_bits_and_the_hf_form_their_values(
     assert quant["model.embed_tokens"] == {"bits": 8, "group_size": 32}  # Q8_0
     assert config["tie_word_embeddings"] is True and config["rope_theta"] == 100000.0
     assert config["rope_parameters"]["rope_theta"] == 100000.0
+    # float16 scales beside the GGUF's float32 norms: mlx computes, and caches KV, in float32
+    assert config["torch_dtype"] == "float32"
 
     packed = mx.load(str(real_model.path("mlx-q4") / "model.safetensors"))
     f32 = load_file(str(real_model.path("float32") / "model.safetensors"))

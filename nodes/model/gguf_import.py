@@ -250,7 +250,10 @@ def write_mlx(model: GgufModel, out: str | Path, tokenizer_from: Path | None = N
     for module, mod in model.modules.items():
         if not mod.quantized and mod.weight.ndim == 2:
             quant[module] = False
-    dtype = "float16" if any(m.quantized for m in model.modules.values()) else "float32"
+    # what the model computes in: mlx promotes the float16 scales against the norms' dtype
+    # (llama.cpp keeps norms in F32), so activations and the KV cache are float32
+    norms = {str(m.weight.dtype) for m in model.modules.values() if m.weight.ndim == 1}
+    dtype = "float32" if norms == {"float32"} else "float16"
     config = {**model.config, "quantization": quant, "quantization_config": quant,
               "torch_dtype": dtype}  # fmt: skip
     _write_common(model, dest, config, tokenizer_from)

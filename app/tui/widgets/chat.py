@@ -21,6 +21,8 @@ from app.tui.fmt import format_seconds, format_tok_s
 from app.tui.messages import ReplyDone, ReplyFailed, ReplyText
 
 MAX_TOKENS = 256
+# greedy: small models sampled at the API's default temperature (1.0) wander off the question
+TEMPERATURE = 0.0
 ClientFor = Callable[[], NodeClient | None]
 NameOf = Callable[[str], str]  # node address → the name to show
 
@@ -129,7 +131,7 @@ class ChatPanel(Vertical):
         text = ""
         stats: ReplyStats | None = None
         try:
-            async for part in client.chat(messages, MAX_TOKENS):
+            async for part in client.chat(messages, MAX_TOKENS, TEMPERATURE):
                 if isinstance(part, Delta):
                     text += part.text
                     self.post_message(ReplyText(reply_id, text))
