@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# as nodes/prefill/__init__.py does, before any test module imports torch
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
