@@ -8,7 +8,7 @@ them before committing (`assets/dashboard.svg` is a copy of the dashboard one).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 from app.tui.app import TandemApp
 from app.tui.client import ChatPart, Delta, Probe, ReplyStats
@@ -100,9 +100,13 @@ BANDWIDTH = {  # bytes/s (tokens/s) per 0.5 s bucket: two earlier requests, then
 class FakeClient:
     """Stands in for the decode node's OpenAI API: a fixed reply in a few pieces."""
 
+    temperatures: ClassVar[list[float | None]] = []  # what each chat asked for
+
     async def chat(
-        self, messages: list[dict[str, str]], max_tokens: int = 256
-    ) -> AsyncIterator[ChatPart]:
+        self, messages: list[dict[str, str]], max_tokens: int = 256,
+        temperature: float | None = None,
+    ) -> AsyncIterator[ChatPart]:  # fmt: skip
+        FakeClient.temperatures.append(temperature)
         for start in range(0, len(REPLY), 40):
             yield Delta(REPLY[start : start + 40])
         yield ReplyStats(RID, "remote", PREFILL, 412, 0.19, 3_368_000, 0.31, 48, 0.35)
@@ -141,7 +145,9 @@ async def feed(pilot: Any) -> None:
 
 
 def test_dashboard_snapshot(snap_compare: Any) -> None:
+    FakeClient.temperatures.clear()
     assert snap_compare(FixedApp(), terminal_size=SIZE, run_before=feed)
+    assert FakeClient.temperatures == [0.0]  # the dashboard's chat decodes greedily
 
 
 def test_help_screen_snapshot(snap_compare: Any) -> None:

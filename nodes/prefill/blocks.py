@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from nodes.model.spec import ModelSpec
 
@@ -111,18 +112,25 @@ def attention_part(
     keys = state.k[:, kv_lo:kv_hi]  # [1, nkv, S, D]
     values = state.v[:, kv_lo:kv_hi]
     wo = w["self_attn.o_proj.weight"]  # [H, nq*D]; the last weight asked for (see dequant)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
+    # CUDA: all queries at once (flash / memory-efficient kernels keep attention memory
+    # linear); elsewhere query chunks bound the score matrix.
+    q_chunk = T if h.device.type == "cuda" else chunk
+    for c0 in range(0, T, q_chunk):
+        c1 = min(T, c0 + q_chunk)
         s_end = start + c1  # keys beyond the chunk's last query are masked anyway
-        q_pos = torch.arange(start + c0, start + c1, device=h.device)[:, None]
-        mask = torch.arange(s_end, device=h.device)[None, :] <= q_pos  # [c, s_end]
+        # no explicit boolean mask (it rules the fused kernels out): plain causal where the
+        # queries start at position 0, else causal aligned to the last key (lower right)
+        if start + c0 == 0:
+            causal: dict[str, object] = {"is_causal": True}
+        else:
+            causal = {"attn_mask": causal_lower_right(c1 - c0, s_end)}
         out = F.scaled_dot_product_attention(
             q[None, :, c0:c1],
             keys[:, :, :s_end],
             values[:, :, :s_end],
-            attn_mask=mask,
             scale=D**-0.5,
             enable_gqa=True,
+            **causal,  # type: ignore[arg-type]
         )  # [1, nq, c, D]
         out = out[0].transpose(0, 1).reshape(c1 - c0, nq * D)
         h[c0:c1] += F.linear(out, wo)

@@ -60,17 +60,23 @@ class HostTier:
         self.bytes = used
         self._pin = pin
         self._buffers: dict[int, torch.Tensor] = {}
+        self._holding: set[int] = set()  # loads whose buffer holds a complete read
 
     def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
         """(host buffer for a member load or None, whether it already holds the load)."""
         if load.seq not in self.members:
             return None, False
         buf = self._buffers.get(load.seq)
-        if buf is not None:
-            return buf, True
-        buf = aligned_empty(load.nbytes, pin=self._pin)
-        self._buffers[load.seq] = buf
-        return buf, False
+        if buf is None:
+            buf = aligned_empty(load.nbytes, pin=self._pin)
+            self._buffers[load.seq] = buf
+        return buf, load.seq in self._holding
+
+    def hold(self, load: Load) -> None:
+        """The load's buffer now holds it: called only once its read has succeeded, so a read
+        that failed halfway is read again next time, never used as weights."""
+        if load.seq in self.members:
+            self._holding.add(load.seq)
 
 
 def advise(fds: dict[str, int], load: Load, advice: int) -> None:
@@ -228,14 +234,17 @@ class CpuMover:
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
         t0 = time.perf_counter()
         host, cached = self.tier.buffer(load) if self.tier else (None, False)
+        kept = host  # the tier's buffer for this load, if it is a member
         disk = 0
         if not cached:
             target = host if host is not None else region
             if target.device.type != "cpu":  # e.g. mps: read into host memory first
                 target = host = aligned_empty(load.nbytes)
             disk = read_load(self._fds, load, target, self._direct)
-            if self.tier is not None and load.seq not in self.tier.members:
+            if self.tier is not None and kept is None:
                 drop_from_page_cache(self._fds, load)
+            elif self.tier is not None and target is kept:
+                self.tier.hold(load)
         t1 = time.perf_counter()
         if host is not None:
             region[: load.nbytes].copy_(host)
@@ -293,6 +302,8 @@ class CudaMover:
             staging = host  # pinned: the tier copies straight from its own buffer
             if not cached:
                 disk = read_load(self._fds, load, staging)
+                assert self.tier is not None
+                self.tier.hold(load)
         else:
             staging = self._staging.get(key)
             if staging is None or staging.numel() < load.nbytes:
