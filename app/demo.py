@@ -29,7 +29,7 @@ from types import FrameType
 
 import aiohttp
 
-from app.paths import ASSETS, cache_dir
+from app.paths import ASSETS, models_dir
 from app.real_model import Form
 from app.tui.client import Delta, NodeClient, ReplyStats
 from app.tui.fmt import format_seconds, format_tok_s
@@ -51,7 +51,6 @@ class DemoModel:
     path: Path
     link_gbps: float  # host→device throttle: each streamed layer's copy takes a visible while
     budget: str  # a few resident layers plus a ring for the rest
-    real: bool
 
 
 # SmolLM2-135M in its GGUF's 4 bits on both nodes: 30 layers of 2.2 MB packed; at 0.16 Gbit/s
@@ -70,7 +69,7 @@ def random_model_dir() -> Path:
 
     recipe = json.loads((ASSETS / "demo-model.json").read_text())
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_dir() / "models" / f"demo-{key}"
+    out = models_dir() / f"demo-{key}"
     if not (out / "config.json").exists():
         log.info("making the random demo model in %s", out)
         make_model(out, MakeModelArgs(**recipe))
@@ -83,11 +82,11 @@ def demo_model() -> DemoModel:
     from app.real_model import RealModelUnavailable, prepare
 
     try:
-        path = prepare(cache_dir() / "models", (REAL_FORM,)).path(REAL_FORM)
+        path = prepare(models_dir(), (REAL_FORM,)).path(REAL_FORM)
     except RealModelUnavailable as e:
         log.warning("%s; the demo runs on a random-weight model instead (its replies are noise)", e)
-        return DemoModel(random_model_dir(), RANDOM_LINK_GBPS, RANDOM_BUDGET, real=False)
-    return DemoModel(path, REAL_LINK_GBPS, REAL_BUDGET, real=True)
+        return DemoModel(random_model_dir(), RANDOM_LINK_GBPS, RANDOM_BUDGET)
+    return DemoModel(path, REAL_LINK_GBPS, REAL_BUDGET)
 
 
 def free_port() -> int:

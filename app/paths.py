@@ -16,4 +16,9 @@ def cache_dir() -> Path:
     return Path(base) / "tandem"
 
 
+def models_dir() -> Path:
+    """Prepared and made models: the real model's forms, the random demo model."""
+    return cache_dir() / "models"
+
+
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

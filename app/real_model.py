@@ -110,7 +110,8 @@ def locate_gguf(cache: Path) -> Path:
 
 def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
     """The real model's checkpoints under `root / NAME`, made once (later calls read only)."""
-    from nodes.model.gguf_import import read_gguf, replace_dir, write_hf, write_mlx
+    from nodes.model.factory import replace_dir
+    from nodes.model.gguf_import import read_gguf, write_hf, write_mlx
 
     model = RealModel(root / NAME)
     missing = [f for f in forms if not (model.path(f) / "model.safetensors").is_file()]

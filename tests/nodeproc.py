@@ -10,12 +10,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.demo import free_port
 
-__all__ = ["NodeProc", "free_port", "start_node", "wait_healthy", "wait_trusted"]
+__all__ = ["NodeProc", "free_port", "remote_pair", "start_node", "wait_healthy", "wait_trusted"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -102,3 +104,24 @@ def wait_trusted(node: NodeProc, role: str = "prefill", timeout: float = 15.0) -
             return cluster
         time.sleep(0.1)
     raise TimeoutError(f"no trusted {role} peer: {cluster}")
+
+
+@contextmanager
+def remote_pair(
+    tmp: Path, model: Path, budget: str, token: str
+) -> Iterator[tuple[NodeProc, NodeProc]]:
+    """A prefill node with `budget` and a decode node that always prefills on it, once the
+    decode node trusts it; both stopped on exit."""
+    prefill = start_node(tmp, model, "prefill", "--budget", budget, token=token)
+    try:
+        decode = start_node(
+            tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
+            token=token,
+        )  # fmt: skip
+        try:
+            wait_trusted(decode)
+            yield prefill, decode
+        finally:
+            decode.stop()
+    finally:
+        prefill.stop()

@@ -18,7 +18,7 @@ import pytest
 from nodes.model import load_index
 from tests.fake_prefill import start_fake_prefill
 from tests.hide_modules import hidden_env
-from tests.nodeproc import NodeProc, start_node, wait_trusted
+from tests.nodeproc import NodeProc, remote_pair, start_node, wait_trusted
 
 TOKEN = "test-token-0123456789"
 PROMPTS = [
@@ -60,16 +60,8 @@ class Cluster:
 
 
 def _cluster(tmp: Path, model: Path) -> Iterator[Cluster]:
-    prefill = start_node(tmp, model, "prefill", "--budget", "200KB", token=TOKEN)
-    decode = start_node(
-        tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always", token=TOKEN
-    )
-    try:
-        wait_trusted(decode)
+    with remote_pair(tmp, model, "200KB", TOKEN) as (prefill, decode):
         yield Cluster(model, prefill, decode)
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

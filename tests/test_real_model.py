@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 
 from app.real_model import RealModel
 from nodes.decode.quality import Quality
-from tests.nodeproc import ROOT, NodeProc, start_node, wait_trusted
+from tests.nodeproc import ROOT, NodeProc, remote_pair
 
 TOKEN = "real-model-token-0123456789"
 QUESTION = "What is the capital of France?"
@@ -119,29 +119,20 @@ def test_mlx_lm_answers_the_capital_question_on_both_forms(
     assert reply == ANSWER
 
 
-def _cluster(model: Path, tmp: Path, budget: str) -> Iterator[tuple[NodeProc, NodeProc]]:
-    prefill = start_node(tmp, model, "prefill", "--budget", budget, token=TOKEN)
-    decode = start_node(
-        tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always", token=TOKEN
-    )
-    try:
-        wait_trusted(decode)
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
-
-
 @pytest.fixture(scope="module")
 def float_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[NodeProc, NodeProc]]:
     # a budget well under the model (517 MB): the layers stream through it
-    yield from _cluster(real_model.path("float32"), tmp_path_factory.mktemp("real-f32"), "96MiB")
+    tmp = tmp_path_factory.mktemp("real-f32")
+    with remote_pair(tmp, real_model.path("float32"), "96MiB", TOKEN) as nodes:
+        yield nodes
 
 
 @pytest.fixture(scope="module")
 def q4_cluster(real_model: RealModel, tmp_path_factory) -> Iterator[tuple[NodeProc, NodeProc]]:
     # a third of the packed model (98 MB, 66 MB of it in the layers), scratch included
-    yield from _cluster(real_model.path("mlx-q4"), tmp_path_factory.mktemp("real-q4"), "24MB")
+    tmp = tmp_path_factory.mktemp("real-q4")
+    with remote_pair(tmp, real_model.path("mlx-q4"), "24MB", TOKEN) as nodes:
+        yield nodes
 
 
 def _prefill_cache(model_dir: Path, tokens: list[int], tmp: Path, budget: str) -> list[Any]:

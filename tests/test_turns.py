@@ -17,7 +17,7 @@ import pytest
 
 from nodes.prefix import common_prefix
 from tests.fake_prefill import start_fake_prefill
-from tests.nodeproc import NodeProc, start_node, wait_healthy, wait_trusted
+from tests.nodeproc import NodeProc, remote_pair, start_node, wait_healthy, wait_trusted
 
 TOKEN = "turns-token-0123456789"
 
@@ -65,17 +65,8 @@ def oracle(model: Path) -> Oracle:
 
 @pytest.fixture
 def pair(model: Path, tmp_path: Path) -> Iterator[tuple[NodeProc, NodeProc]]:
-    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", token=TOKEN)
-    decode = start_node(
-        tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
-        token=TOKEN,
-    )  # fmt: skip
-    try:
-        wait_trusted(decode)
-        yield prefill, decode
-    finally:
-        decode.stop()
-        prefill.stop()
+    with remote_pair(tmp_path, model, "200KB", TOKEN) as nodes:
+        yield nodes
 
 
 def test_turns_are_exact_and_prefill_only_new_tokens(

@@ -269,7 +269,12 @@ def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
             )
         except ValueError as e:
             raise ModelError(f"mlx-lm cannot quantize this model: {e}") from None
-        if out.exists():
-            shutil.rmtree(out)
-        dest.rename(out)
+        replace_dir(dest, out)
     return out
+
+
+def replace_dir(done: Path, final: Path) -> None:
+    """Move a finished directory into place (a half-written one never has the final name)."""
+    if final.exists():
+        shutil.rmtree(final)
+    done.rename(final)

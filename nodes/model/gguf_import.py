@@ -127,7 +127,7 @@ def _hf_config(meta: dict[str, Any]) -> dict[str, Any]:
 
 def _columns(config: dict[str, Any], module: str) -> int:
     """The input width of a module, from the config (packed arrays hide it)."""
-    down = module.endswith(("mlp.down_proj",))
+    down = module.endswith("mlp.down_proj")
     return int(config["intermediate_size"] if down else config["hidden_size"])
 
 
@@ -284,10 +284,3 @@ def write_hf(
         tensors[f"{module}.weight"] = RawTensor(st_dtype, tuple(w.shape), data)
     (dest / "model.safetensors").write_bytes(encode(tensors, {"format": "pt"}))
     return dest
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished directory into place (a half-written one never has the final name)."""
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)

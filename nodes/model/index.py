@@ -42,9 +42,9 @@ class ModelIndex:
 
     @property
     def dtype(self) -> str:
-        """The compute dtype (safetensors spelling): the blocks' float weights', as mlx-lm's
-        arithmetic ends up. A quantized checkpoint whose norms and scales differ (SmolLM2's
-        GGUF: F32 norms, F16 scales) computes in F32, as mlx promotes."""
+        """The compute dtype (safetensors spelling), as mlx-lm's arithmetic ends up: the
+        blocks' float weights' dtype; F32 where a quantized checkpoint's norms and scales
+        differ (SmolLM2's GGUF: F32 norms, F16 scales), as mlx promotes."""
         layer = self.layers[0]
         norm = layer["input_layernorm.weight"].dtype
         scales = layer.get("self_attn.q_proj.scales")
@@ -176,11 +176,10 @@ def _check_stored(
     tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], quant: Quant | None,
     prefix: str, path: Path,
 ) -> None:  # fmt: skip
-    rows_cols = shape[-1] if len(shape) == 2 else 0
-    if quant is not None and rows_cols % quant.group_size:
+    cols = shape[-1] if len(shape) == 2 else 0
+    if quant is not None and cols % quant.group_size:
         raise ModelError(
-            f"{path}: {prefix}{name} has {rows_cols} columns, not whole groups of "
-            f"{quant.group_size}"
+            f"{path}: {prefix}{name} has {cols} columns, not whole groups of {quant.group_size}"
         )
     for stored, (want, dtypes) in stored_shapes(name, shape, quant).items():
         entry = tensors.get(stored)

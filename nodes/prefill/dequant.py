@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from nodes.model.quant import Quant
-
-SCRATCH_ALIGN = 64  # bytes: every matrix in the scratch starts aligned (plan.ALIGN)
+from nodes.prefill.plan import ALIGN  # the plan sizes the scratch with the same alignment
 
 BLOCK_ELEMENTS = 1 << 21  # values per row block: temporaries of a few MiB
 
@@ -145,7 +144,7 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
                 f"{key}: {nbytes} B dequantized exceed the {self._scratch.numel()} B scratch"
             )
         dest = self._scratch[self._cursor : self._cursor + nbytes].view(self._dtype)
-        self._cursor += -(-nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        self._cursor += -(-nbytes // ALIGN) * ALIGN
         scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
         out = dequantize(view, scales, biases, quant, self._dtype, out=dest.view(rows, cols))
         self._done[key] = out

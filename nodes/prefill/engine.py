@@ -111,7 +111,6 @@ class PrefillEngine:
         self.spec = self.index.spec
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = TORCH_DTYPES[self.index.dtype]  # compute dtype
-        self._itemsize = torch.finfo(self.dtype).bits // 8
         self.budget = budget if budget is not None else default_budget(self.index, self.device)
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")

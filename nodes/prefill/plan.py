@@ -401,10 +401,9 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
         )
     whole = [[_whole(index, i)] for i in range(n)]
     layer_bytes = [_size(w[0], direct) for w in whole]
-    if sum(layer_bytes) + _scratch(index, whole, itemsize) <= budget:
-        loads = _loads(whole, set(range(n)), direct)
-        scratch = _scratch(index, whole, itemsize)
-        return Plan(loads, tuple(range(n)), 0, 0, budget, scratch)
+    scratch = _scratch(index, whole, itemsize)
+    if sum(layer_bytes) + scratch <= budget:
+        return Plan(_loads(whole, set(range(n)), direct), tuple(range(n)), 0, 0, budget, scratch)
 
     quantized = index.quantized
     for ring_budget, min_slots in ((budget // 2, 2), (budget, 2), (budget, 1)):
@@ -427,7 +426,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
                 scratch = _scratch(index, groups, itemsize, whole_parts=False)  # type: ignore[arg-type]
             if min_slots * slot + scratch > budget:
                 continue
-            room = ring_budget - scratch if ring_budget == budget else ring_budget
+            room = min(ring_budget, budget - scratch)  # the scratch comes out of the budget
             n_slots = max(min_slots, min(MAX_RING_SLOTS, room // slot))
             if quantized:  # resident layers keep their slices: sizes as laid out that way
                 sizes = [_size([p for g in layer for p in g], direct) for layer in groups]  # type: ignore[union-attr]
