@@ -86,13 +86,17 @@ def cmd_make_model(a: argparse.Namespace) -> int:
     return 0
 
 
+MAX_PROMPT_HELP = "longest prompt: its activations are kept free in --budget (cuda: 8192)"
+
+
 def _add_prefill(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prefill", help="layer-streamed prefill of a token list into a KV cache")
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--tokens-file", type=Path, required=True, help="JSON list of token ids")
     p.add_argument("--out", type=Path, required=True, help="mlx-lm prompt cache .safetensors")
-    p.add_argument("--budget", type=_size, default=None, help="weight memory, e.g. 512MiB")
+    p.add_argument("--budget", type=_size, default=None, help="device memory, e.g. 512MiB")
     p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device (Gbit/s)")
     p.add_argument("--host-budget", type=_size, default=None, help="layers kept in host RAM")
@@ -133,6 +137,7 @@ def cmd_prefill(a: argparse.Namespace) -> int:
             chunk_tokens=a.chunk_tokens,
             link_gbps=a.link_gbps,
             host_budget=a.host_budget,
+            max_prompt_tokens=a.max_prompt_tokens,
         )
     except RuntimeError as e:  # torch: a device that is not there
         raise UsageError(f"device {a.device}: {e}") from None
@@ -159,7 +164,8 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--port", type=int, default=8470)
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
-    p.add_argument("--budget", type=_size, default=None, help="weight slots on the device")
+    p.add_argument("--budget", type=_size, default=None, help="weights and activations")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument(
         "--host-budget", type=_size, default=None, help="layers kept in host RAM across requests"
     )
@@ -201,6 +207,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         token=token,
         budget=a.budget,
         host_budget=a.host_budget,
+        max_prompt_tokens=a.max_prompt_tokens,
         chunk_tokens=a.chunk_tokens,
         device=a.device,
         link_gbps=a.link_gbps,

@@ -46,6 +46,7 @@ class NodeConfig:
     token: str | None = None
     budget: int | None = None
     host_budget: int | None = None
+    max_prompt_tokens: int | None = None  # activations reserved in the budget (cuda: 8192)
     chunk_tokens: int = 512
     device: str | None = None
     link_gbps: float | None = None
@@ -253,6 +254,7 @@ async def _start_prefill(node: Node) -> None:
             chunk_tokens=c.chunk_tokens,
             link_gbps=c.link_gbps,
             host_budget=c.host_budget,
+            max_prompt_tokens=c.max_prompt_tokens,
             events=node.events,
         )
 

@@ -74,6 +74,27 @@ class LayerState:
     k: torch.Tensor  # [1, n_kv, S, D]: prefix keys then this request's (post-RoPE)
     v: torch.Tensor  # [1, n_kv, S, D]
     x_norm: torch.Tensor | None = None  # [T, H]: the current op's normalised input
+    acc: torch.Tensor | None = None  # [T, H] float32: a sliced op's output, summed over parts
+
+
+def _add_residual(
+    h: torch.Tensor, state: LayerState, c0: int, out: torch.Tensor, first: bool, last: bool
+) -> None:
+    """Add an op's output for tokens c0.. into the residual h. An op cut in parts sums them in
+    float32 and adds once, from its last part (`finish_op`): the residual then takes one
+    rounding per op, as in an uncut layer, not one per slice."""
+    if (first and last) or h.dtype == torch.float32:
+        h[c0 : c0 + out.shape[0]] += out
+        return
+    if state.acc is None:
+        state.acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    state.acc[c0 : c0 + out.shape[0]] += out
+
+
+def _finish_op(h: torch.Tensor, state: LayerState, last: bool) -> None:
+    if last and state.acc is not None:
+        h += state.acc.to(h.dtype)
+        state.acc = None
 
 
 def attention_part(
@@ -84,6 +105,7 @@ def attention_part(
     kv_lo: int,
     kv_hi: int,
     first: bool,
+    last: bool,
     start: int,
     rope: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
@@ -106,8 +128,11 @@ def attention_part(
         q = rms_norm(q, w["self_attn.q_norm.weight"], spec.rms_norm_eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], spec.rms_norm_eps)
     cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    state.k[0, kv_lo:kv_hi, start:] = k
+    for c0 in range(0, T, chunk):  # RoPE in token chunks: its float32 copies stay chunk-sized
+        c1 = min(T, c0 + chunk)
+        q[:, c0:c1] = apply_rope(q[:, c0:c1], cos[c0:c1], sin[c0:c1])
+        k_rot = apply_rope(k[:, c0:c1], cos[c0:c1], sin[c0:c1])
+        state.k[0, kv_lo:kv_hi, start + c0 : start + c1] = k_rot
     state.v[0, kv_lo:kv_hi, start:] = v
     keys = state.k[:, kv_lo:kv_hi]  # [1, nkv, S, D]
     values = state.v[:, kv_lo:kv_hi]
@@ -133,7 +158,8 @@ def attention_part(
             **causal,  # type: ignore[arg-type]
         )  # [1, nq, c, D]
         out = out[0].transpose(0, 1).reshape(c1 - c0, nq * D)
-        h[c0:c1] += F.linear(out, wo)
+        _add_residual(h, state, c0, F.linear(out, wo), first, last)
+    _finish_op(h, state, last)
 
 
 def mlp_part(
@@ -142,6 +168,7 @@ def mlp_part(
     state: LayerState,
     w: Mapping[str, torch.Tensor],
     first: bool,
+    last: bool,
     chunk: int,
 ) -> None:
     """SwiGLU over a range of intermediate columns, added to h in token chunks."""
@@ -154,14 +181,42 @@ def mlp_part(
         # each weight asked for right before its use: a quantized one may share its scratch
         gate = F.silu(F.linear(xc, w["mlp.gate_proj.weight"]))
         act = gate * F.linear(xc, w["mlp.up_proj.weight"])  # [c, cols]
-        h[c0 : c0 + chunk] += F.linear(act, w["mlp.down_proj.weight"])
+        _add_residual(h, state, c0, F.linear(act, w["mlp.down_proj.weight"]), first, last)
+    _finish_op(h, state, last)
 
 
-def activation_bytes(spec: ModelSpec, count: int, start: int, chunk: int, itemsize: int) -> int:
-    """Upper bound on live activation bytes during one layer (the CPU path's estimate)."""
+CUDA_SLACK = (1.25, 256 << 20)  # ×, + bytes: cuBLAS workspaces, allocator rounding, rope tables
+
+
+def activation_bytes(
+    spec: ModelSpec,
+    count: int,
+    start: int,
+    chunk: int,
+    itemsize: int,
+    fused_attention: bool = False,
+) -> int:
+    """Upper bound on device bytes of activations while one layer computes, for `count` new
+    tokens after `start`. `fused_attention` (CUDA): all queries at once through a fused kernel
+    that never holds the score matrix, the previous layer's K/V still on its way to the host,
+    and `CUDA_SLACK`; else query chunks of `chunk` with [heads, chunk, S] scores."""
     T, S, H, D = count, start + count, spec.hidden_size, spec.head_dim
+    nq, nkv = spec.num_heads, spec.num_kv_heads
     c = min(chunk, T)
-    base = 2 * T * H + 2 * spec.num_kv_heads * S * D  # h, x_norm, layer K/V
-    attn = T * (spec.num_heads + 2 * spec.num_kv_heads) * D + spec.num_heads * c * S * 2
-    mlp = c * (3 * spec.intermediate_size + H)
-    return (base + max(attn, mlp)) * itemsize
+    kv = 2 * nkv * S * D * itemsize  # the layer's K/V
+    base = 2 * T * H * itemsize + kv + 2 * T * D * 4  # h, x_norm, K/V, rope tables (fp32)
+    if itemsize < 4:
+        base += T * H * 4  # a sliced op's float32 sum
+    qkv = T * (nq + 2 * nkv) * D * itemsize
+    rope = 3 * c * nq * D * 4  # float32 copies of one chunk of q
+    if fused_attention:
+        attn = qkv + max(rope, 2 * T * nq * D * itemsize + T * H * itemsize)  # out, o_proj
+        base += kv  # the previous layer's K/V until its copy to the host is done
+    else:
+        scores = 2 * nq * c * S * itemsize
+        attn = qkv + max(rope, scores + c * (nq * D + H) * itemsize)
+    mlp = c * (3 * spec.intermediate_size + H) * itemsize
+    total = base + max(attn, mlp)
+    if fused_attention:
+        return int(total * CUDA_SLACK[0]) + CUDA_SLACK[1]
+    return total

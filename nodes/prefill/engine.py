@@ -12,7 +12,9 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -29,16 +31,21 @@ from nodes.prefill.blocks import (
     rope_tables,
 )
 from nodes.prefill.dequant import DequantizedWeights, dequantize
-from nodes.prefill.movers import FillTimes, HostTier, Mover, make_mover
+from nodes.prefill.movers import FillTimes, HostArena, HostTier, Mover, make_mover
 from nodes.prefill.plan import Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
 
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_MAX_PROMPT_TOKENS = 8192  # CUDA: the longest prompt whose activations are reserved
 
 
 class PrefillError(ValueError):
     """A request the engine refuses (bad tokens, bad prefix): the caller's fault."""
+
+
+class PromptTooLong(PrefillError):
+    """A prompt whose activations do not fit the room reserved for them (HTTP 413)."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,10 @@ class PrefillStats:
     peak_activation_bytes: int = 0
     bytes_streamed: int = 0
     disk_bytes: int = 0
+    disk_s: float = 0.0  # loader time reading from disk
+    h2d_s: float = 0.0  # host→device copy time (CUDA: from events on the copy stream)
+    pinned_bytes: int = 0
+    activation_reserve_bytes: int = 0
     resident_layers: list[int] = field(default_factory=list)
     layer_compute_s: list[float] = field(default_factory=list)
 
@@ -70,7 +81,7 @@ class PrefillStats:
         keys = (
             "tokens", "layers", "wall_s", "load_busy_s", "compute_busy_s", "budget_bytes",
             "peak_weight_bytes", "peak_activation_bytes", "bytes_streamed", "disk_bytes",
-            "resident_layers",
+            "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes", "resident_layers",
         )  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
@@ -105,6 +116,7 @@ class PrefillEngine:
         link_gbps: float | None = None,
         events: EventBus | None = None,
         host_budget: int | None = None,
+        max_prompt_tokens: int | None = None,
         mover: Callable[[list[str], torch.device, float | None], Mover] = make_mover,
     ) -> None:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
@@ -116,8 +128,18 @@ class PrefillEngine:
             raise ValueError("chunk_tokens must be at least 1")
         self.chunk_tokens = chunk_tokens
         self.events = events or EventBus()
-        # on a CPU the slots are host memory: lay loads out for O_DIRECT reads straight in
-        self.plan: Plan = make_plan(self.index, self.budget, direct=self.device.type == "cpu")
+        # the budget holds the activations of the longest prompt taken, then the weights: on
+        # CUDA by default a prompt of up to DEFAULT_MAX_PROMPT_TOKENS; elsewhere (host memory
+        # is the budget there) only when asked for
+        if max_prompt_tokens is None and self.device.type == "cuda":
+            max_prompt_tokens = min(self.spec.max_position_embeddings, DEFAULT_MAX_PROMPT_TOKENS)
+        self.max_prompt_tokens = max_prompt_tokens or None
+        self.activation_reserve = self._activations(self.max_prompt_tokens or 0, 0)
+        # loads are laid out for O_DIRECT reads: straight into the slot on a CPU, into pinned
+        # staging on CUDA
+        self.plan: Plan = make_plan(
+            self.index, self.budget, direct=True, reserve=self.activation_reserve
+        )
         files = [str(f) for f in self.index.files]
         moving = mover(files, self.device, link_gbps)
         if host_budget:
@@ -128,18 +150,45 @@ class PrefillEngine:
         self._scratch = torch.empty(self.plan.scratch_bytes, dtype=torch.uint8, device=self.device)
         self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
         self._freqs = inv_freq(self.spec)
+        self._handover = (
+            _CudaHandover(self.device) if self.device.type == "cuda" else _HostHandover()
+        )
         self.last_stats = PrefillStats()
         log.info(
             "plan: %s granularity, %d ring slots of %d B, resident layers %s, pool %d B "
-            "+ scratch %d B of %d",
+            "+ scratch %d B + activations %d B (prompts up to %s tokens) of %d; %d B pinned",
             self.plan.granularity,
             self.plan.n_slots,
             self.plan.slot_bytes,
             list(self.plan.resident_layers),
             self.plan.pool_bytes,
             self.plan.scratch_bytes,
+            self.activation_reserve,
+            self.max_prompt_tokens or "any",
             self.budget,
+            moving.pinned_bytes,
         )
+
+    def _activations(self, count: int, start: int) -> int:
+        """Device bytes of activations for `count` new tokens after `start` (0 for none)."""
+        if count <= 0:
+            return 0
+        return activation_bytes(
+            self.spec, count, start, self.chunk_tokens, torch.finfo(self.dtype).bits // 8,
+            fused_attention=self.device.type == "cuda",
+        )  # fmt: skip
+
+    def check_fits(self, count: int, start: int = 0) -> None:
+        """Refuse, before any streaming, a prompt whose activations exceed the reserve."""
+        if self.max_prompt_tokens is None:
+            return
+        need = self._activations(count, start)
+        if need > self.activation_reserve:
+            raise PromptTooLong(
+                f"a prompt of {start + count} tokens needs {need / 2**20:.0f} MiB of activations;"
+                f" this node reserves {self.activation_reserve / 2**20:.0f} MiB (prompts up to "
+                f"{self.max_prompt_tokens} tokens): raise --max-prompt-tokens and --budget"
+            )
 
     def close(self) -> None:
         self.streamer.close()
@@ -208,6 +257,7 @@ class PrefillEngine:
         self.check_tokens(tokens)
         if start and (prefix is None or len(prefix) != self.spec.num_layers):
             raise PrefillError("start > 0 needs the prefix K/V of every layer")
+        self.check_fits(len(tokens), start)
         rid = request_id or uuid.uuid4().hex[:12]
         spec, dev, T = self.spec, self.device, len(tokens)
         stats = PrefillStats(
@@ -216,10 +266,11 @@ class PrefillEngine:
             layers=spec.num_layers,
             budget_bytes=self.budget,
             peak_weight_bytes=self.plan.device_bytes,
+            peak_activation_bytes=self._activations(T, start),
+            pinned_bytes=self.streamer.mover.pinned_bytes,
+            activation_reserve_bytes=self.activation_reserve,
             resident_layers=list(self.plan.resident_layers),
         )
-        itemsize = torch.finfo(self.dtype).bits // 8
-        stats.peak_activation_bytes = activation_bytes(spec, T, start, self.chunk_tokens, itemsize)
         self.last_stats = stats
         publish = self.events.publish
         for i in range(spec.num_layers):
@@ -228,42 +279,43 @@ class PrefillEngine:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         layer_state: LayerState | None = None
+        clock = _ComputeClock(dev)
+        self._handover.reset()
         hooks = LoaderHooks(on_loading=self._on_loading(rid), on_ready=self._on_ready(rid))
-        with torch.inference_mode(), self.streamer.stream(hooks, synchronous) as loads:
+        with torch.inference_mode(), self.streamer.stream(hooks, synchronous) as run:
             # the loader is already filling the ring while the prompt's rows are read
             h = self.embed(tokens) if compute else None
             rope = rope_tables(self._freqs, start, T, dev)
-            for load, views in loads:
+            for load, views in run:
                 if load.first_of_layer:
                     publish(self._layer_event(rid, load, "computing"))
-                    layer_s = 0.0  # compute time of this layer, waits for its loads excluded
                     if compute:
                         layer_state = self._new_layer_state(load.layer, start, T, prefix)
-                t_load = time.perf_counter()
                 if compute:
                     assert h is not None and layer_state is not None
-                    self._compute(load, views, h, layer_state, start, rope)
-                    if dev.type == "cuda":
-                        torch.cuda.current_stream(dev).synchronize()
-                layer_s += time.perf_counter() - t_load
-                if load.last_of_layer:
-                    stats.layer_compute_s.append(layer_s)
+                    with clock.timing(load.layer):
+                        self._compute(load, views, h, layer_state, start, rope)
+                run.release(load)  # its kernels are queued: the loader may refill the slot
                 if not load.resident:
                     publish(self._layer_event(rid, load, "evicted"))
                 if load.last_of_layer and compute:
                     assert layer_state is not None
-                    yield LayerKV(
-                        load.layer,
-                        layer_state.k[:, :, start:].to("cpu").contiguous(),
-                        layer_state.v[:, :, start:].to("cpu").contiguous(),
-                    )
+                    yield from self._handover.push(load.layer, layer_state, start)
+            yield from self._handover.flush()
         stream = self.streamer.last_stats
         stats.wall_s = time.perf_counter() - t_start
         stats.load_busy_s = stream.load_busy_s
         stats.bytes_streamed = stream.bytes_streamed
         stats.disk_bytes = stream.disk_bytes
+        stats.disk_s = stream.disk_s
+        stats.h2d_s = stream.h2d_s
+        stats.layer_compute_s = clock.per_layer(spec.num_layers) if compute else []
         stats.compute_busy_s = sum(stats.layer_compute_s)
         if dev.type == "cuda":
+            if stream.h2d_s:  # per-load copy times exist only once the request is done
+                publish(
+                    LinkEvent(rid, name="h2d", bytes=stream.bytes_streamed, seconds=stream.h2d_s)
+                )
             peak = torch.cuda.max_memory_allocated(dev) - self.plan.device_bytes
             stats.peak_activation_bytes = max(0, peak)
 
@@ -300,11 +352,11 @@ class PrefillEngine:
             w = self._dequantized(part, part_weights(views, part.op, part.lo))
             if part.op == "attn":
                 attention_part(
-                    self.spec, h, state, w, part.lo, part.hi, part.first, start, rope,
-                    self.chunk_tokens,
+                    self.spec, h, state, w, part.lo, part.hi, part.first, part.last, start,
+                    rope, self.chunk_tokens,
                 )  # fmt: skip
             else:
-                mlp_part(self.spec, h, state, w, part.first, self.chunk_tokens)
+                mlp_part(self.spec, h, state, w, part.first, part.last, self.chunk_tokens)
 
     def _dequantized(self, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The part's weights, each quantized matrix dequantized into the scratch on use."""
@@ -338,3 +390,109 @@ class PrefillEngine:
             publish(self._layer_event(rid, load, "ready", t.nbytes))
 
         return hook
+
+
+class _ComputeClock:
+    """Compute seconds per layer, waits for loads excluded. CPU: wall time around each load's
+    compute. CUDA: events around each load's kernels, read once the request is done — never
+    a sync per load, which would leave the GPU idle while Python queues the next one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._seconds: dict[int, float] = {}
+        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def timing(self, layer: int) -> Iterator[None]:
+        if self._cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            yield
+            b.record()
+            self._events.append((layer, a, b))
+            return
+        t0 = time.perf_counter()
+        yield
+        self._seconds[layer] = self._seconds.get(layer, 0.0) + time.perf_counter() - t0
+
+    def per_layer(self, layers: int) -> list[float]:
+        if self._events:
+            self._events[-1][2].synchronize()
+            for layer, a, b in self._events:
+                self._seconds[layer] = self._seconds.get(layer, 0.0) + a.elapsed_time(b) / 1000
+            self._events.clear()
+        return [self._seconds.get(i, 0.0) for i in range(layers)]
+
+
+class _HostHandover:
+    """Finished layers' K/V, handed over at once: on a CPU they are host memory already."""
+
+    def push(self, layer: int, state: LayerState, start: int) -> list[LayerKV]:
+        k, v = state.k[:, :, start:], state.v[:, :, start:]
+        return [LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous())]
+
+    def flush(self) -> list[LayerKV]:
+        return []
+
+    def reset(self) -> None:
+        return None
+
+
+class _CudaHandover:
+    """Finished layers' K/V to host memory without stalling compute: a side stream copies each
+    layer, once its kernels are done, into reused pinned buffers; a layer is handed over one
+    layer later (after its copy's event), as a pageable clone the consumer may keep, while the
+    GPU already computes the next one."""
+
+    LAG = 1  # layers in flight between the GPU and the consumer
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._arena: HostArena | None = None
+        self._buffers: deque[torch.Tensor] = deque()
+        self._pending: deque[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
+
+    def _pinned(self, k: torch.Tensor) -> torch.Tensor:
+        """A pinned host buffer for one layer's K and V, [2, *k.shape], from a ring of LAG + 1."""
+        nbytes = 2 * k.numel() * k.element_size()
+        if self._arena is None or not self._buffers or self._buffers[0].numel() < nbytes:
+            if self._arena is not None:  # a longer prompt than any before: re-pin, once
+                self._arena.close()
+            self._arena = HostArena([nbytes] * (self.LAG + 1), pin=True)
+            self._buffers = deque(self._arena.take(nbytes) for _ in range(self.LAG + 1))
+        buf = self._buffers[0]
+        self._buffers.rotate(-1)
+        return buf[:nbytes].view(k.dtype).view(2, *k.shape)
+
+    def push(self, layer: int, state: LayerState, start: int) -> list[LayerKV]:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        k, v = state.k[:, :, start:], state.v[:, :, start:]
+        host = self._pinned(k)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(done)
+            host[0].copy_(k, non_blocking=True)
+            host[1].copy_(v, non_blocking=True)
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(self.stream)
+        state.k.record_stream(self.stream)  # not reused by the allocator before the copy ran
+        state.v.record_stream(self.stream)
+        self._pending.append((layer, host[0], host[1], copied))
+        return self._ready(self.LAG)
+
+    def flush(self) -> list[LayerKV]:
+        return self._ready(0)
+
+    def reset(self) -> None:
+        """Forget what an abandoned request left in flight."""
+        self.stream.synchronize()
+        self._pending.clear()
+
+    def _ready(self, keep: int) -> list[LayerKV]:
+        out = []
+        while len(self._pending) > keep:
+            layer, k, v, copied = self._pending.popleft()
+            copied.synchronize()
+            out.append(LayerKV(layer, k.clone(), v.clone()))
+        return out

@@ -2,16 +2,25 @@
 
 Both movers read straight into preallocated memory with `preadv` at the safetensors offsets —
 no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap (which only moves
-the disk reads into compute time).
+the disk reads into compute time). Loads laid out for it (`Load.direct`) are read with
+O_DIRECT, several reads in flight (`READ_THREADS`): the disk DMAs into the destination, and
+the page cache neither costs a copy nor fills with weights the cyclic access would evict
+anyway. Whatever did pass through the page cache is dropped after the read
+(`POSIX_FADV_DONTNEED`), except for the host tier's loads, which are kept in memory instead.
 
-- `CpuMover`: the slot *is* host memory; the loader thread reads into it, then waits out the
-  emulated host→device link (`--link-gbps`). Loads laid out for it (`Load.direct`) are read
-  with O_DIRECT: the disk DMAs into the slot, and the page cache neither costs a copy on the
-  cores that compute nor fills with weights the cyclic access would evict anyway.
-- `CudaMover`: the loader thread reads into a pinned staging buffer per slot, then enqueues
-  `slot.copy_(staging, non_blocking=True)` on a dedicated copy stream and records an event;
-  compute waits on that event, and the copy stream waits on the compute-done event of the
-  slot's previous occupant. No per-layer `empty_cache`.
+- `CpuMover`: the slot *is* host memory; the loader thread reads into it. `--link-gbps`
+  emulates a slower link: the whole fill (disk included) takes at least bytes / rate.
+- `CudaMover`: the loader thread reads into one of `N_STAGING` pinned staging buffers, then
+  enqueues `slot.copy_(staging, non_blocking=True)` on a dedicated copy stream and records an
+  event; compute waits on that event, the copy waits on the compute-done event of the slot's
+  previous occupant, and a staging buffer is refilled only once its last copy is done — so
+  the disk read of load j+1 overlaps the PCIe copy of load j. Copy times come from CUDA events
+  read at the end of the request (`finish`), never from a wait per load.
+
+Host memory that a copy reads from (staging, host tier) is one `HostArena` per use, taken up
+front at its exact size and pinned once (`cudaHostRegister`): torch's pinned allocator rounds
+every request up to a power of two, allocates on first use (an implicit device sync, and a
+failure mid-request) and keeps what it took.
 
 fastsafetensors and runai-model-streamer were considered for the CUDA reader: both allocate
 their own device tensors per file or per tensor, which does not fit a fixed slot pool with
@@ -24,22 +33,71 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from nodes.prefill.plan import DIRECT_ALIGN, Load, direct_span
+from nodes.prefill.plan import DIRECT_ALIGN, Load, Plan, direct_span
 
 log = logging.getLogger(__name__)
+
+READ_THREADS = 4  # reads in flight per load: NVMe wants a queue, one preadv at a time is not one
+READ_CHUNK = 8 << 20  # bytes: O_DIRECT spans are cut into reads of at most this
+N_STAGING = 2  # CUDA: pinned buffers, so the disk fills one while the other crosses PCIe
+
+
+class PinError(RuntimeError):
+    """Host memory could not be pinned (at start-up: never halfway through a request)."""
 
 
 @dataclass
 class FillTimes:
     disk_s: float = 0.0  # reading file bytes into host memory
-    h2d_s: float = 0.0  # host → device copy (or the emulated link)
+    h2d_s: float = 0.0  # host → device copy (CUDA: 0 here, measured by events in `finish`)
     nbytes: int = 0
     disk_bytes: int = 0  # of nbytes, how many came from disk (the rest from the host tier)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class HostArena:
+    """One block of host memory, taken up front and handed out in `DIRECT_ALIGN`-aligned
+    pieces (O_DIRECT reads land in them). With `pin`, registered with CUDA once, at exactly
+    its size: `pinned_bytes` is what is really pinned."""
+
+    def __init__(self, sizes: list[int], pin: bool = False) -> None:
+        total = sum(_round_up(n, DIRECT_ALIGN) for n in sizes)
+        self._mem = aligned_empty(total)
+        self._cursor = 0
+        self.nbytes = total
+        self.pinned_bytes = 0
+        if pin and total:
+            code = int(torch.cuda.cudart().cudaHostRegister(self._mem.data_ptr(), total, 0))
+            if code != 0:
+                raise PinError(
+                    f"cannot pin {total / 2**30:.2f} GiB of host memory for staging and the host"
+                    f" tier (cudaError {code}); lower --host-budget or --budget"
+                )
+            self.pinned_bytes = total
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the arena (uint8, aligned)."""
+        start = self._cursor
+        end = start + _round_up(nbytes, DIRECT_ALIGN)
+        if end > self.nbytes:
+            raise ValueError(f"host arena of {self.nbytes} B cannot hand out {nbytes} B more")
+        self._cursor = end
+        return self._mem[start : start + nbytes]
+
+    def close(self) -> None:
+        if self.pinned_bytes:
+            torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
+            self.pinned_bytes = 0
 
 
 class HostTier:
@@ -51,32 +109,38 @@ class HostTier:
     def __init__(self, loads: list[Load], budget: int, pin: bool = False) -> None:
         self.budget = budget
         self.members: set[int] = set()
+        chosen: list[Load] = []
         used = 0
         for load in loads:  # the first streamed loads: a fixed set, in cycle order
             if used + load.nbytes > budget:
                 break
             self.members.add(load.seq)
+            chosen.append(load)
             used += load.nbytes
         self.bytes = used
-        self._pin = pin
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._arena = HostArena([ld.nbytes for ld in chosen], pin)  # all of it now, pinned once
+        self._buffers = {ld.seq: self._arena.take(ld.nbytes) for ld in chosen}
         self._holding: set[int] = set()  # loads whose buffer holds a complete read
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._arena.pinned_bytes
 
     def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
         """(host buffer for a member load or None, whether it already holds the load)."""
-        if load.seq not in self.members:
-            return None, False
         buf = self._buffers.get(load.seq)
-        if buf is None:
-            buf = aligned_empty(load.nbytes, pin=self._pin)
-            self._buffers[load.seq] = buf
-        return buf, load.seq in self._holding
+        return buf, buf is not None and load.seq in self._holding
 
     def hold(self, load: Load) -> None:
         """The load's buffer now holds it: called only once its read has succeeded, so a read
         that failed halfway is read again next time, never used as weights."""
         if load.seq in self.members:
             self._holding.add(load.seq)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self._holding.clear()
+        self._arena.close()
 
 
 def advise(fds: dict[str, int], load: Load, advice: int) -> None:
@@ -115,35 +179,81 @@ def read_load(
     load: Load,
     dest: torch.Tensor,
     direct_fds: dict[str, int] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> int:
     """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
 
-    With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned;
-    a file that refuses (EINVAL) drops back to the page cache for good.
+    With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned,
+    cut into `READ_CHUNK` reads; a file that refuses (EINVAL) drops back to the page cache for
+    good. With `pool`, the reads run in its threads, several in flight.
     """
     mem = memoryview(dest.numpy()).cast("B")
     direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
-    total = 0
+    reads: list[Callable[[], None]] = []
     for piece, off in zip(load.pieces, load.offsets, strict=True):
         name = str(piece.entry.file)
         span = direct_span(piece, off) if direct and name in direct else None
-        if span is not None and direct is not None:
-            file_offset, at, n = span
-            try:
-                _pread_direct(direct[name], mem[at : at + n], file_offset, off - at + piece.nbytes)
-                total += piece.nbytes
-                continue
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                log.info("%s: O_DIRECT read refused, reading through the page cache", name)
-                os.close(direct.pop(name))
-        pos = off
-        for file_offset, n in piece.segments():
-            _pread_exact(fds[name], mem[pos : pos + n], file_offset)
+        if span is not None:
+            reads += _direct_reads(fds, direct, name, mem, span, off - span[1] + piece.nbytes, off)
+        else:
+            reads.append(_buffered_read(fds[name], mem, piece.segments(), off))
+    if pool is None or len(reads) < 2:
+        for read in reads:
+            read()
+    else:
+        for done in [pool.submit(read) for read in reads]:
+            done.result()  # every read finished (or raised) before the load is called in
+    return load.weight_bytes
+
+
+def _buffered_read(
+    fd: int, mem: memoryview, segments: list[tuple[int, int]], at: int
+) -> Callable[[], None]:
+    def read() -> None:
+        pos = at
+        for file_offset, n in segments:
+            _pread_exact(fd, mem[pos : pos + n], file_offset)
             pos += n
-        total += piece.nbytes
-    return total
+
+    return read
+
+
+def _direct_reads(
+    fds: dict[str, int],
+    direct: dict[str, int] | None,
+    name: str,
+    mem: memoryview,
+    span: tuple[int, int, int],
+    need: int,
+    off: int,
+) -> list[Callable[[], None]]:
+    """The aligned O_DIRECT reads of one piece's span, `READ_CHUNK` each. Span-relative
+    bytes [off - at, need) are the piece's; the last read may run past the end of the file."""
+    assert direct is not None
+    file_offset, at, n = span
+    head = off - at
+
+    def chunk(lo: int, hi: int) -> Callable[[], None]:
+        def read() -> None:
+            fd = direct.get(name)
+            if fd is not None:
+                try:
+                    _pread_direct(fd, mem[at + lo : at + hi], file_offset + lo, min(hi, need) - lo)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    log.info("%s: O_DIRECT read refused, reading through the page cache", name)
+                    # kept open (other reads may hold it) under a name no piece uses
+                    if (refused := direct.pop(name, None)) is not None:
+                        direct[f"refused:{name}"] = refused
+            lo_, hi_ = max(lo, head), min(hi, need)  # this read's share of the piece
+            if hi_ > lo_:
+                _pread_exact(fds[name], mem[at + lo_ : at + hi_], file_offset + lo_)
+
+        return read
+
+    return [chunk(lo, min(lo + READ_CHUNK, n)) for lo in range(0, need, READ_CHUNK)]
 
 
 def _pread_direct(fd: int, buf: memoryview, offset: int, need: int) -> None:
@@ -167,6 +277,12 @@ def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
 class Mover(Protocol):
     device: torch.device
     throttle: Throttle
+    tier: HostTier | None
+    loader_nice: int  # the loader thread's niceness: on a CPU it yields to compute
+
+    def prepare(self, plan: Plan) -> None:
+        """Once, before the first fill: take the host memory the plan's loads need."""
+        ...
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """Weight memory on the device (uint8)."""
@@ -191,11 +307,19 @@ class Mover(Protocol):
         """On the compute thread, after the last kernel that reads `slot` was issued."""
         ...
 
+    def finish(self) -> float:
+        """After a request: host→device seconds not yet counted in its `FillTimes`."""
+        ...
+
+    @property
+    def pinned_bytes(self) -> int: ...
+
     def close(self) -> None: ...
 
 
 class Throttle:
-    """Emulates a slower host→device link: a copy of n bytes takes at least n / rate."""
+    """Emulates a slower link from storage to the device: a fill of n bytes takes at least
+    n / rate, counted from the start of the fill (the disk read included) on every device."""
 
     def __init__(self, link_gbps: float | None) -> None:
         self.set(link_gbps)
@@ -210,8 +334,44 @@ class Throttle:
                 time.sleep(left)
 
 
+class _Reader:
+    """A mover's file descriptors (buffered and O_DIRECT) and its pool of read threads."""
+
+    def __init__(self, files: list[str], direct: bool) -> None:
+        self.fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        self.direct = open_direct(files) if direct else {}
+        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-read")
+
+    @property
+    def direct_files(self) -> set[str]:
+        """The files still read with O_DIRECT (not refused)."""
+        return {f for f in self.direct if not f.startswith("refused:")}
+
+    def read(self, load: Load, dest: torch.Tensor, tier: HostTier | None) -> int:
+        """Read `load` into host memory `dest`; drop what went through the page cache unless
+        `dest` is the host tier's (then the tier is where the bytes are kept)."""
+        n = read_load(self.fds, load, dest, self.direct, self.pool)
+        if tier is None or load.seq not in tier.members:
+            drop_from_page_cache(self.fds, load)
+        return n
+
+    def prefetch(self, load: Load, tier: HostTier | None) -> None:
+        if load.direct and self.direct:
+            return  # O_DIRECT reads skip the page cache: read-ahead there would be wasted
+        if tier is None or load.seq not in tier.members:
+            advise(self.fds, load, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for fd in [*self.fds.values(), *self.direct.values()]:
+            os.close(fd)
+        self.fds, self.direct = {}, {}
+
+
 class CpuMover:
     """Slots in host memory; the loader thread reads straight into them."""
+
+    loader_nice = 10  # below compute, so its reads wait for the gaps (see streamer)
 
     def __init__(
         self,
@@ -221,10 +381,16 @@ class CpuMover:
         tier: HostTier | None = None,
     ) -> None:
         self.device = device or torch.device("cpu")
-        self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
-        self._direct = open_direct(files) if self.device.type == "cpu" else {}
+        self._reader = _Reader(files, direct=self.device.type == "cpu")
         self.throttle = Throttle(link_gbps)
         self.tier = tier
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def prepare(self, plan: Plan) -> None:
+        return None
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -240,23 +406,17 @@ class CpuMover:
             target = host if host is not None else region
             if target.device.type != "cpu":  # e.g. mps: read into host memory first
                 target = host = aligned_empty(load.nbytes)
-            disk = read_load(self._fds, load, target, self._direct)
-            if self.tier is not None and kept is None:
-                drop_from_page_cache(self._fds, load)
-            elif self.tier is not None and target is kept:
+            disk = self._reader.read(load, target, self.tier)
+            if self.tier is not None and target is kept:
                 self.tier.hold(load)
         t1 = time.perf_counter()
         if host is not None:
             region[: load.nbytes].copy_(host)
-        # the emulated link caps the whole fill: reading into host memory is part of the copy
         self.throttle.wait(load.weight_bytes, t0)
         return FillTimes(t1 - t0, time.perf_counter() - t1, load.weight_bytes, disk)
 
     def prefetch(self, load: Load) -> None:
-        if load.direct and self._direct:
-            return  # O_DIRECT reads skip the page cache: read-ahead there would be wasted
-        if self.tier is None or load.seq not in self.tier.members:
-            advise(self._fds, load, os.POSIX_FADV_WILLNEED)
+        self._reader.prefetch(load, self.tier)
 
     def wait_ready(self, slot: int) -> None:
         return None
@@ -264,14 +424,19 @@ class CpuMover:
     def mark_done(self, slot: int) -> None:
         return None
 
+    def finish(self) -> float:
+        return 0.0
+
     def close(self) -> None:
-        for fd in [*self._fds.values(), *self._direct.values()]:
-            os.close(fd)
-        self._fds, self._direct = {}, {}
+        self._reader.close()
+        if self.tier is not None:
+            self.tier.close()
 
 
 class CudaMover:
-    """Pinned staging per slot, a dedicated copy stream, events between copy and compute."""
+    """Pinned staging, a dedicated copy stream, events between copy and compute."""
+
+    loader_nice = 0  # the loader is the critical path on a GPU: never lowered
 
     def __init__(
         self,
@@ -281,14 +446,31 @@ class CudaMover:
         tier: HostTier | None = None,
     ) -> None:
         self.device = device
-        self._fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        self._reader = _Reader(files, direct=True)
         self.throttle = Throttle(link_gbps)
         self.tier = tier
         self._stream = torch.cuda.Stream(device=device)
-        self._staging: dict[int, torch.Tensor] = {}
+        self._arena: HostArena | None = None
+        self._staging: list[torch.Tensor] = []
+        self._staged: list[torch.cuda.Event | None] = []  # per staging buffer: its last copy
+        self._fills = 0
         self._copied: dict[int, torch.cuda.Event] = {}  # per slot id: its last h2d copy
-        self._staged: dict[int, torch.cuda.Event] = {}  # per staging buffer: its last copy
         self._computed: dict[int, torch.cuda.Event] = {}
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @property
+    def pinned_bytes(self) -> int:
+        tier = self.tier.pinned_bytes if self.tier is not None else 0
+        return tier + (self._arena.pinned_bytes if self._arena is not None else 0)
+
+    def prepare(self, plan: Plan) -> None:
+        """Pin `N_STAGING` buffers of the largest streamed load, once (resident loads that do
+        not fit them are staged through pageable memory: they load once, at warm-up)."""
+        streamed = [ld.nbytes for ld in plan.loads if not ld.resident]
+        size = max(streamed, default=0)
+        self._arena = HostArena([size] * N_STAGING if size else [], pin=True)
+        self._staging = [self._arena.take(size) for _ in range(N_STAGING)] if size else []
+        self._staged = [None] * len(self._staging)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -296,58 +478,68 @@ class CudaMover:
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
         t0 = time.perf_counter()
         host, cached = self.tier.buffer(load) if self.tier else (None, False)
-        disk = 0
-        key = max(slot, -1)  # ring slots have their own staging; resident loads share one
+        disk, k, pinned = 0, None, True
         if host is not None:
             staging = host  # pinned: the tier copies straight from its own buffer
             if not cached:
-                disk = read_load(self._fds, load, staging)
+                disk = self._reader.read(load, staging, self.tier)
                 assert self.tier is not None
                 self.tier.hold(load)
-        else:
-            staging = self._staging.get(key)
-            if staging is None or staging.numel() < load.nbytes:
-                staging = torch.empty(load.nbytes, dtype=torch.uint8, pin_memory=True)
-                self._staging[key] = staging
-            previous = self._staged.get(key)
+        elif self._staging and load.nbytes <= self._staging[0].numel():
+            k = self._fills % len(self._staging)
+            self._fills += 1
+            staging = self._staging[k]
+            previous = self._staged[k]
             if previous is not None:
-                previous.synchronize()  # the staging buffer is free once its last copy finished
-            disk = read_load(self._fds, load, staging)
-            if self.tier is not None:
-                drop_from_page_cache(self._fds, load)
+                previous.synchronize()  # free once its last copy is done (a blocking wait)
+            disk = self._reader.read(load, staging, self.tier)
+        else:  # a resident load bigger than the staging: once, through pageable memory
+            staging, pinned = aligned_empty(load.nbytes), False
+            disk = self._reader.read(load, staging, self.tier)
         t1 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             done = self._computed.get(slot)
             if done is not None:
                 self._stream.wait_event(done)  # previous occupant's kernels have finished
-            region[: load.nbytes].copy_(staging[: load.nbytes], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        self._copied[slot] = event
-        if host is None:
-            self._staged[key] = event
-        event.synchronize()  # h2d time is measured; the compute stream still waits on the event
-        self.throttle.wait(load.weight_bytes, t1)
-        return FillTimes(t1 - t0, time.perf_counter() - t1, load.weight_bytes, disk)
+            start = torch.cuda.Event(enable_timing=True, blocking=True)
+            end = torch.cuda.Event(enable_timing=True, blocking=True)
+            start.record(self._stream)
+            region[: load.nbytes].copy_(staging[: load.nbytes], non_blocking=pinned)
+            end.record(self._stream)
+        self._copied[slot] = end
+        self._timed.append((start, end))
+        if k is not None:
+            self._staged[k] = end
+        self.throttle.wait(load.weight_bytes, t0)
+        return FillTimes(t1 - t0, 0.0, load.weight_bytes, disk)
 
     def prefetch(self, load: Load) -> None:
-        if self.tier is None or load.seq not in self.tier.members:
-            advise(self._fds, load, os.POSIX_FADV_WILLNEED)
+        self._reader.prefetch(load, self.tier)
 
     def wait_ready(self, slot: int) -> None:
         torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
 
     def mark_done(self, slot: int) -> None:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         self._computed[slot] = event
 
+    def finish(self) -> float:
+        """Seconds the copies of the request took on the copy stream, from their events."""
+        timed, self._timed = self._timed, []
+        if not timed:
+            return 0.0
+        timed[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in timed) / 1000  # ms → s
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        self._reader.close()
         self._staging.clear()
+        if self._arena is not None:
+            self._arena.close()
+        if self.tier is not None:
+            self.tier.close()
 
 
 def make_mover(

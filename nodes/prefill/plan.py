@@ -24,7 +24,8 @@ from nodes.model.safetensors_format import ITEMSIZE
 ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this
 DIRECT_MIN = 64 * 1024  # smaller pieces (norms, biases) are not worth a span of their own
-MAX_RING_SLOTS = 3
+MAX_RING_SLOTS = 3  # whole-layer slots
+RING_LOADS = 4  # a cut layer: loads in flight, each at most a RING_LOADS-th of the ring
 MIN_SLICE = 4096  # bytes: the smallest load a quantized plan tries before giving up
 
 
@@ -78,6 +79,7 @@ class Part:
     lo: int
     hi: int
     first: bool  # first part of this op in the layer: it computes the op's input norm
+    last: bool  # last part of this op: it adds the op's summed output into the residual
     pieces: tuple[Piece, ...]
 
 
@@ -113,10 +115,12 @@ class Plan:
     slot_bytes: int
     budget_bytes: int
     scratch_bytes: int = 0  # where a quantized model's parts are dequantized
+    reserve_bytes: int = 0  # kept free for activations
 
     @property
     def device_bytes(self) -> int:
-        """Everything the weights take on the device: pool plus scratch, within the budget."""
+        """Everything the weights take on the device: pool plus scratch, within the budget
+        less the activation reserve."""
         return self.pool_bytes + self.scratch_bytes
 
     @property
@@ -195,7 +199,7 @@ def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part] | None:
                 Piece("self_attn.q_norm.weight", t["self_attn.q_norm.weight"]),
                 Piece("self_attn.k_norm.weight", t["self_attn.k_norm.weight"]),
             ]
-        parts.append(Part(i, "attn", lo, hi, g == 0, tuple(pieces)))
+        parts.append(Part(i, "attn", lo, hi, g == 0, g == groups - 1, tuple(pieces)))
     return parts
 
 
@@ -207,6 +211,7 @@ def _mlp_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
     units = inter // unit
     bounds = sorted({round(g * units / groups) * unit for g in range(groups + 1)} | {inter})
     parts = []
+    last = len(bounds) - 2
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         pieces = [Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])]
         pieces = pieces if g == 0 else []
@@ -215,7 +220,7 @@ def _mlp_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
             *_matrix(index, i, "mlp.up_proj", rows=(lo, hi)),
             *_matrix(index, i, "mlp.down_proj", cols=(lo, hi)),
         ]
-        parts.append(Part(i, "mlp", lo, hi, g == 0, tuple(pieces)))
+        parts.append(Part(i, "mlp", lo, hi, g == 0, g == last, tuple(pieces)))
     return parts
 
 
@@ -377,13 +382,18 @@ def _scratch(
     return max((max(dequantized_sizes(index, p, itemsize), default=0) for p in parts), default=0)
 
 
-def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
-    """Choose slot size, slot count and resident set for `budget` bytes of weight memory.
+def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int = 0) -> Plan:
+    """Choose slot size, slot count and resident set for `budget` bytes of device memory, of
+    which `reserve` bytes stay free for activations.
 
-    Half the budget goes to the ring when the model does not fit (so a resident set can stay
-    loaded across requests); the ring takes all of it when that is the only way to double
-    buffer; a single slot (no overlap) is the last resort. `direct` lays loads out for
-    O_DIRECT reads (`_layout`).
+    Half the weight budget goes to the ring when the model does not fit (so a resident set
+    can stay loaded across requests); the ring takes all of it when that is the only way to
+    double buffer; a single slot (no overlap) is the last resort. Whole layers stream when
+    two fit the ring; a layer that must be cut is cut into loads of at most a
+    `RING_LOADS`-th of the ring, so loads come out of roughly equal size and several are in
+    flight — with two slots, attention in one and the MLP in the other, the MLP's copy would
+    wait for the previous MLP's compute. `direct` lays loads out for O_DIRECT reads
+    (`_layout`).
 
     A quantized model's loads hold its packed bytes as stored; each part is dequantized into
     a scratch of the compute dtype, counted in the budget beside the ring and the resident
@@ -392,48 +402,56 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
     layers' slices (one load, several parts), so the scratch stays the size of a slice's
     matrices, not a whole MLP's.
     """
+    if reserve >= budget:
+        raise ModelError(
+            f"budget {budget} B leaves nothing for weights after {reserve} B of activations;"
+            " raise --budget or lower --max-prompt-tokens"
+        )
+    weights = budget - reserve
     n = index.spec.num_layers
     itemsize = ITEMSIZE[index.dtype]
     largest = max(e.nbytes for layer in index.layers for e in layer.values())
-    if budget < largest:
+    if weights < largest:
         raise ModelError(
-            f"budget {budget} B is smaller than the largest tensor ({largest} B); raise --budget"
+            f"budget {budget} B ({weights} B after {reserve} B of activations) is smaller than"
+            f" the largest tensor ({largest} B); raise --budget"
         )
     whole = [[_whole(index, i)] for i in range(n)]
     layer_bytes = [_size(w[0], direct) for w in whole]
     scratch = _scratch(index, whole, itemsize)
-    if sum(layer_bytes) + scratch <= budget:
+    if sum(layer_bytes) + scratch <= weights:
         return Plan(_loads(whole, set(range(n)), direct), tuple(range(n)), 0, 0, budget, scratch)
 
     quantized = index.quantized
-    for ring_budget, min_slots in ((budget // 2, 2), (budget, 2), (budget, 1)):
-        # Try slot sizes from a whole layer down; the first that fits min_slots wins. A float
-        # model needs two sizes at most; a quantized one may need smaller slices still, to
-        # leave room for their scratch.
-        top = min(max(layer_bytes), ring_budget // min_slots)
-        targets = sorted({max(layer_bytes), ring_budget // min_slots}, reverse=True)
+    for ring_budget, min_slots in ((weights // 2, 2), (weights, 2), (weights, 1)):
+        # Slot sizes to try, largest first; the first that fits min_slots wins: a whole
+        # layer if two fit, else loads of a RING_LOADS-th of the ring (then of a min_slots-th).
+        # A quantized model may need smaller slices still, to leave room for their scratch.
+        top = ring_budget // min_slots
+        targets = [max(layer_bytes)] if max(layer_bytes) <= top else []
+        targets += [ring_budget // max(min_slots, RING_LOADS), top]
         while quantized and top > MIN_SLICE:  # slices cut tensors: smaller than the largest
             top //= 2
             targets.append(top)
         for target in targets:
-            target = min(target, ring_budget // min_slots)
             groups = [_layer_groups(index, i, target, direct) for i in range(n)]
             if any(g is None for g in groups):
                 continue
             slot = max(_size(g, direct) for layer in groups for g in layer)  # type: ignore[union-attr]
             scratch = _scratch(index, groups, itemsize) if quantized else 0  # type: ignore[arg-type]
-            if min_slots * slot + scratch > budget:  # then one matrix at a time (see engine)
+            if min_slots * slot + scratch > weights:  # then one matrix at a time (see engine)
                 scratch = _scratch(index, groups, itemsize, whole_parts=False)  # type: ignore[arg-type]
-            if min_slots * slot + scratch > budget:
+            if min_slots * slot + scratch > weights:
                 continue
-            room = min(ring_budget, budget - scratch)  # the scratch comes out of the budget
-            n_slots = max(min_slots, min(MAX_RING_SLOTS, room // slot))
+            room = min(ring_budget, weights - scratch)  # the scratch comes out of the budget
+            cap = MAX_RING_SLOTS if slot >= max(layer_bytes) else 2 * RING_LOADS
+            n_slots = max(min_slots, min(cap, room // slot))
             if quantized:  # resident layers keep their slices: sizes as laid out that way
                 sizes = [_size([p for g in layer for p in g], direct) for layer in groups]  # type: ignore[union-attr]
             else:
                 sizes = layer_bytes
-            resident = _resident_set(sizes, budget - n_slots * slot - scratch)
-            if not resident and ring_budget < budget:
+            resident = _resident_set(sizes, weights - n_slots * slot - scratch)
+            if not resident and ring_budget < weights:
                 break  # half the budget buys no resident layer: give the ring all of it
             for i in resident:
                 if quantized:  # all of its slices, in one load
@@ -441,5 +459,5 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False) -> Plan:
                 else:  # whole parts: exactly the layer_bytes[i] counted above
                     groups[i] = [_whole(index, i)]
             loads = _loads(groups, resident, direct)  # type: ignore[arg-type]
-            return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch)
+            return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")

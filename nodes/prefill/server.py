@@ -22,7 +22,7 @@ from aiohttp import web
 
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from nodes.kv_link import tune_sender
-from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
+from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError, PromptTooLong
 from nodes.prefill.prefix_cache import PrefixCache
 from nodes.prefill.streamer import DEVICE_NICE, lower_this_thread
 from nodes.throttle import PacedSender
@@ -114,6 +114,10 @@ class PrefillService:
             return _error(400, "bad_json", "body is not valid JSON")
         except BadRequest as e:
             return _error(e.status, e.code, str(e))
+        try:  # before any streaming: a prompt whose activations would not fit
+            self.engine.check_fits(len(req.tokens))
+        except PromptTooLong as e:
+            return _error(413, "prompt_too_long", str(e))
         publish = self.events.publish
         if self._waiting >= self.queue_limit:
             publish(RequestEvent(req.request_id, phase="failed", detail="queue full (503)"))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nodes.prefill.movers import FillTimes, Mover
+from nodes.prefill.movers import CpuMover, FillTimes, Mover
 from nodes.prefill.plan import Load, Plan
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class LayerStreamer:
     def __init__(self, plan: Plan, mover: Mover) -> None:
         self.plan = plan
         self.mover = mover
+        mover.prepare(plan)
         self._ring_mem = [mover.alloc(plan.slot_bytes) for _ in range(plan.n_slots)]
         self._resident_mem = {ld.seq: mover.alloc(ld.nbytes) for ld in plan.loads if ld.resident}
         self._resident_ready: set[int] = set()
@@ -90,18 +91,16 @@ class LayerStreamer:
         return None if k is None else k % self.plan.n_slots
 
     @contextmanager
-    def stream(
-        self, hooks: LoaderHooks | None = None, synchronous: bool = False
-    ) -> Iterator[Iterator[tuple[Load, dict[str, torch.Tensor]]]]:
-        """Yield an iterator of (load, weight views) in plan order, each ready to compute on.
-
-        The consumer must finish with a load before asking for the next one: that is when
-        its slot is released. `synchronous=True` loads each load only when asked for it, so
-        no copy overlaps compute (the bench's `compute_s` denominator).
+    def stream(self, hooks: LoaderHooks | None = None, synchronous: bool = False) -> Iterator[_Run]:
+        """Yield a run: iterate it for (load, weight views) in plan order, each ready to
+        compute on, and `release(load)` as soon as the load's compute is queued — the loader
+        may then refill its slot. (A load not released by then is released when the next one
+        is asked for.) `synchronous=True` loads each load only when asked for it, so no copy
+        overlaps compute (the bench's `compute_s` denominator).
         """
         run = _Run(self, hooks or LoaderHooks(), synchronous)
         try:
-            yield run.iterate()
+            yield run
         finally:
             run.stop()
 
@@ -144,7 +143,7 @@ class LayerStreamer:
 
 
 DEVICE_NICE = 5  # the compute thread: below a node's event loop, which sends the K/V
-LOADER_NICE = 10  # the loader: below compute, so its reads wait for the gaps
+LOADER_NICE = CpuMover.loader_nice  # a CPU loader: below compute, its reads wait for the gaps
 
 
 def lower_this_thread(nice: int) -> None:
@@ -152,7 +151,8 @@ def lower_this_thread(nice: int) -> None:
 
     The loader's reads then wait for the gaps instead of stalling a parallel kernel, and
     compute yields to the event loop that sends finished layers. (A CUDA copy is DMA; this
-    matters for the host side, and most on a small CPU.) Elsewhere: normal priority."""
+    matters for the host side, and most on a small CPU; a CUDA loader is the critical path and
+    keeps its priority: `Mover.loader_nice`.) Elsewhere: normal priority."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
@@ -181,7 +181,8 @@ class _Run:
         self.thread.start()
 
     def _loader(self) -> None:
-        lower_this_thread(LOADER_NICE)
+        if self.s.mover.loader_nice:
+            lower_this_thread(self.s.mover.loader_nice)
         loads = self.s.plan.loads
         try:
             for j, load in enumerate(loads):
@@ -234,7 +235,7 @@ class _Run:
             self.ready.add(load.seq)
             self.cond.notify_all()
 
-    def iterate(self) -> Iterator[tuple[Load, dict[str, torch.Tensor]]]:
+    def __iter__(self) -> Iterator[tuple[Load, dict[str, torch.Tensor]]]:
         for load in self.s.plan.loads:
             slot = self.s.slot_of(load)
             with self.cond:
@@ -246,17 +247,25 @@ class _Run:
                 if slot is not None and self.ring.filled[slot] != load.seq:
                     raise RuntimeError(f"slot {slot} holds load {self.ring.filled[slot]}")
             self.s.mover.wait_ready(self.s.slot_id(load))
-            yield load, self.s.views(load)
-            if slot is not None:
-                self.s.mover.mark_done(slot)
-                with self.cond:
-                    self.ring.released[slot] = load.seq
-                    self.cond.notify_all()
-        self.s.last_stats = self.stats
+            try:
+                yield load, self.s.views(load)
+            finally:
+                self.release(load)
+
+    def release(self, load: Load) -> None:
+        """The load's last kernel is queued: its slot may be refilled (idempotent)."""
+        slot = self.s.slot_of(load)
+        if slot is None or self.ring.released[slot] >= load.seq:
+            return
+        self.s.mover.mark_done(slot)
+        with self.cond:
+            self.ring.released[slot] = load.seq
+            self.cond.notify_all()
 
     def stop(self) -> None:
         with self.cond:
             self.cancelled = True
             self.cond.notify_all()
         self.thread.join()
+        self.stats.h2d_s += self.s.mover.finish()
         self.s.last_stats = self.stats

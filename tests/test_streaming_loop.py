@@ -1,0 +1,315 @@
+"""The streaming loop's mechanics that a CPU can show (issue 17): host memory taken once at its
+exact size, reads in flight, the page cache left clean, cut layers streamed in equal loads,
+the activation reserve and its 413, slots released as soon as compute is queued, and a cut
+op's slices added into the residual once."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from nodes.events import Event, LayerEvent
+from nodes.model import fingerprint
+from nodes.model.errors import ModelError
+from nodes.model.index import ModelIndex, load_index
+from nodes.prefill import movers
+from nodes.prefill.blocks import LayerState, _add_residual, _finish_op
+from nodes.prefill.engine import PrefillEngine, PromptTooLong
+from nodes.prefill.movers import HostArena, HostTier, aligned_empty, open_direct, read_load
+from nodes.prefill.plan import DIRECT_ALIGN, RING_LOADS, make_plan
+from tests.conftest import MakeTiny
+from tests.nodeproc import start_node
+
+
+def model_bytes(index: ModelIndex) -> int:
+    return sum(index.layer_bytes(i) for i in range(index.spec.num_layers))
+
+
+@pytest.fixture
+def index(tiny_model: MakeTiny) -> ModelIndex:
+    return load_index(tiny_model(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=768))
+
+
+# ---------------------------------------------------------------- host memory, taken once
+
+
+def test_arena_takes_exact_aligned_pieces_once() -> None:
+    arena = HostArena([1000, 5000, 3])
+    assert arena.nbytes == 3 * DIRECT_ALIGN + DIRECT_ALIGN  # each piece rounded to a block
+    assert arena.pinned_bytes == 0  # nothing is pinned without CUDA
+    pieces = [arena.take(n) for n in (1000, 5000, 3)]
+    assert [p.numel() for p in pieces] == [1000, 5000, 3]
+    assert all(p.data_ptr() % DIRECT_ALIGN == 0 for p in pieces)
+    starts = [p.data_ptr() for p in pieces]
+    assert starts == sorted(starts) and starts[1] - starts[0] == DIRECT_ALIGN
+    with pytest.raises(ValueError, match="cannot hand out"):
+        arena.take(1)
+    arena.close()
+
+
+def test_host_tier_is_one_arena_of_its_members(index: ModelIndex) -> None:
+    """The tier takes exactly its members' bytes up front (block-rounded, never a power of
+    two), and a member's buffer is the same memory every pass."""
+    plan = make_plan(index, model_bytes(index) // 3, direct=True)
+    streamed = [ld for ld in plan.loads if not ld.resident]
+    budget = sum(ld.nbytes for ld in streamed[:3]) + 10
+    tier = HostTier(streamed, budget)
+    assert tier.members == {ld.seq for ld in streamed[:3]}
+    assert tier._arena.nbytes == sum(
+        -(-ld.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN for ld in streamed[:3]
+    )
+    first, held = tier.buffer(streamed[0])
+    assert first is not None and not held
+    assert tier.buffer(streamed[0])[0].data_ptr() == first.data_ptr()
+    assert tier.buffer(streamed[3]) == (None, False)
+    tier.close()
+
+
+# ---------------------------------------------------------------- reads
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reads_in_flight_land_the_same_bytes(
+    index: ModelIndex, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a pool of readers and O_DIRECT spans cut into many small reads, every load lands
+    exactly the bytes of one read at a time through the page cache."""
+    monkeypatch.setattr(movers, "READ_CHUNK", 2 * DIRECT_ALIGN)
+    plan = make_plan(index, model_bytes(index) // 3, direct=direct)
+    files = [str(f) for f in index.files]
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    direct_fds = open_direct(files)
+    if direct and not direct_fds:
+        pytest.skip("this file system refuses O_DIRECT")
+    try:
+        with ThreadPoolExecutor(movers.READ_THREADS) as pool:
+            for ld in plan.loads:
+                want = aligned_empty(ld.nbytes).fill_(0)
+                got = aligned_empty(ld.nbytes).fill_(0)
+                assert read_load(fds, ld, want) == ld.weight_bytes
+                assert read_load(fds, ld, got, direct_fds, pool) == ld.weight_bytes
+                for piece, off in zip(ld.pieces, ld.offsets, strict=True):  # not the padding
+                    end = off + piece.nbytes
+                    assert torch.equal(want[off:end], got[off:end]), piece.key
+    finally:
+        for fd in [*fds.values(), *direct_fds.values()]:
+            os.close(fd)
+
+
+def _cached_pages(path: str, offset: int, length: int) -> tuple[int, int]:
+    """(pages of the range in the page cache, pages in the range), by mincore(2)."""
+    page = mmap.PAGESIZE
+    lo = offset // page * page
+    n = offset + length - lo
+    pages = -(-n // page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) == 0
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(n))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), pages
+
+
+def test_weights_read_through_the_page_cache_are_dropped_after(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a host tier nothing keeps the streamed weights in the page cache: a model
+    larger than RAM would otherwise evict exactly the pages needed next. (A model of its
+    own: no other test's reads are in its files' cache.)"""
+    index = load_index(tiny_model(layers=3, hidden=256, heads=4, kv_heads=2, intermediate=768))
+    monkeypatch.setattr(movers, "open_direct", lambda files: {})  # all through the cache
+    for f in index.files:  # start from a cold cache: what is cached after, the pass left
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    engine = PrefillEngine(index, budget=model_bytes(index) // 3, device="cpu")
+    try:
+        list(engine.prefill(list(range(50))))
+    finally:
+        engine.close()
+    cached = total = 0
+    for ld in engine.plan.loads:
+        if ld.resident:
+            continue
+        for piece in ld.pieces:
+            for off, n in piece.segments():
+                c, t = _cached_pages(str(piece.entry.file), off, n)
+                cached, total = cached + c, total + t
+    if total == 0:
+        pytest.skip("nothing streamed")
+    assert cached <= 0.05 * total, f"{cached} of {total} pages still cached"
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_a_cut_layer_streams_in_equal_loads_with_several_in_flight(index: ModelIndex) -> None:
+    """Where a layer must be cut, no copy waits behind a load much bigger than the others:
+    loads of at most a RING_LOADS-th of the ring, and at least RING_LOADS slots."""
+    budget = index.layer_bytes(0)  # half of it is the ring: half a layer
+    plan = make_plan(index, budget, direct=True)
+    assert plan.granularity == "slice"
+    assert plan.n_slots >= RING_LOADS
+    streamed = [ld.weight_bytes for ld in plan.loads if not ld.resident]
+    assert max(streamed) <= 2 * statistics.median(streamed)
+    assert plan.device_bytes <= budget
+
+
+def test_the_activation_reserve_comes_out_of_the_weights(index: ModelIndex) -> None:
+    budget = model_bytes(index) // 2
+    plain = make_plan(index, budget, direct=True)
+    reserve = budget // 4
+    kept = make_plan(index, budget, direct=True, reserve=reserve)
+    assert kept.reserve_bytes == reserve
+    assert kept.device_bytes + reserve <= budget < plain.device_bytes + reserve
+    with pytest.raises(ModelError, match="leaves nothing for weights"):
+        make_plan(index, budget, reserve=budget)
+
+
+def test_a_prompt_beyond_the_reserve_is_refused_before_streaming(index: ModelIndex) -> None:
+    events: list[Event] = []
+    engine = PrefillEngine(
+        index, budget=model_bytes(index) // 2, device="cpu", max_prompt_tokens=64,
+        chunk_tokens=32,
+    )  # fmt: skip
+    engine.events.add_listener(events.append)
+    try:
+        assert engine.plan.reserve_bytes == engine.activation_reserve > 0
+        assert engine.plan.device_bytes + engine.activation_reserve <= engine.budget
+        with pytest.raises(PromptTooLong, match="64 tokens"):
+            next(engine.prefill(list(range(65))))
+        assert not [e for e in events if isinstance(e, LayerEvent)]  # nothing streamed
+        assert len(list(engine.prefill(list(range(64))))) == index.spec.num_layers
+    finally:
+        engine.close()
+
+
+def test_prefill_node_answers_a_too_long_prompt_with_413(
+    tiny_model: MakeTiny, tmp_path: Path
+) -> None:
+    model = tiny_model(layers=2)
+    node = start_node(tmp_path, model, "prefill", "--device", "cpu", "--max-prompt-tokens", "32")
+    try:
+        body = {"proto": 1, "fingerprint": fingerprint(load_index(model)), "start": 0}
+
+        def post(n: int) -> tuple[int, bytes]:
+            req = urllib.request.Request(
+                node.url + "/v1/prefill", method="POST",
+                data=json.dumps({**body, "tokens": list(range(1, n + 1))}).encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status, r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+
+        status, raw = post(40)
+        assert status == 413
+        error = json.loads(raw)["error"]
+        assert error["code"] == "prompt_too_long" and "32 tokens" in error["message"]
+        status, _ = post(30)
+        assert status == 200  # and the node still serves
+    finally:
+        node.stop()
+
+
+# ---------------------------------------------------------------- the ring
+
+
+def test_a_slot_is_released_as_soon_as_its_compute_is_queued(index: ModelIndex) -> None:
+    """While the consumer holds a finished layer (a network send, say), the loader already
+    refills the slot that layer's compute used: the ring does not wait on the consumer."""
+    engine = PrefillEngine(index, budget=model_bytes(index) // 3, device="cpu")
+    stamps: list[tuple[float, LayerEvent]] = []
+    engine.events.add_listener(
+        lambda e: stamps.append((time.perf_counter(), e)) if isinstance(e, LayerEvent) else None
+    )
+    plan = engine.plan
+    streamed = [ld for ld in plan.loads if not ld.resident]
+    assert plan.n_slots >= 2 and len(streamed) > plan.n_slots
+    holds: list[tuple[int, float, float]] = []
+    try:
+        for kv in engine.prefill(list(range(40))):
+            t0 = time.perf_counter()
+            time.sleep(0.05)  # the consumer is busy with layer kv.layer
+            holds.append((kv.layer, t0, time.perf_counter()))
+    finally:
+        engine.close()
+    refilled = 0
+    for layer, t0, t1 in holds:
+        last = max(ld.seq for ld in plan.loads if ld.layer == layer)
+        reuse = [ld for ld in streamed if ld.seq > last][: plan.n_slots]
+        reuse = [ld for ld in reuse if engine.streamer.slot_of(ld) == _slot_of_layer(engine, layer)]
+        if not reuse:
+            continue
+        started = [t for t, e in stamps if e.state == "loading" and e.layer == reuse[0].layer]
+        refilled += bool(started) and t0 <= started[0] < t1
+    assert refilled >= 1
+
+
+def _slot_of_layer(engine: PrefillEngine, layer: int) -> int | None:
+    loads = [ld for ld in engine.plan.loads if ld.layer == layer]
+    return engine.streamer.slot_of(loads[-1])
+
+
+# ---------------------------------------------------------------- the residual
+
+
+def test_a_cut_op_adds_its_slices_into_the_residual_once() -> None:
+    """bf16: eight slices summed in float32 and added once give h + bf16(sum), one rounding
+    of the residual as in an uncut layer, and are closer to the exact sum than adding each
+    slice into the bf16 residual."""
+    g = torch.Generator().manual_seed(0)
+    h0 = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    parts = [torch.randn(64, 32, generator=g).to(torch.bfloat16) * 0.1 for _ in range(8)]
+    h = h0.clone()
+    state = LayerState(torch.empty(0), torch.empty(0))
+    for i, out in enumerate(parts):
+        _add_residual(h, state, 0, out, first=i == 0, last=i == 7)
+        _finish_op(h, state, last=i == 7)
+    total = torch.stack([p.float() for p in parts]).sum(0)
+    assert torch.equal(h, h0 + total.to(torch.bfloat16))
+    assert state.acc is None
+    naive = h0.clone()
+    for out in parts:
+        naive += out
+    exact = h0.double() + torch.stack([p.double() for p in parts]).sum(0)
+    assert (h.double() - exact).abs().mean() < (naive.double() - exact).abs().mean()
+
+
+def test_an_uncut_op_adds_straight_into_the_residual() -> None:
+    h = torch.zeros(4, 4, dtype=torch.bfloat16)
+    state = LayerState(torch.empty(0), torch.empty(0))
+    _add_residual(h, state, 0, torch.ones(2, 4, dtype=torch.bfloat16), first=True, last=True)
+    assert state.acc is None and h[:2].eq(1).all() and h[2:].eq(0).all()
+
+
+def test_engine_threads_are_not_left_behind(index: ModelIndex) -> None:
+    before = {t.name for t in threading.enumerate()}
+    engine = PrefillEngine(index, budget=model_bytes(index) // 3, device="cpu")
+    list(engine.prefill(list(range(30))))
+    engine.close()
+    left = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in left if n.startswith("tandem-")], left
