@@ -41,6 +41,8 @@ import aiohttp
 from aiohttp import web
 
 from app.demo import DemoCluster, DemoError
+from nodes.contract import sse_record
+from nodes.events import LinkEvent, event_from_json
 from nodes.kv_link import arrival_seconds, receiver_socket, tune_sender
 from nodes.throttle import PacedSender
 
@@ -58,8 +60,8 @@ async def _completion(cluster: DemoCluster, tokens: list[int], max_tokens: int) 
     ):
         r.raise_for_status()
         async for line in r.content:
-            if line.startswith(b"data: {"):
-                chunk = json.loads(line[6:])
+            chunk = sse_record(line)
+            if isinstance(chunk, dict):
                 extra = chunk.get("tandem") or extra
     return extra
 
@@ -74,11 +76,10 @@ async def _net_in(cluster: DemoCluster, request_id: str) -> tuple[list[int], lis
         url = f"{cluster.decode_url}/v1/events?since=0"
         async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
             async for line in r.content:
-                if line.startswith(b"data: "):
-                    rec = json.loads(line[6:])
-                    if rec["request_id"] == request_id and rec["kind"] == "link":
-                        sizes.append(rec["bytes"])
-                        seconds.append(rec["seconds"])
+                event = event_from_json(sse_record(line))
+                if isinstance(event, LinkEvent) and event.request_id == request_id:
+                    sizes.append(event.bytes)
+                    seconds.append(event.seconds)
 
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(read(), 1.0)

@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.tui.command import add_tui_parser
+from nodes.contract import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_QUEUE,
+    DEFAULT_REMOTE_TIMEOUT_S,
+)
 from nodes.model.errors import ModelError
 from nodes.units import parse_size
 
@@ -95,7 +103,7 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-file", type=Path, required=True, help="JSON list of token ids")
     p.add_argument("--out", type=Path, required=True, help="mlx-lm prompt cache .safetensors")
     p.add_argument("--budget", type=_size, default=None, help="device memory, e.g. 512MiB")
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device (Gbit/s)")
@@ -162,14 +170,14 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a prefill and/or decode node")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
     p.add_argument("--budget", type=_size, default=None, help="weights and activations")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument(
         "--host-budget", type=_size, default=None, help="layers kept in host RAM across requests"
     )
-    p.add_argument("--chunk-tokens", type=int, default=512)
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--peer", action="append", default=[], metavar="URL")
     p.add_argument("--no-mdns", action="store_true")
@@ -178,9 +186,20 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="")
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
     p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
-    p.add_argument("--queue-limit", type=int, default=32, help="prefills waiting before 503")
     p.add_argument(
-        "--remote-timeout", type=float, default=300.0, help="seconds before a remote prefill "
+        "--queue-limit", type=int, default=DEFAULT_PREFILL_QUEUE, help="prefills waiting, then 503"
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
+        help="decode: generations at once",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+        help="decode: generations waiting for a slot, then 503",
+    )  # fmt: skip
+    p.add_argument(
+        "--remote-timeout", type=float, default=DEFAULT_REMOTE_TIMEOUT_S,
+        help="seconds before a remote prefill "
         "counts as failed and the decode node prefills locally",
     )  # fmt: skip
     p.set_defaults(func=cmd_node)
@@ -216,6 +235,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         mdns=not a.no_mdns,
         remote_prefill=a.remote_prefill,
         queue_limit=a.queue_limit,
+        max_concurrent=a.max_concurrent,
+        max_queue=a.max_queue,
         remote_timeout_s=a.remote_timeout,
     )
 
@@ -224,15 +245,15 @@ def cmd_node(a: argparse.Namespace) -> int:
     import asyncio
 
     from nodes.auth import AuthError
-    from nodes.node import serve
+    from nodes.node import ListenError, serve
 
     config = node_config(a)
     try:
         asyncio.run(serve(config))
-    except AuthError as e:
+    except (AuthError, ListenError) as e:
         raise UsageError(str(e)) from None
-    except OSError as e:
-        raise UsageError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from None
+    except OSError as e:  # a model file, the config dir: the message names it
+        raise UsageError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
     return 0
 
 
@@ -355,7 +376,7 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    level = logging.WARNING - 10 * a.verbose if a.verbose else logging.INFO
+    level = logging.DEBUG if a.verbose else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(a.func(a) or 0)

@@ -14,7 +14,7 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,10 @@ from zeroconf import (
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from nodes.auth import is_loopback
+from nodes.contract import SERVICE_TYPE, Health
 from nodes.peers import Peer, PeerTable
 
 log = logging.getLogger(__name__)
-SERVICE_TYPE = "_tandem._tcp.local."
 MODEL_PREFIX_HEX = 16  # TXT `model`: enough to tell models apart; trust checks the full one
 HINT_AFTER_S = 10.0  # no other node by then: tell the user about --peer
 RESOLVE_TIMEOUT_MS = 3000
@@ -63,16 +63,16 @@ class Advert:
     port: int
 
     @classmethod
-    def from_health(cls, health: Mapping[str, Any], host: str, port: int) -> Advert:
-        """The advert for a node whose `GET /health` body is `health`."""
+    def from_health(cls, health: Health, host: str, port: int) -> Advert:
+        """The advert for a node whose `GET /health` says `health`."""
         return cls(
-            id=str(health["id"]),
-            name=str(health["name"]),
-            roles=tuple(health["roles"]),
-            proto=int(health["proto"]),
-            fingerprint=str(health["model"]["fingerprint"]),
-            device=str(health["device"]),
-            mem_bytes=int(health["mem_bytes"]),
+            id=health.id,
+            name=health.name,
+            roles=health.roles,
+            proto=health.proto,
+            fingerprint=health.fingerprint,
+            device=health.device,
+            mem_bytes=health.mem_bytes,
             host=host,
             port=port,
         )

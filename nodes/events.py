@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-LayerState = Literal["queued", "loading", "ready", "computing", "sent", "received", "evicted"]
+from nodes.contract import sse_encode
+
+LayerStage = Literal["queued", "loading", "ready", "computing", "sent", "received", "evicted"]
 LinkName = Literal["disk", "h2d", "net_out", "net_in"]
 RequestPhase = Literal[
     "queued", "prefill_start", "prefill_done", "first_token", "done", "failed", "cancelled"
@@ -40,7 +41,7 @@ class Event:
 @dataclass(frozen=True)
 class LayerEvent(Event):
     layer: int = 0
-    state: LayerState = "queued"
+    state: LayerStage = "queued"
     slot: int | None = None
     pinned: bool = False
     bytes: int = 0
@@ -68,6 +69,26 @@ class RequestEvent(Event):
 class TokenEvent(Event):
     count: int = 0
     kind: str = "token"
+
+
+_KINDS: dict[str, type[Event]] = {
+    "layer": LayerEvent, "link": LinkEvent, "request": RequestEvent, "token": TokenEvent,
+}  # fmt: skip
+
+
+def event_from_json(obj: object) -> Event | None:
+    """The typed event of one `/v1/events` record; None for a kind or shape not known here
+    (a newer node's), so a reader skips what it cannot read."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("request_id"), str):
+        return None
+    cls = _KINDS.get(str(obj.get("kind")))
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in obj.items() if k in names})
+    except TypeError:
+        return None
 
 
 Listener = Callable[[Event], None]
@@ -141,5 +162,5 @@ def _offer(queue: asyncio.Queue[Event], event: Event) -> None:
 
 
 def sse(event: Event) -> bytes:
-    """One Server-Sent Events record: `data: <json>` and a blank line."""
-    return b"data: " + json.dumps(event.to_dict(), separators=(",", ":")).encode() + b"\n\n"
+    """One Server-Sent Events record of the event."""
+    return sse_encode(event.to_dict())

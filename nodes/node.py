@@ -13,26 +13,47 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 from aiohttp import web
 
 from nodes import __version__
 from nodes.auth import auth_middleware, check_bind
+from nodes.contract import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_QUEUE,
+    DEFAULT_REMOTE_TIMEOUT_S,
+    MAX_BODY_BYTES,
+    PROTO,
+    BadBody,
+    Health,
+    error_body,
+    read_json,
+)
 from nodes.discovery import Advert, Discovery, url_for
 from nodes.events import EventBus, sse
 from nodes.model.fingerprint import fingerprint
 from nodes.model.index import ModelIndex, load_index
 from nodes.peers import Peer, PeerTable, hello_answer
 
+if TYPE_CHECKING:  # the heavy halves load only for their role
+    from nodes.decode.service import DecodeService
+    from nodes.prefill.server import PrefillService
+
 log = logging.getLogger(__name__)
-PROTO = 1
-MAX_BODY_BYTES = 1024 * 1024  # JSON bodies; a 128k-token prompt is ~1 MB of ids
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Role = Literal["prefill", "decode"]
+
+
+class ListenError(Exception):
+    """The node's address cannot be bound (in use, not this machine's, not allowed)."""
 
 
 @dataclass(frozen=True)
@@ -40,22 +61,24 @@ class NodeConfig:
     model: Path
     roles: tuple[Role, ...] = ("prefill", "decode")
     host: str = "127.0.0.1"
-    port: int = 8470
+    port: int = DEFAULT_PORT
     name: str = ""
     node_id: str = ""
     token: str | None = None
     budget: int | None = None
     host_budget: int | None = None
     max_prompt_tokens: int | None = None  # activations reserved in the budget (cuda: 8192)
-    chunk_tokens: int = 512
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     device: str | None = None
     link_gbps: float | None = None
     net_gbps: float | None = None
     peers: tuple[str, ...] = ()
     mdns: bool = True
     remote_prefill: Literal["auto", "always", "never"] = "auto"
-    queue_limit: int = 32
-    remote_timeout_s: float = 300.0
+    queue_limit: int = DEFAULT_PREFILL_QUEUE
+    remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # decode: generations at once
+    max_queue: int = DEFAULT_MAX_QUEUE  # decode: generations waiting, then 503
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -84,34 +107,24 @@ class Node:
         self.events = EventBus(self.id)
         self.peers = PeerTable(self.id, fp, config.token, PROTO)
         self.session: aiohttp.ClientSession | None = None
-        self.prefill: Any = None  # nodes.prefill.server.PrefillService
-        self.decode: Any = None  # nodes.decode.api.DecodeService
+        self.prefill: PrefillService | None = None
+        self.decode: DecodeService | None = None
         self.discovery: Discovery | None = None
         self.device = "cpu"
         self.budget_bytes = 0
         self.address = url_for(config.host, config.port)
         self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "id": self.id,
-            "name": self.name,
-            "roles": list(self.config.roles),
-            "proto": PROTO,
-            "version": __version__,
-            "device": self.device,
-            "mem_bytes": _mem_bytes(),
-            "budget_bytes": self.budget_bytes,
-            "model": {
-                "name": self.index.spec.name,
-                "fingerprint": self.fingerprint,
-                "layers": self.index.spec.num_layers,
-            },
-        }
+    def health(self) -> Health:
+        spec = self.index.spec
+        return Health(
+            id=self.id, name=self.name, roles=tuple(self.config.roles), proto=PROTO,
+            version=__version__, device=self.device, mem_bytes=_mem_bytes(),
+            budget_bytes=self.budget_bytes, model_name=spec.name, fingerprint=self.fingerprint,
+            layers=spec.num_layers,
+        )  # fmt: skip
 
     def self_peer(self) -> Peer:
-        h = self.health()
         rate = self.prefill.prefill_tok_s if self.prefill is not None else None
         return Peer(
             address=self.address,
@@ -119,7 +132,7 @@ class Node:
             name=self.name,
             roles=tuple(self.config.roles),
             device=self.device,
-            mem_bytes=h["mem_bytes"],
+            mem_bytes=_mem_bytes(),
             budget_bytes=self.budget_bytes,
             model={"name": self.index.spec.name, "fingerprint": self.fingerprint},
             proto=PROTO,
@@ -141,15 +154,20 @@ def _mem_bytes() -> int:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE].health())
+    return web.json_response(request.app[NODE].health().to_json())
 
 
 async def hello(request: web.Request) -> web.Response:
     node = request.app[NODE]
     try:
-        answer = hello_answer(node.config.token, node.id, node.fingerprint, await request.json())
-    except ValueError as e:
-        return web.json_response({"error": {"message": str(e), "code": "bad_request"}}, status=400)
+        body = read_json(await request.read())
+        answer = hello_answer(node.config.token, node.id, node.fingerprint, body)
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response(
+            error_body("request body too large", "request_too_large"), status=413
+        )
+    except (BadBody, ValueError) as e:
+        return web.json_response(error_body(str(e), "bad_request"), status=400)
     return web.json_response(answer)
 
 
@@ -160,7 +178,9 @@ async def events(request: web.Request) -> web.StreamResponse:
         try:
             since = float(request.query["since"])
         except ValueError:
-            return web.json_response({"error": {"message": "since must be a number"}}, status=400)
+            return web.json_response(
+                error_body("since must be a number", "bad_request"), status=400
+            )
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -183,7 +203,7 @@ def create_app(config: NodeConfig) -> web.Application:
     index = load_index(config.model)
     node = Node(config, index, fingerprint(index))
     app = web.Application(
-        middlewares=[auth_middleware(config.token)], client_max_size=MAX_BODY_BYTES
+        middlewares=[json_errors, auth_middleware(config.token)], client_max_size=MAX_BODY_BYTES
     )
     app[NODE] = node
     app.router.add_get("/health", health)
@@ -191,22 +211,30 @@ def create_app(config: NodeConfig) -> web.Application:
     app.router.add_get("/v1/events", events)
     app.router.add_get("/v1/cluster", cluster)
     if "prefill" in config.roles:
-        app.router.add_post("/v1/prefill", _late(lambda: node.prefill.handle))
+        node.prefill = _prefill_service(node)
+        app.router.add_post("/v1/prefill", node.prefill.handle)
     if "decode" in config.roles:
-        app.router.add_get("/v1/models", _late(lambda: node.decode.models))
-        app.router.add_post("/v1/chat/completions", _late(lambda: node.decode.chat_completions))
-        app.router.add_post("/v1/completions", _late(lambda: node.decode.completions))
+        from nodes.decode.api import DecodeApi
+
+        node.decode = _decode_service(node)
+        DecodeApi(node.decode).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
 
-def _late(get: Any) -> Any:
-    """A handler resolved at call time: services are built in the startup context."""
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return await get()(request)
-
-    return handler
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own refusals (404, 405, 413, ...) in the one error body, never text/plain."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        body = error_body(e.reason, code.get(e.status, "http_error"))
+        return web.json_response(body, status=e.status, headers={
+            k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")
+        })  # fmt: skip
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -240,7 +268,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await node.session.close()
 
 
-async def _start_prefill(node: Node) -> None:
+def _prefill_service(node: Node) -> PrefillService:
     from nodes.prefill.engine import PrefillEngine
     from nodes.prefill.server import PrefillService
 
@@ -258,29 +286,34 @@ async def _start_prefill(node: Node) -> None:
             events=node.events,
         )
 
-    engine = await asyncio.get_running_loop().run_in_executor(None, build)
-    node.prefill = PrefillService(engine, node.fingerprint, node.events, c.queue_limit, c.net_gbps)
+    return PrefillService(build, node.fingerprint, node.events, c.queue_limit, c.net_gbps)
+
+
+async def _start_prefill(node: Node) -> None:
+    assert node.prefill is not None
+    engine = await node.prefill.start()
     node.device = str(engine.device)
     node.budget_bytes = engine.budget
 
 
-async def _start_decode(node: Node) -> None:
-    from nodes.decode.api import DecodeService
+def _decode_service(node: Node) -> DecodeService:
     from nodes.decode.host import ModelHost
+    from nodes.decode.kv import KVShape
+    from nodes.decode.service import DecodeService
 
-    host = ModelHost(node.config.model)
-    await host.start()
-    node.decode = DecodeService(
-        host,
-        node.index.spec,
-        node.fingerprint,
-        node.events,
-        node.peers,
-        node.config.token,
-        node.config.remote_prefill,
-        max_tokens_limit=node.index.spec.max_position_embeddings,
-    )
-    node.decode.remote_timeout_s = node.config.remote_timeout_s
+    spec, c = node.index.spec, node.config
+    expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, node.index.dtype)
+    return DecodeService(
+        ModelHost(c.model), spec, expect, node.fingerprint, node.events, node.peers, c.token,
+        c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,
+        max_concurrent=c.max_concurrent, max_queue=c.max_queue,
+        remote_timeout_s=c.remote_timeout_s,
+    )  # fmt: skip
+
+
+async def _start_decode(node: Node) -> None:
+    assert node.decode is not None
+    await node.decode.host.start()
     await node.decode.calibrate()
     node.tasks.append(asyncio.create_task(node.decode.probe_peers(), name="probe-peers"))
     if "prefill" not in node.config.roles:
@@ -294,7 +327,11 @@ async def serve(config: NodeConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise ListenError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
     log.info("node %s serving on %s", app[NODE].name, app[NODE].address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -17,9 +17,9 @@ from typing import Literal
 import aiohttp
 
 from nodes.auth import proof, verify_proof
+from nodes.contract import Health, Reason
 
 log = logging.getLogger(__name__)
-Reason = Literal["unauthorized", "model_mismatch", "unreachable", "protocol_mismatch"]
 Source = Literal["static", "mdns"]  # `--peer URL`, or found by nodes.discovery
 HEALTH_INTERVAL_S = 2.0
 UNREACHABLE_AFTER_S = 6.0  # well inside the 10 s DESIGN.md allows
@@ -151,20 +151,17 @@ class PeerTable:
         timeout = aiohttp.ClientTimeout(total=2.0)
         try:
             async with self._session.get(f"{address}/health", timeout=timeout) as r:
-                health = await r.json()
+                health = Health.from_json(await r.json())
             updated = replace(
                 peer,
-                id=str(health.get("id", "")),
-                name=str(health.get("name", "")),
-                roles=tuple(health.get("roles", ())),
-                device=str(health.get("device", "")),
-                mem_bytes=int(health.get("mem_bytes") or 0),
-                budget_bytes=int(health.get("budget_bytes") or 0),
-                model={
-                    "name": str((health.get("model") or {}).get("name", "")),
-                    "fingerprint": str((health.get("model") or {}).get("fingerprint", "")),
-                },
-                proto=int(health.get("proto") or 0),
+                id=health.id,
+                name=health.name,
+                roles=health.roles,
+                device=health.device,
+                mem_bytes=health.mem_bytes,
+                budget_bytes=health.budget_bytes,
+                model={"name": health.model_name, "fingerprint": health.fingerprint},
+                proto=health.proto,
                 last_seen=time.time(),
             )
             if peer.source == "mdns" and peer.id and updated.id != peer.id:

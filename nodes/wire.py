@@ -3,8 +3,7 @@
 A frame is `u8 kind` + `u64` little-endian payload length + payload. Header, done and error
 payloads are JSON; a layer payload is a safetensors blob holding `k` and `v`, each
 `[1, n_kv_heads, count, head_dim]` in the header's dtype, metadata `{"layer": "i"}`.
-`FrameWriter` produces a valid stream; `FrameReader` checks one, either fed in chunks of any
-size (each payload handed out as the pieces it arrived in, a `Span`) or read in place, each
+`FrameWriter` produces a valid stream; `FrameReader` checks one as it is read in place, each
 payload straight into a buffer of its own (`get_buffer`): the receive path copies no big
 chunk on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
 """
@@ -14,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
+from nodes.contract import PROTO
 from nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of, parse_header
 
 try:  # ISA-L's crc32 is zlib's, at tens of GB/s instead of a few: the receive path's biggest cost
@@ -27,7 +27,6 @@ try:  # ISA-L's crc32 is zlib's, at tens of GB/s instead of a few: the receive p
 except ImportError:  # pragma: no cover - isal is a dependency; zlib is the same function
     from zlib import crc32
 
-PROTO = 1
 KIND_HEADER, KIND_LAYER, KIND_DONE, KIND_ERROR = 1, 2, 3, 4
 PREFIX = struct.Struct("<BQ")  # kind, payload length: 9 bytes
 MAX_JSON_BYTES = 64 * 1024  # header, done and error payloads
@@ -61,83 +60,15 @@ class Header:
         return (1, self.n_kv_heads, self.count, self.head_dim)
 
 
-COALESCE_BELOW = 64 * 1024  # pieces smaller than this are copied together: few pieces a frame
-
-
-class Span:
-    """Bytes held as the buffers they arrived in (views of received chunks), joined only where
-    they are used: `bytes(span)`, `span.copy_into(buffer)`. Compares by content."""
-
-    __slots__ = ("_size", "parts")
-
-    def __init__(self, parts: tuple[memoryview | bytes | bytearray, ...] = ()) -> None:
-        self.parts = parts  # byte buffers, in order
-        self._size = sum(len(p) for p in parts)
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __bytes__(self) -> bytes:
-        return b"".join(self.parts)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Span):
-            return NotImplemented
-        return len(self) == len(other) and bytes(self) == bytes(other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable pieces: not hashable
-
-    def __repr__(self) -> str:
-        return f"Span({self._size} bytes in {len(self.parts)} pieces)"
-
-    def view(self, begin: int, end: int) -> Span:
-        """Bytes begin..end-1, still as pieces."""
-        out: list[memoryview] = []
-        at = 0
-        for part in self.parts:
-            lo, hi = max(begin - at, 0), min(end - at, len(part))
-            if lo < hi:
-                out.append(memoryview(part)[lo:hi])
-            at += len(part)
-            if at >= end:
-                break
-        return Span(tuple(out))
-
-    def copy_into(self, out: memoryview) -> None:
-        """Copy every byte, in order, into the start of `out` (a writable byte view)."""
-        at = 0
-        for part in self.parts:
-            out[at : at + len(part)] = part
-            at += len(part)
-
-
-class _SpanBuilder:
-    """Collects a payload's pieces: big ones by reference, small ones copied together (so a
-    stream cut into tiny chunks cannot cost a Python object per byte)."""
-
-    def __init__(self) -> None:
-        self.parts: list[memoryview | bytearray] = []
-
-    def add(self, piece: memoryview) -> None:
-        if len(piece) >= COALESCE_BELOW:
-            self.parts.append(piece)
-        elif self.parts and isinstance(self.parts[-1], bytearray):
-            self.parts[-1] += piece
-        else:
-            self.parts.append(bytearray(piece))
-
-    def build(self) -> Span:
-        return Span(tuple(self.parts))
-
-
 @dataclass(frozen=True)
-class LayerKV:
-    """One layer's K and V as raw row-major bytes (spans of `payload`, the safetensors blob)."""
+class LayerFrame:
+    """One layer's K and V as raw row-major bytes: views of `payload`, the safetensors blob,
+    in the buffer the frame was read into."""
 
     layer: int
-    k: Span
-    v: Span
-    payload: Span
+    k: memoryview
+    v: memoryview
+    payload: memoryview
 
 
 @dataclass(frozen=True)
@@ -156,7 +87,7 @@ class ErrorFrame:
     message: str
 
 
-Frame = Header | LayerKV | Done | ErrorFrame
+Frame = Header | LayerFrame | Done | ErrorFrame
 
 
 def max_layer_payload(header: Header, extra: int = LAYER_EXTRA_BYTES) -> int:
@@ -301,11 +232,10 @@ def _fields(obj: dict[str, Any], cls: type, what: str) -> dict[str, Any]:
 
 
 class FrameReader:
-    """Incremental, validating decoder: `feed()` chunks, then `finish()` at end of stream.
-
-    Or read in place, as `asyncio.BufferedProtocol` does: `get_buffer()` says where the next
-    bytes go (the rest of a prefix, or of a payload in a buffer of its own, from `alloc` for a
-    layer), `buffer_updated(n)` says that n bytes landed there. A reader takes one or the other.
+    """Incremental, validating decoder that reads in place, as `asyncio.BufferedProtocol`
+    does: `get_buffer()` says where the next bytes go (the rest of a prefix, or of a payload
+    in a buffer of its own, from `alloc` for a layer), `buffer_updated(n)` says that n bytes
+    landed there and returns the frames they complete; `finish()` at the end of the stream.
     """
 
     def __init__(
@@ -321,26 +251,15 @@ class FrameReader:
         self._prefix = bytearray(PREFIX.size)  # the pending prefix, `_prefix_n` bytes in
         self._prefix_n = 0
         self._pending: tuple[int, int] | None = None  # (kind, length) once a prefix is read
-        self._payload = _SpanBuilder()  # the pending frame's payload, `_filled` bytes in
-        self._target: memoryview | None = None  # the same, read in place (`get_buffer`)
+        self._target: memoryview | None = None  # the pending payload, `_filled` bytes in
         self._filled = 0
         self._payload_crc = 0  # the crc32 chain including the pending layer's bytes so far
         self._ended: Done | ErrorFrame | None = None
         self._failed = False
 
-    def feed(self, data: bytes | memoryview) -> list[Frame]:
-        """Add bytes; return the frames they complete, in order. Raises ProtocolError."""
-        if self._failed:
-            raise ProtocolError("reader already failed")
-        try:
-            return self._feed(data)
-        except ProtocolError:
-            self._failed = True
-            raise
-
     @property
     def mid_frame(self) -> bool:
-        """Whether some bytes of a frame not yet complete have been fed."""
+        """Whether some bytes of a frame not yet complete have been read."""
         return self._prefix_n > 0 or self._pending is not None
 
     def finish(self) -> None:
@@ -351,32 +270,6 @@ class FrameReader:
             raise ProtocolError("stream ends inside a frame (truncated)")
         if self._ended is None:
             raise ProtocolError("stream ends without a done frame")
-
-    def _feed(self, data: bytes | memoryview) -> list[Frame]:
-        # A payload is kept as views of the chunks it came in (no copy), and a layer payload's
-        # crc32 advances chunk by chunk: a frame costs nothing extra when its last byte lands.
-        view = memoryview(data).cast("B")
-        if len(view) and self._ended is not None:
-            raise ProtocolError(f"data after the {self._end_name()} frame")
-        frames: list[Frame] = []
-        pos = 0
-        while pos < len(view):
-            if self._pending is None:
-                take = min(PREFIX.size - self._prefix_n, len(view) - pos)
-                self._prefix[self._prefix_n : self._prefix_n + take] = view[pos : pos + take]
-                pos += take
-                if not self._prefix_got(take):
-                    break
-                self._payload = _SpanBuilder()
-            _, n = self._pending  # type: ignore[misc]  # _prefix_got set it
-            take = min(n - self._filled, len(view) - pos)
-            if take:
-                self._payload.add(view[pos : pos + take])
-            pos += take
-            self._payload_got(view[pos - take : pos], frames)
-            if self._ended is not None and pos < len(view):
-                raise ProtocolError(f"data after the {self._end_name()} frame")
-        return frames
 
     def get_buffer(self) -> memoryview:
         """Where the stream's next bytes go (at least one byte; fill any part of it)."""
@@ -435,10 +328,8 @@ class FrameReader:
         self._filled += len(piece)
         if self._filled < n:
             return
-        if self._target is not None:
-            payload, self._target = Span((self._target,)), None
-        else:
-            payload = self._payload.build()
+        assert self._target is not None
+        payload, self._target = self._target, None
         self._pending = None
         frames.append(self._decode(kind, payload))
 
@@ -462,10 +353,10 @@ class FrameReader:
         if n > limit:
             raise ProtocolError(f"oversized frame: kind {kind}, {n} bytes, limit {limit}")
 
-    def _decode(self, kind: int, span: Span) -> Frame:
+    def _decode(self, kind: int, view: memoryview) -> Frame:
         if kind == KIND_LAYER:
-            return self._decode_layer(span)
-        payload = bytes(span)  # JSON: at most MAX_JSON_BYTES
+            return self._decode_layer(view)
+        payload = bytes(view)  # JSON: at most MAX_JSON_BYTES
         if kind == KIND_HEADER:
             obj = _load_json(payload, "header")
             _check_proto(obj.get("proto"))  # first: another version may have other keys
@@ -493,7 +384,7 @@ class FrameReader:
         self._ended = error
         return error
 
-    def _decode_layer(self, payload: Span) -> LayerKV:
+    def _decode_layer(self, payload: memoryview) -> LayerFrame:
         h = self.header
         assert h is not None
         try:
@@ -522,68 +413,30 @@ class FrameReader:
         self.crc32 = self._payload_crc
         self.next_layer += 1
         k, v = entries["k"], entries["v"]
-        return LayerKV(
+        return LayerFrame(
             self.next_layer - 1,
-            payload.view(data_start + k.begin, data_start + k.end),
-            payload.view(data_start + v.begin, data_start + v.end),
+            payload[data_start + k.begin : data_start + k.end],
+            payload[data_start + v.begin : data_start + v.end],
             payload,
         )
 
 
-def _blob_header(payload: Span) -> bytes:
+def _blob_header(payload: memoryview) -> bytes:
     """The leading bytes of a safetensors blob that hold its header (length and JSON)."""
-    head = bytes(payload.view(0, 8))
+    head = bytes(payload[:8])
     if len(head) < 8:
         return head  # parse_header says what is wrong
     (n,) = struct.unpack("<Q", head)
-    return bytes(payload.view(0, 8 + n)) if 8 + n <= len(payload) else head
+    return bytes(payload[: 8 + n]) if 8 + n <= len(payload) else head
 
 
-@runtime_checkable
-class ChunkStream(Protocol):
-    """aiohttp's StreamReader and the like."""
+def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
+    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]`: views of the frame's
+    buffer, with no copy (copy them, as `mx.array` does, before that buffer is reused). numpy
+    has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it into bf16 with
+    `mx.array(a).view(mx.bfloat16)`."""
 
-    def iter_any(self) -> AsyncIterator[bytes]: ...
+    def array(view: memoryview) -> np.ndarray:
+        return np.frombuffer(view, np.uint8).view(_NUMPY_DTYPE[header.dtype]).reshape(header.shape)
 
-
-class ReadStream(Protocol):
-    """Anything with `await read(n)` returning b"" at end of stream."""
-
-    async def read(self, n: int = -1) -> bytes: ...
-
-
-async def read_frames(
-    stream: ChunkStream | ReadStream, reader: FrameReader | None = None
-) -> AsyncIterator[Frame]:
-    """Yield frames from a byte stream as they complete; checks the end of stream too."""
-    if reader is None:
-        reader = FrameReader()
-    if isinstance(stream, ChunkStream):
-        async for chunk in stream.iter_any():
-            for frame in reader.feed(chunk):
-                yield frame
-    else:
-        while chunk := await stream.read(64 * 1024):
-            for frame in reader.feed(chunk):
-                yield frame
-    reader.finish()
-
-
-def layer_to_numpy(lkv: LayerKV, header: Header) -> tuple[np.ndarray, np.ndarray]:
-    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]`.
-
-    A span read in place (one piece) comes back as a view of the frame's buffer, with no
-    copy: copy it (`mx.array` does) before that buffer is reused. Pieces are joined into
-    a new array. numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn
-    it into bf16 with `mx.array(a).view(mx.bfloat16)`.
-    """
-
-    def array(span: Span) -> np.ndarray:
-        if len(span.parts) == 1:
-            flat = np.frombuffer(span.parts[0], np.uint8)
-        else:
-            flat = np.empty(len(span), np.uint8)
-            span.copy_into(memoryview(flat))
-        return flat.view(_NUMPY_DTYPE[header.dtype]).reshape(header.shape)
-
-    return array(lkv.k), array(lkv.v)
+    return array(frame.k), array(frame.v)

@@ -11,7 +11,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
 
-from nodes.decode.host import Generation, ModelHost, SamplingParams
+from nodes.decode.host import Generation, ModelHost
+from nodes.decode.openai_api import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def _mlx_tokens(h: ModelHost, prompt: list[int], n: int) -> list[int]:
 def test_tokens_equal_mlx_lm_greedy_at_every_length(host: ModelHost, max_tokens: int) -> None:
     prompt = host.encode("The lighthouse keeper counted the waves and")
     done = host.thread.submit(
-        host.generate, prompt, None, SamplingParams(max_tokens, 0.0), threading.Event()
+        host.generate, prompt, None, Sampling(max_tokens, 0.0), threading.Event()
     ).result()
     want = _mlx_tokens(host, prompt, max_tokens)
     eos = set(host.tokenizer.eos_token_ids)

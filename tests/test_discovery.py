@@ -21,6 +21,7 @@ from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from nodes.auth import proof
+from nodes.contract import SERVICE_TYPE
 from nodes.discovery import (
     Advert,
     Discovery,
@@ -42,7 +43,6 @@ from tests.discovery_support import (
 )
 from tests.nodeproc import free_port, wait_healthy
 
-SERVICE = "_tandem._tcp.local."
 TXT_KEYS = {"id", "name", "roles", "proto", "model", "device", "mem"}
 TOKEN = "discovery-test-token-0123456789"
 OTHER_FP = "0" * 64
@@ -155,8 +155,8 @@ class FakeNode:
             "mem": str(1 << 30),
         }
         return AsyncServiceInfo(
-            SERVICE,
-            f"{self.name}.{SERVICE}",
+            SERVICE_TYPE,
+            f"{self.name}.{SERVICE_TYPE}",
             port=port,
             properties=props,
             server=f"{self.id}.local.",
@@ -216,11 +216,11 @@ async def test_own_browser_sees_the_txt_keys(
 
     found: dict[str, AsyncServiceInfo] = {}
     async with AsyncZeroconf(interfaces=["127.0.0.1"]) as azc:
-        browser = AsyncServiceBrowser(azc.zeroconf, SERVICE, handlers=[on_change])
+        browser = AsyncServiceBrowser(azc.zeroconf, SERVICE_TYPE, handlers=[on_change])
         deadline = time.monotonic() + 5.0
         while set(want) - set(found) and time.monotonic() < deadline:
             for name in list(names):
-                info = await azc.async_get_service_info(SERVICE, name, timeout=1000)
+                info = await azc.async_get_service_info(SERVICE_TYPE, name, timeout=1000)
                 node_id = info.decoded_properties.get("id") if info else None
                 if info is not None and node_id in want:
                     found[node_id] = info
@@ -363,11 +363,11 @@ def _advert(name: str = "box", node_id: str = "0123456789abcdef", port: int = 84
 def test_instance_names_differ_per_id_and_stay_valid() -> None:
     a, b = _advert("gpu.lan"), _advert("gpu.lan", "fedcba9876543210")
     assert a.instance_name() != b.instance_name()
-    assert a.instance_name() == f"gpu-lan-01234567.{SERVICE}"
+    assert a.instance_name() == f"gpu-lan-01234567.{SERVICE_TYPE}"
     long = _advert("é" * 80)
-    label = long.instance_name().removesuffix(f".{SERVICE}")
+    label = long.instance_name().removesuffix(f".{SERVICE_TYPE}")
     assert len(label.encode()) <= 63 and label.endswith("-01234567")
-    AsyncServiceInfo(SERVICE, long.instance_name(), port=1)  # raises on a bad name
+    AsyncServiceInfo(SERVICE_TYPE, long.instance_name(), port=1)  # raises on a bad name
     assert _advert().properties() == {
         "id": "0123456789abcdef",
         "name": "box",
@@ -395,8 +395,8 @@ def test_urls_addresses_and_interfaces_follow_the_bind_host() -> None:
 
 def test_read_service_ranks_addresses_and_rejects_foreign_records() -> None:
     info = AsyncServiceInfo(
-        SERVICE,
-        f"x.{SERVICE}",
+        SERVICE_TYPE,
+        f"x.{SERVICE_TYPE}",
         port=9000,
         properties={"id": "n1", "name": "x", "roles": "prefill,decode", "proto": "1", "mem": "5"},
         parsed_addresses=["fd00::7", "fe80::1", "192.168.1.7", "127.0.0.1"],
@@ -406,9 +406,11 @@ def test_read_service_ranks_addresses_and_rejects_foreign_records() -> None:
     assert s.urls == ("http://127.0.0.1:9000", "http://192.168.1.7:9000", "http://[fd00::7]:9000")
     assert s.roles == ("prefill", "decode") and s.proto == 1 and s.mem_bytes == 5
     assert s.peer(s.urls[0]).source == "mdns"
-    nameless = AsyncServiceInfo(SERVICE, f"y.{SERVICE}", port=1, properties={"name": "y"})
+    nameless = AsyncServiceInfo(SERVICE_TYPE, f"y.{SERVICE_TYPE}", port=1, properties={"name": "y"})
     assert read_service(nameless) is None
-    garbled = AsyncServiceInfo(SERVICE, f"z.{SERVICE}", port=1, properties={"id": "z", "mem": "?"})
+    garbled = AsyncServiceInfo(
+        SERVICE_TYPE, f"z.{SERVICE_TYPE}", port=1, properties={"id": "z", "mem": "?"}
+    )
     assert read_service(garbled) is None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from nodes.discovery import SERVICE_TYPE
+from nodes.contract import SERVICE_TYPE
 from tests.discovery_support import MdnsNode, mutual_trust, poll, start_mdns_node, trusted_by
 from tests.nodeproc import free_port, wait_healthy
 

@@ -11,10 +11,10 @@ import mlx.core as mx
 import pytest
 
 from nodes.decode.host import ModelHost
-from nodes.decode.remote import BufferPool, RemotePrefillError, remote_prefill
+from nodes.decode.kv import KVShape
+from nodes.decode.remote import BufferPool, PrefillCall, RemotePrefill, RemotePrefillError
 from nodes.events import EventBus, LinkEvent
 from nodes.model import fingerprint, load_index
-from nodes.wire import Span
 from tests.fake_prefill import start_fake_prefill
 
 TOKEN = "t0ken"
@@ -38,12 +38,16 @@ async def _prefill(
 ) -> tuple[list, EventBus]:
     caches = await host.call(host.new_cache)
     events = EventBus()
-    await remote_prefill(
-        url, TOKEN, fingerprint=fingerprint(load_index(model)), request_id="r1",
-        tokens=list(range(1, 40)), start=0, host=host, caches=caches, events=events,
-        timeout_s=timeout_s, buffers=pool,
-    )  # fmt: skip
+    call = PrefillCall("r1", list(range(1, 40)), 0, timeout_s)
+    await client(host, model, events, pool)(url, call, caches)
     return caches, events
+
+
+def client(host: ModelHost, model: Path, events: EventBus, pool: BufferPool) -> RemotePrefill:
+    index = load_index(model)
+    spec = index.spec
+    expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, index.dtype)
+    return RemotePrefill(host, expect, fingerprint(index), TOKEN, events, pool)
 
 
 async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Path) -> None:
@@ -62,11 +66,8 @@ async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Pa
         events = EventBus()
         for _ in range(3):
             caches = await host.call(host.new_cache)
-            result = await remote_prefill(
-                fake.url, TOKEN, fingerprint=fingerprint(load_index(model)), request_id="r1",
-                tokens=list(range(1, 40)), start=0, host=host, caches=caches, events=events,
-                buffers=pool,
-            )  # fmt: skip
+            call = PrefillCall("r1", list(range(1, 40)), 0)
+            result = await client(host, model, events, pool)(fake.url, call, caches)
             assert result.tokens == 39 and result.kv_bytes > 0
             assert [c.offset for c in caches] == [39, 39]
             assert all(not mx.any(c.keys[..., :39, :]).item() for c in caches)  # zeros sent
@@ -82,14 +83,14 @@ def test_buffer_pool() -> None:
     pool = BufferPool(keep_bytes=3000)
     a = pool.take(1000)
     assert len(a) == 1000
-    pool.give(Span((memoryview(a)[:1000],)))
+    pool.give(memoryview(a)[:1000])
     assert pool.take(400) is not a  # more than twice the need: not handed out
     assert pool.take(900) is a  # a little longer than asked: reused
     b, c, d = pool.take(1000), pool.take(1000), pool.take(1000)
     for buffer in (a, b, c, d):
-        pool.give(Span((memoryview(buffer),)))
+        pool.give(memoryview(buffer))
     assert {id(pool.take(1000)) for _ in range(4)} & {id(d)} == set()  # over keep_bytes: dropped
-    pool.give(Span((b"not ours",)))  # bytes are never handed out again
+    pool.give(memoryview(b"not ours"))  # bytes are never handed out again
 
 
 @pytest.mark.parametrize("mode", ["503", "409", "error_frame", "garbage", "die", "hang"])

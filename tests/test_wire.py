@@ -10,18 +10,14 @@ import struct
 import subprocess
 import sys
 import zlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nodes.wire import (
-    COALESCE_BELOW,
     PROTO,
     Done,
     ErrorFrame,
@@ -29,16 +25,14 @@ from nodes.wire import (
     FrameReader,
     FrameWriter,
     Header,
-    LayerKV,
+    LayerFrame,
     ProtocolError,
-    Span,
     encode_done,
     encode_error,
     encode_header,
     encode_layer,
     layer_to_numpy,
     max_layer_payload,
-    read_frames,
 )
 
 H = Header(PROTO, "fp", "r1", "F32", layers=3, start=0, count=5, n_kv_heads=2, head_dim=4)
@@ -80,14 +74,14 @@ def read_in_place(r: FrameReader, chunk: bytes, reads: list[int] | None = None) 
     return frames
 
 
-def decode_all(data: bytes, chunks: list[int] | None = None, in_place: bool = False) -> list[Frame]:
-    """Feed `data` cut at the offsets in `chunks` (or whole), then finish. `in_place`: read
-    it into the reader's buffers (`get_buffer`) instead of feeding it."""
+def decode_all(data: bytes, chunks: list[int] | None = None) -> list[Frame]:
+    """Read `data` into the reader's buffers as it would arrive, cut at the offsets in
+    `chunks` (or whole), then finish."""
     r = FrameReader()
     cuts = [0, *sorted(chunks or []), len(data)]
     frames: list[Frame] = []
     for a, b in itertools.pairwise(cuts):
-        frames += read_in_place(r, data[a:b]) if in_place else r.feed(data[a:b])
+        frames += read_in_place(r, data[a:b])
     r.finish()
     return frames
 
@@ -148,10 +142,10 @@ def test_round_trip(dtype: str) -> None:
     frames = decode_all(data)
     assert frames[0] == h
     layers = frames[1:-1]
-    assert [f.layer for f in layers if isinstance(f, LayerKV)] == [0, 1, 2]
+    assert [f.layer for f in layers if isinstance(f, LayerFrame)] == [0, 1, 2]
     crc = 0
     for f, (k, v) in zip(layers, kvs, strict=True):
-        assert isinstance(f, LayerKV)
+        assert isinstance(f, LayerFrame)
         assert bytes(f.k) == k and bytes(f.v) == v  # raw bits, NaN payloads included
         crc = zlib.crc32(bytes(f.payload), crc)
         nk, nv = layer_to_numpy(f, h)
@@ -167,7 +161,7 @@ def test_bf16_is_never_widened() -> None:
     w = FrameWriter(h)
     data = w.start() + w.layer(0, bits, bits[..., ::-1].copy()) + w.done()
     lkv = decode_all(data)[1]
-    assert isinstance(lkv, LayerKV)
+    assert isinstance(lkv, LayerFrame)
     k, v = layer_to_numpy(lkv, h)
     assert k.tolist() == bits.tolist() and v.tolist() == bits[..., ::-1].tolist()
 
@@ -177,44 +171,10 @@ def test_one_byte_at_a_time() -> None:
     r = FrameReader()
     frames: list[Frame] = []
     for i in range(len(data)):
-        frames += r.feed(data[i : i + 1])
+        frames += read_in_place(r, data[i : i + 1])
     r.finish()
     assert frames == decode_all(data)
-    assert [type(f) for f in frames] == [Header, LayerKV, LayerKV, LayerKV, Done]
-
-
-def test_payloads_are_views_of_the_chunks_they_came_in() -> None:
-    """The reader copies no big chunk: K and V are handed out as views of what was fed."""
-    h = dataclasses.replace(H, layers=2, count=16384)  # 512 KiB each of K and V
-    data, kvs = make_stream(h)
-    chunks = [data[i : i + 256 * 1024] for i in range(0, len(data), 256 * 1024)]  # as received
-    r = FrameReader()
-    layers = [f for c in chunks for f in r.feed(c) if isinstance(f, LayerKV)]
-    for f, (k, v) in zip(layers, kvs, strict=True):
-        assert bytes(f.k) == k and bytes(f.v) == v
-        big = [p for p in f.payload.parts if len(p) >= COALESCE_BELOW]
-        assert big and all(isinstance(p, memoryview) and p.obj in chunks for p in big)
-        assert sum(len(p) for p in big) > 0.8 * len(f.payload)
-
-
-def test_small_pieces_are_gathered() -> None:
-    """A stream fed a byte at a time is held in one buffer a frame, not an object a byte."""
-    h = dataclasses.replace(H, layers=1, count=100)
-    data, kvs = make_stream(h)
-    r = FrameReader()
-    frames = [f for i in range(len(data)) for f in r.feed(data[i : i + 1])]
-    (f,) = [f for f in frames if isinstance(f, LayerKV)]
-    assert len(f.payload.parts) == 1 and (bytes(f.k), bytes(f.v)) == kvs[0]
-
-
-def test_span_views_and_copies() -> None:
-    s = Span((b"abc", memoryview(b"defgh"), bytearray(b"ij")))
-    assert len(s) == 10 and bytes(s) == b"abcdefghij"
-    assert bytes(s.view(2, 7)) == b"cdefg" and bytes(s.view(3, 3)) == b""
-    assert s.view(1, 9) == Span((b"bcdefghi",)) and s != Span((b"abc",))
-    out = bytearray(12)
-    s.view(4, 10).copy_into(memoryview(out))
-    assert out == b"efghij" + bytes(6)
+    assert [type(f) for f in frames] == [Header, LayerFrame, LayerFrame, LayerFrame, Done]
 
 
 def test_mid_frame() -> None:
@@ -222,8 +182,8 @@ def test_mid_frame() -> None:
     r = FrameReader()
     assert not r.mid_frame
     cut = len(encode_header(H)) + 3  # the header and 3 bytes of the first layer frame
-    assert len(r.feed(data[:cut])) == 1 and r.mid_frame
-    r.feed(data[cut:])
+    assert len(read_in_place(r, data[:cut])) == 1 and r.mid_frame
+    read_in_place(r, data[cut:])
     assert not r.mid_frame
 
 
@@ -241,12 +201,11 @@ def test_in_place_layers_land_in_buffers_from_alloc() -> None:
     r = FrameReader(alloc=alloc)
     frames = read_in_place(r, data)
     r.finish()
-    layers = [f for f in frames if isinstance(f, LayerKV)]
+    layers = [f for f in frames if isinstance(f, LayerFrame)]
     assert [(bytes(f.k), bytes(f.v)) for f in layers] == kvs
     assert len(given) == h.layers
     for f, buffer in zip(layers, given, strict=True):
-        (part,) = f.payload.parts
-        assert isinstance(part, memoryview) and part.obj is buffer
+        assert f.payload.obj is buffer
         assert len(f.payload) == len(buffer) - 100
     assert frames == decode_all(data)
 
@@ -269,15 +228,13 @@ def test_in_place_reads_take_one_frame_at_a_time() -> None:
 def test_layer_to_numpy_views_a_buffer_read_in_place() -> None:
     h = dataclasses.replace(H, layers=1, count=16384)  # 512 KiB each of K and V
     data, kvs = make_stream(h)
-    lkv = next(f for f in read_in_place(FrameReader(), data) if isinstance(f, LayerKV))
+    lkv = next(f for f in read_in_place(FrameReader(), data) if isinstance(f, LayerFrame))
     k, v = layer_to_numpy(lkv, h)
-    (part,) = lkv.payload.parts
-    assert np.shares_memory(k, np.frombuffer(part, np.uint8))  # no copy
+    assert np.shares_memory(k, np.frombuffer(lkv.payload, np.uint8))  # no copy
     assert (k.tobytes(), v.tobytes()) == kvs[0] and k.shape == h.shape
-    cuts = list(range(0, len(data), 200_000))  # as received: K and V straddle chunks
-    fed = next(f for f in decode_all(data, cuts) if isinstance(f, LayerKV))
-    assert len(fed.k.parts) > 1  # pieces: joined into an array of their own
-    assert layer_to_numpy(fed, h)[0].tobytes() == kvs[0][0]
+    cuts = list(range(0, len(data), 200_000))  # as received: K and V straddle reads
+    read = next(f for f in decode_all(data, cuts) if isinstance(f, LayerFrame))
+    assert layer_to_numpy(read, h)[0].tobytes() == kvs[0][0]
 
 
 def test_error_frame_ends_the_stream() -> None:
@@ -292,9 +249,9 @@ def test_error_frame_ends_the_stream() -> None:
 def test_reader_stays_failed() -> None:
     r = FrameReader()
     with pytest.raises(ProtocolError):
-        r.feed(b"\x09")
+        read_in_place(r, b"\x09")
     with pytest.raises(ProtocolError, match="already failed"):
-        r.feed(encode_header(H))
+        read_in_place(r, encode_header(H))
     with pytest.raises(ProtocolError, match="already failed"):
         r.finish()
 
@@ -303,7 +260,7 @@ def test_zero_token_layers() -> None:
     h = dataclasses.replace(H, count=0)
     data, _ = make_stream(h)
     frames = decode_all(data)
-    assert all(len(f.k) == 0 for f in frames if isinstance(f, LayerKV))
+    assert all(len(f.k) == 0 for f in frames if isinstance(f, LayerFrame))
 
 
 # --- malformed streams -----------------------------------------------------------------------
@@ -405,18 +362,16 @@ MALFORMED: dict[str, bytes] = {
 }
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["fed", "in place"])
 @pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
-def test_malformed_raises(data: bytes, in_place: bool) -> None:
+def test_malformed_raises(data: bytes) -> None:
     with pytest.raises(ProtocolError):
-        decode_all(data, in_place=in_place)
+        decode_all(data)
 
 
-@pytest.mark.parametrize("in_place", [False, True], ids=["fed", "in place"])
-def test_malformed_messages(in_place: bool) -> None:
+def test_malformed_messages() -> None:
     def err(name: str) -> str:
         with pytest.raises(ProtocolError) as e:
-            decode_all(MALFORMED[name], in_place=in_place)
+            decode_all(MALFORMED[name])
         return str(e.value)
 
     assert "protocol version 2" in err("other proto version")
@@ -432,18 +387,18 @@ def test_malformed_messages(in_place: bool) -> None:
 
 def test_length_checked_before_buffering() -> None:
     r = FrameReader()
-    r.feed(encode_header(H))
+    read_in_place(r, encode_header(H))
     with pytest.raises(ProtocolError, match="oversized"):
-        r.feed(b"\x02" + struct.pack("<Q", max_layer_payload(H) + 1))  # the prefix alone
+        read_in_place(r, b"\x02" + struct.pack("<Q", max_layer_payload(H) + 1))  # the prefix alone
     r = FrameReader(max_layer_extra=0)  # no room for the blob's own header
-    r.feed(encode_header(H))
+    read_in_place(r, encode_header(H))
     with pytest.raises(ProtocolError, match="oversized"):
-        r.feed(_layer(0))
+        read_in_place(r, _layer(0))
 
 
 def test_bad_kind_fails_on_first_byte() -> None:
     with pytest.raises(ProtocolError, match="unknown frame kind"):
-        FrameReader().feed(b"\x05")
+        read_in_place(FrameReader(), b"\x05")
 
 
 def test_writer_enforces_order() -> None:
@@ -476,54 +431,6 @@ def test_writer_enforces_order() -> None:
 # --- streams ---------------------------------------------------------------------------------
 
 
-class ChunkedStream:
-    """An aiohttp-like StreamReader: `iter_any()` yields whatever has arrived."""
-
-    def __init__(self, data: bytes, size: int) -> None:
-        self.data, self.size = data, size
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        for i in range(0, len(self.data), self.size):
-            yield self.data[i : i + self.size]
-
-
-class ReadStream:
-    """A plain `await read(n)` stream."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    async def read(self, n: int = -1) -> bytes:
-        out, self.data = self.data[:7], self.data[7:]  # short reads on purpose
-        return out
-
-
-async def test_read_frames() -> None:
-    data, _ = make_stream(H)
-    want = decode_all(data)
-    assert [f async for f in read_frames(ChunkedStream(data, 13))] == want
-    assert [f async for f in read_frames(ReadStream(data))] == want
-    with pytest.raises(ProtocolError, match="truncated"):
-        _ = [f async for f in read_frames(ChunkedStream(data[:-3], 100))]
-
-
-async def test_read_frames_over_aiohttp() -> None:
-    data, _ = make_stream(dataclasses.replace(H, dtype="BF16"))
-
-    async def prefill(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        for i in range(0, len(data), 100):
-            await resp.write(data[i : i + 100])
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v1/prefill", prefill)
-    async with TestClient(TestServer(app)) as client, client.post("/v1/prefill") as resp:
-        frames = [f async for f in read_frames(resp.content)]
-    assert frames == decode_all(data)
-
-
 # --- properties ------------------------------------------------------------------------------
 
 headers = st.builds(
@@ -545,29 +452,26 @@ headers = st.builds(
 def test_any_chunking_decodes_the_same(h: Header, end: str, data: st.DataObject) -> None:
     stream, kvs = make_stream(h, end)
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=20))
-    frames = decode_all(stream, cuts, in_place=data.draw(st.booleans()))
+    frames = decode_all(stream, cuts)
     assert frames[0] == h
-    got = [(bytes(f.k), bytes(f.v)) for f in frames if isinstance(f, LayerKV)]
+    got = [(bytes(f.k), bytes(f.v)) for f in frames if isinstance(f, LayerFrame)]
     assert got == kvs
     assert isinstance(frames[-1], Done if end == "done" else ErrorFrame)
     assert frames == decode_all(stream)
 
 
-def _decode_or_protocol_error(data: bytes, cuts: list[int], in_place: bool = False) -> None:
+def _decode_or_protocol_error(data: bytes, cuts: list[int]) -> None:
     with contextlib.suppress(ProtocolError):
-        decode_all(data, cuts, in_place)
+        decode_all(data, cuts)
 
 
 @FAST
 @given(
     data=st.binary(max_size=300),
     cuts=st.lists(st.integers(0, 300), max_size=5),
-    in_place=st.booleans(),
 )
-def test_random_bytes_only_raise_protocol_error(
-    data: bytes, cuts: list[int], in_place: bool
-) -> None:
-    _decode_or_protocol_error(data, [c for c in cuts if c <= len(data)], in_place)
+def test_random_bytes_only_raise_protocol_error(data: bytes, cuts: list[int]) -> None:
+    _decode_or_protocol_error(data, [c for c in cuts if c <= len(data)])
 
 
 _VALID = make_stream(dataclasses.replace(H, layers=2, count=2, n_kv_heads=1, head_dim=2))[0]
@@ -578,15 +482,14 @@ _VALID = make_stream(dataclasses.replace(H, layers=2, count=2, n_kv_heads=1, hea
     edits=st.lists(st.tuples(st.integers(0, len(_VALID) - 1), st.integers(0, 255)), max_size=4),
     cut=st.integers(0, len(_VALID)),
     tail=st.binary(max_size=16),
-    in_place=st.booleans(),
 )
 def test_corrupted_stream_only_raises_protocol_error(
-    edits: list[tuple[int, int]], cut: int, tail: bytes, in_place: bool
+    edits: list[tuple[int, int]], cut: int, tail: bytes
 ) -> None:
     data = bytearray(_VALID)
     for i, b in edits:
         data[i] = b
-    _decode_or_protocol_error(bytes(data[:cut]) + tail, [], in_place)
+    _decode_or_protocol_error(bytes(data[:cut]) + tail, [])
 
 
 # --- the decode side's view ------------------------------------------------------------------
@@ -596,7 +499,7 @@ def test_corrupted_stream_only_raises_protocol_error(
 def test_mx_load_reads_a_layer_payload(dtype: str, tmp_path: Path) -> None:
     mx = pytest.importorskip("mlx.core")
     h = dataclasses.replace(H, dtype=dtype)
-    lkv = next(f for f in decode_all(make_stream(h)[0]) if isinstance(f, LayerKV))
+    lkv = next(f for f in decode_all(make_stream(h)[0]) if isinstance(f, LayerFrame))
     path = tmp_path / "x.safetensors"
     path.write_bytes(bytes(lkv.payload))
     arrays, metadata = mx.load(str(path), return_metadata=True)

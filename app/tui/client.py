@@ -8,18 +8,16 @@ through `/v1/hello`, that it holds the same token (DESIGN.md).
 
 from __future__ import annotations
 
-import json
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 
 from nodes.auth import auth_headers, verify_proof
+from nodes.contract import PROTO, SSE_END, Health, Reason, sse_record
 
-PROTO = 1
-Reason = Literal["unreachable", "unauthorized", "protocol_mismatch", "bad_reply"]
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=3.0, sock_read=None)
 
@@ -105,9 +103,13 @@ class NodeClient:
         health: dict[str, Any] = {}
         try:
             health = await self._get_json("/health", auth=False)
-            if health.get("proto") != PROTO:
-                raise NodeError("protocol_mismatch", f"speaks proto {health.get('proto')}")
-            await self._hello(str(health.get("id", "")))
+            try:
+                node = Health.from_json(health)
+            except ValueError as e:
+                raise NodeError("bad_reply", str(e)) from None
+            if node.proto != PROTO:
+                raise NodeError("protocol_mismatch", f"speaks proto {node.proto}")
+            await self._hello(node.id)
             cluster = await self._get_json("/v1/cluster", auth=True)
         except NodeError as e:
             return Probe(self.url, health, None, e.reason, str(e))
@@ -201,6 +203,8 @@ class NodeClient:
                 async for chunk in _sse_records(r.content):
                     if not isinstance(chunk, dict):
                         continue
+                    if isinstance(chunk.get("error"), dict):  # the generation failed midway
+                        raise NodeError("bad_reply", str(chunk["error"].get("message", "")))
                     for choice in chunk.get("choices") or ():
                         text = (choice.get("delta") or {}).get("content")
                         if text:
@@ -214,16 +218,11 @@ class NodeClient:
 async def _sse_records(content: aiohttp.StreamReader) -> AsyncIterator[Any]:
     """The JSON of each `data:` line; stops at `data: [DONE]`."""
     async for raw in content:
-        line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
-            continue  # blank separators and `: comment` keep-alives
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
+        record = sse_record(raw)
+        if record is SSE_END:
             return
-        try:
-            yield json.loads(data)
-        except ValueError:
-            continue
+        if record is not None:
+            yield record
 
 
 async def _api_error(r: aiohttp.ClientResponse) -> tuple[Reason, str]:

@@ -1,42 +1,37 @@
 """The decode node's model: mlx-lm weights and tokenizer, owned by one thread.
 
 Everything that touches mlx runs on `ModelHost.thread` (a single-worker executor); async code
-reaches it with `await host.call(fn, ...)`. Generation checks a cancel flag between tokens,
-so a client that disconnects stops its decode within one token.
+reaches it with `await host.call(fn, ...)`, and a generation through `host.generation(...)`:
+an async iterator of text pieces whose mlx work is awaited on every way out. Generation checks
+a cancel flag between tokens, so a client that disconnects stops its decode within one token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from nodes.decode import kv
+from nodes.decode.openai_api import Sampling
 from nodes.model.errors import ModelError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: same chunks, same numbers
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
 
 
 @dataclass
@@ -104,8 +99,19 @@ class ModelHost:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def new_cache(self) -> list[KVCache]:
-        return make_prompt_cache(self.model)
+    def new_cache(self) -> kv.Caches:
+        return kv.new_caches(self.model)
+
+    def generation(
+        self,
+        prompt: Sequence[int],
+        caches: kv.Caches,
+        params: Sampling,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationStream:
+        """`async with host.generation(...) as gen: async for text in gen: ...`, then
+        `gen.result`: `generate` on the mlx thread, its text pieces as they come."""
+        return GenerationStream(self, prompt, caches, params, on_token)
 
     def measure_prefill(self, count: int) -> float:
         """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
@@ -116,14 +122,15 @@ class ModelHost:
         cache = self.new_cache()
         t0 = time.perf_counter()
         out = self.model(tokens, cache=cache)
-        mx.eval(out, [c.state for c in cache])
+        mx.eval(out)
+        kv.evaluate(cache)
         return max(time.perf_counter() - t0, 1e-9)
 
     def generate(
         self,
         prompt: Sequence[int],
         cache: list[Any] | None,
-        params: SamplingParams,
+        params: Sampling,
         cancel: threading.Event,
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[int], None] | None = None,
@@ -201,7 +208,7 @@ class ModelHost:
             while prompt.size > 1:
                 n = min(PREFILL_STEP, prompt.size - 1)
                 self.model(prompt[:n][None], cache=cache)
-                mx.eval([c.state for c in cache])
+                kv.evaluate(cache)
                 prompt = prompt[n:]
                 mx.clear_cache()
             y = step(prompt)
@@ -235,3 +242,81 @@ class ModelHost:
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     hits = [i for s in stops if s and (i := text.find(s)) >= 0]
     return min(hits) if hits else None
+
+
+_END = object()  # the generation finished (or failed): its result is in the job
+
+
+class GenerationStream:
+    """One generation on the mlx thread as an async iterator of its text pieces.
+
+    Leaving the `async with` block by any way (the end, an error, a cancelled request) sets
+    the cancel flag and waits for the mlx thread to let go of the caches: no generation runs
+    on after its request, and none is left unawaited."""
+
+    def __init__(
+        self,
+        host: ModelHost,
+        prompt: Sequence[int],
+        caches: kv.Caches,
+        params: Sampling,
+        on_token: Callable[[int], None] | None,
+    ) -> None:
+        self._host = host
+        self._args = (list(prompt), caches, params)
+        self._on_token = on_token
+        self.cancel = threading.Event()
+        self._texts: asyncio.Queue[object] = asyncio.Queue()
+        self._job: asyncio.Future[Generation] | None = None
+        self.result: Generation | None = None
+
+    async def __aenter__(self) -> GenerationStream:
+        loop = asyncio.get_running_loop()
+
+        def put(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading
+                loop.call_soon_threadsafe(self._texts.put_nowait, item)
+
+        def run() -> Generation:
+            try:
+                prompt, caches, params = self._args
+                return self._host.generate(prompt, caches, params, self.cancel, put, self._on_token)
+            finally:
+                put(_END)
+
+        self._job = loop.run_in_executor(self._host.thread, run)
+        return self
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> str:
+        item = await self._texts.get()
+        if item is _END:
+            assert self._job is not None
+            self.result = await self._job  # raises what the generation raised
+            raise StopAsyncIteration
+        assert isinstance(item, str)
+        return item
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel.set()
+        if self._job is None:
+            return
+        cancelled = False
+        while not self._job.done():  # wait for the mlx thread even while being cancelled
+            try:
+                await asyncio.shield(self._job)
+            except asyncio.CancelledError:
+                cancelled = True
+            except Exception:  # its error is the body's to report, below
+                break
+        if not self._job.cancelled():
+            self._job.exception()  # retrieved: never "exception was never retrieved"
+        if cancelled:
+            raise asyncio.CancelledError

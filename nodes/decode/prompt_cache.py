@@ -12,10 +12,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from mlx_lm.models.cache import KVCache
-
+from nodes.decode import kv
 from nodes.prefix import best_prefix
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
@@ -24,23 +22,8 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
-    caches: list[Any]
+    caches: kv.Caches
     nbytes: int
-
-
-def clone_prefix(caches: list[Any], k: int) -> list[KVCache]:
-    """New caches holding positions 0..k-1 of `caches` (fresh arrays)."""
-    out = []
-    for c in caches:
-        new = KVCache()
-        if k:
-            new.state = (c.keys[..., :k, :], c.values[..., :k, :], k)
-        out.append(new)
-    return out
-
-
-def cache_nbytes(caches: list[Any]) -> int:
-    return sum(c.keys.nbytes + c.values.nbytes for c in caches if c.keys is not None)
 
 
 class PromptCache:
@@ -56,7 +39,7 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int, list[Any] | None]:
+    def lookup(self, tokens: Sequence[int]) -> tuple[int, kv.Caches | None]:
         """(k, caches holding 0..k-1) for the longest stored prefix of `tokens[:-1]`.
 
         At most n-1 positions are reused: the last prompt token must be fed to decode.
@@ -68,14 +51,14 @@ class PromptCache:
                 return 0, None
             self._entries.move_to_end(best)
             entry = self._entries[best]
-        return best_k, clone_prefix(entry.caches, best_k)
+        return best_k, kv.clone_prefix(entry.caches, best_k)
 
-    def store(self, tokens: Sequence[int], caches: list[Any]) -> None:
+    def store(self, tokens: Sequence[int], caches: kv.Caches) -> None:
         """Keep `caches` (holding exactly `tokens`), dropping entries it makes redundant."""
         key = tuple(tokens)
-        if not key or any(c.offset != len(key) for c in caches):
+        if not key or kv.positions(caches) != len(key):
             return
-        nbytes = cache_nbytes(caches)
+        nbytes = kv.nbytes(caches)
         with self._lock:
             for other in list(self._entries):
                 if key[: len(other)] == other:  # a shorter prefix of this one

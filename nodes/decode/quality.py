@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
+from nodes.decode import kv
 from nodes.decode.host import PREFILL_STEP
 
 
@@ -48,10 +48,10 @@ def read_continuation(
 
 def own_prefill(model: Any, prompt_head: Sequence[int]) -> list[Any]:
     """mlx-lm's own cache of `prompt_head` (tokens 0..n-2), in generate's prefill steps."""
-    cache = make_prompt_cache(model)
+    cache = kv.new_caches(model)
     for start in range(0, len(prompt_head), PREFILL_STEP):
         model(mx.array([list(prompt_head[start : start + PREFILL_STEP])]), cache=cache)
-        mx.eval([c.state for c in cache])
+        kv.evaluate(cache)
     return cache
 
 

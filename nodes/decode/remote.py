@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from nodes.auth import auth_headers
-from nodes.decode import http_stream
+from nodes.decode import http_stream, kv
 from nodes.decode.host import ModelHost
 from nodes.decode.http_stream import HttpError
-from nodes.decode.kv import CacheBuilder
+from nodes.decode.kv import KVShape
 from nodes.events import EventBus, LayerEvent, LinkEvent
 from nodes.kv_link import arrival_seconds
 from nodes.wire import (
@@ -26,8 +26,8 @@ from nodes.wire import (
     Frame,
     FrameReader,
     Header,
-    LayerKV,
-    Span,
+    LayerFrame,
+    ProtocolError,
 )
 
 log = logging.getLogger(__name__)
@@ -76,87 +76,124 @@ class BufferPool:
                 return self._free.pop(i)
         return bytearray(n)
 
-    def give(self, span: Span) -> None:
-        """The buffers `span` was read into are free again (nothing else refers to them)."""
-        for part in span.parts:
-            buffer = part.obj if isinstance(part, memoryview) else part
-            kept = sum(len(b) for b in self._free)
-            if isinstance(buffer, bytearray) and kept + len(buffer) <= self.keep_bytes:
-                self._free.append(buffer)
+    def give(self, payload: memoryview) -> None:
+        """The buffer `payload` was read into is free again (nothing else refers to it)."""
+        buffer = payload.obj
+        kept = sum(len(b) for b in self._free)
+        if isinstance(buffer, bytearray) and kept + len(buffer) <= self.keep_bytes:
+            self._free.append(buffer)
 
 
-async def remote_prefill(
-    url: str,
-    token: str | None,
-    *,
-    fingerprint: str,
-    request_id: str,
-    tokens: list[int],
-    start: int,
-    host: ModelHost,
-    caches: list[Any],
-    events: EventBus,
-    timeout_s: float = 300.0,
-    buffers: BufferPool | None = None,
-) -> RemoteResult:
-    """Fill `caches` (holding positions 0..start-1) with positions start..len(tokens)-1."""
-    body = {
-        "proto": PROTO,
-        "fingerprint": fingerprint,
-        "request_id": request_id,
-        "tokens": tokens,
-        "start": start,
-    }
-    t0 = time.perf_counter()
-    buffers = buffers or BufferPool()
-    reader = FrameReader(alloc=buffers.take)
-    assembler = _Assembler(host, caches, events, request_id, start, buffers)
-    total = 0
-    transfer_s = 0.0
-    try:
-        async with (
-            asyncio.timeout(timeout_s),
-            http_stream.post(
-                f"{url}/v1/prefill",
-                json.dumps(body).encode(),
-                auth_headers(token),
-                read_timeout_s=min(60.0, timeout_s),
-            ) as resp,
-        ):
-            if resp.status != 200:
-                detail = (await resp.read(300)).decode(errors="replace")
-                retry = _retry_after(resp.headers) if resp.status == 503 else None
-                raise RemotePrefillError(f"{url} answered {resp.status}: {detail}", retry)
-            # a frame's receive time: its reads from the first to the last, at the rate of the
-            # bytes after the first (a read never runs past its frame: the reader gives the buffer)
-            first: tuple[float, int] | None = None  # at the frame's first read: time, bytes in
-            while n := await resp.read_into(reader.get_buffer()):
-                arrived = time.perf_counter()
-                first = first or (arrived, resp.conn.received)
-                total += n
-                for frame in reader.buffer_updated(n):
-                    if isinstance(frame, LayerKV):
-                        size = PREFIX.size + len(frame.payload)
-                        seconds = arrival_seconds(
-                            size, arrived - first[0], resp.conn.received - first[1]
-                        )
-                        transfer_s += seconds
-                        link = LinkEvent(request_id, name="net_in", bytes=size, seconds=seconds)
-                        events.publish(link)
-                    first = None
-                    await assembler.take(frame)
-                    await asyncio.sleep(0)  # reads that never wait would starve the loop
-            reader.finish()
-            await assembler.finish()
-    except (HttpError, TimeoutError, OSError) as e:
-        raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
-    except Exception as e:  # ProtocolError and friends: the stream is unusable
-        if isinstance(e, RemotePrefillError):
+@dataclass(frozen=True)
+class PrefillCall:
+    """One `/v1/prefill` request: fill caches holding 0..start-1 with start..len(tokens)-1."""
+
+    request_id: str
+    tokens: list[int]
+    start: int
+    timeout_s: float = 300.0
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens) - self.start
+
+
+class RemotePrefill:
+    """The decode node's client of one model's prefill nodes: POSTs `/v1/prefill`, reads the
+    KV frames in place (`FrameReader` into `BufferPool` buffers), times each frame as it
+    arrives (its `net_in` link event) and hands the layers to an `_Assembler`, which appends
+    them to the caches on the mlx thread while the next frames arrive."""
+
+    def __init__(
+        self,
+        host: ModelHost,
+        expect: KVShape,
+        fingerprint: str,
+        token: str | None,
+        events: EventBus,
+        buffers: BufferPool | None = None,
+    ) -> None:
+        self.host, self.expect, self.fingerprint = host, expect, fingerprint
+        self.token, self.events = token, events
+        self.buffers = buffers or BufferPool()
+
+    async def __call__(
+        self, url: str, call: PrefillCall, caches: kv.Caches, events: EventBus | None = None
+    ) -> RemoteResult:
+        """Fill `caches` from the prefill node at `url`; RemotePrefillError on any failure
+        (the caches may then hold a partial prefix: `kv.trim_to` them)."""
+        events = events or self.events
+        body = {
+            "proto": PROTO,
+            "fingerprint": self.fingerprint,
+            "request_id": call.request_id,
+            "tokens": call.tokens,
+            "start": call.start,
+        }
+        t0 = time.perf_counter()
+        reader = FrameReader(alloc=self.buffers.take)
+        assembler = _Assembler(self, caches, events, call)
+        clock = _FrameClock(events, call.request_id)
+        try:
+            async with (
+                asyncio.timeout(call.timeout_s),
+                http_stream.post(
+                    f"{url}/v1/prefill",
+                    json.dumps(body).encode(),
+                    auth_headers(self.token),
+                    read_timeout_s=min(60.0, call.timeout_s),
+                ) as resp,
+            ):
+                if resp.status != 200:
+                    detail = (await resp.read(300)).decode(errors="replace")
+                    retry = retry_after(resp.headers) if resp.status == 503 else None
+                    raise RemotePrefillError(f"{url} answered {resp.status}: {detail}", retry)
+                while n := await resp.read_into(reader.get_buffer()):
+                    clock.read(n, resp.conn.received)
+                    for frame in reader.buffer_updated(n):
+                        clock.frame(frame)
+                        await assembler.take(frame)
+                        await asyncio.sleep(0)  # reads that never wait would starve the loop
+                reader.finish()
+                await assembler.finish()
+        except RemotePrefillError:
             raise
-        raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
-    finally:
-        await assembler.close()
-    return RemoteResult(url, len(tokens) - start, total, time.perf_counter() - t0, transfer_s)
+        except (HttpError, TimeoutError, OSError, ProtocolError, ValueError) as e:
+            raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
+        finally:
+            await assembler.close()
+        seconds = time.perf_counter() - t0
+        return RemoteResult(url, call.count, clock.total, seconds, clock.transfer_s)
+
+
+class _FrameClock:
+    """A layer frame's receive time: its reads from the first to the last, at the rate of
+    the bytes after the first (a read never runs past its frame: the reader gives the
+    buffer), published as a `net_in` link event."""
+
+    def __init__(self, events: EventBus, request_id: str) -> None:
+        self.events, self.request_id = events, request_id
+        self.total = 0  # body bytes
+        self.transfer_s = 0.0
+        self._first: tuple[float, int] | None = None  # at a frame's first read: time, bytes in
+        self._last: tuple[float, int] = (0.0, 0)
+
+    def read(self, n: int, received: int) -> None:
+        now = time.perf_counter()
+        self.total += n
+        self._first = self._first or (now, received)
+        self._last = (now, received)
+
+    def frame(self, frame: Frame) -> None:
+        if isinstance(frame, LayerFrame) and self._first is not None:
+            size = PREFIX.size + len(frame.payload)
+            (t_first, r_first), (t_last, r_last) = self._first, self._last
+            seconds = arrival_seconds(size, t_last - t_first, r_last - r_first)
+            self.transfer_s += seconds
+            self.events.publish(
+                LinkEvent(self.request_id, name="net_in", bytes=size, seconds=seconds)
+            )
+        self._first = None
 
 
 class _Assembler:
@@ -165,46 +202,39 @@ class _Assembler:
     back-pressure on the connection)."""
 
     def __init__(
-        self,
-        host: ModelHost,
-        caches: list[Any],
-        events: EventBus,
-        request_id: str,
-        start: int,
-        buffers: BufferPool,
+        self, client: RemotePrefill, caches: kv.Caches, events: EventBus, call: PrefillCall
     ) -> None:
-        self.host, self.caches, self.events, self.buffers = host, caches, events, buffers
-        self.request_id, self.start = request_id, start
-        self.queue: asyncio.Queue[LayerKV | None] = asyncio.Queue(maxsize=4)
+        self.client, self.caches, self.events, self.call = client, caches, events, call
+        self.queue: asyncio.Queue[LayerFrame | None] = asyncio.Queue(maxsize=4)
         self.task: asyncio.Task[None] | None = None
-        self.builder: CacheBuilder | None = None
+        self.builder: kv.CacheBuilder | None = None
 
     async def take(self, frame: Frame) -> None:
         if isinstance(frame, ErrorFrame):
             raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
         if isinstance(frame, Header):
-            if frame.start != self.start:
-                raise RemotePrefillError(
-                    f"asked for positions from {self.start}, got {frame.start}"
-                )
-            self.builder = CacheBuilder(frame, self.caches)
+            self.builder = kv.CacheBuilder(
+                frame, self.caches, self.client.expect, self.call.start, self.call.count
+            )
             self.task = asyncio.create_task(self._apply_all(), name="kv-assembly")
-        elif isinstance(frame, LayerKV):
+        elif isinstance(frame, LayerFrame):
             assert self.task is not None  # the reader guarantees a header first
             if self.task.done():
                 await self.task  # it failed: raise its error here
             await self.queue.put(frame)
         elif isinstance(frame, Done):
-            log.debug("request %s: %d layers received", self.request_id, frame.layers)
+            log.debug("request %s: %d layers received", self.call.request_id, frame.layers)
 
     async def _apply_all(self) -> None:
         assert self.builder is not None
+        host = self.client.host
         while (frame := await self.queue.get()) is not None:
-            await self.host.call(self.builder.add, frame)
-            self.buffers.give(frame.payload)  # copied into the cache: the buffer is free
+            await host.call(self.builder.add, frame)
+            self.client.buffers.give(frame.payload)  # copied into the cache: the buffer is free
             received = LayerEvent(
-                self.request_id, layer=frame.layer, state="received", bytes=len(frame.payload)
-            )
+                self.call.request_id, layer=frame.layer, state="received",
+                bytes=len(frame.payload),
+            )  # fmt: skip
             self.events.publish(received)
 
     async def finish(self) -> None:
@@ -216,11 +246,20 @@ class _Assembler:
     async def close(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
+        if self.task is not None:
             await asyncio.gather(self.task, return_exceptions=True)
 
 
-def _retry_after(headers: Mapping[str, str]) -> float:
+RETRY_FLOOR_S = 0.5  # a busy node's Retry-After below this (0, nan) is read as this
+RETRY_CAP_S = 30.0
+
+
+def retry_after(headers: Mapping[str, str]) -> float:
+    """A 503's Retry-After in seconds, within [RETRY_FLOOR_S, RETRY_CAP_S] (1 s if unreadable)."""
     try:
-        return min(30.0, max(0.0, float(headers.get("retry-after", "1"))))
+        value = float(headers.get("retry-after", "1"))
     except ValueError:
         return 1.0
+    if math.isnan(value):
+        return 1.0
+    return min(RETRY_CAP_S, max(RETRY_FLOOR_S, value))

@@ -15,18 +15,20 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from aiohttp import web
 
+from nodes.contract import DEFAULT_PREFILL_QUEUE, PROTO, BadBody, error_body, read_json
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from nodes.kv_link import tune_sender
 from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError, PromptTooLong
 from nodes.prefill.prefix_cache import PrefixCache
 from nodes.prefill.streamer import DEVICE_NICE, lower_this_thread
 from nodes.throttle import PacedSender
-from nodes.wire import PROTO, FrameWriter, Header
+from nodes.wire import FrameWriter, Header
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-tandem-kv"
@@ -41,7 +43,9 @@ class PrefillRequest:
 
 
 class BadRequest(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    """A `/v1/prefill` request refused: its HTTP status, error code and message."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status, self.code = status, code
 
@@ -59,13 +63,14 @@ class PrefillService:
 
     def __init__(
         self,
-        engine: PrefillEngine,
+        build: Callable[[], PrefillEngine],
         fingerprint: str,
         events: EventBus,
-        queue_limit: int = 32,
+        queue_limit: int = DEFAULT_PREFILL_QUEUE,
         net_gbps: float | None = None,
     ) -> None:
-        self.engine = engine
+        self._build = build
+        self._engine: PrefillEngine | None = None
         self.fingerprint = fingerprint
         self.events = events
         self.queue_limit = queue_limit
@@ -86,38 +91,61 @@ class PrefillService:
         """Measured prefill rate over the requests served so far (tokens/s)."""
         return self.served_tokens / self.served_s if self.served_s > 0 else None
 
+    async def start(self) -> PrefillEngine:
+        """Build the engine (the plan, the weight pool) off the event loop."""
+        self._engine = await asyncio.get_running_loop().run_in_executor(None, self._build)
+        return self._engine
+
+    @property
+    def engine(self) -> PrefillEngine:
+        if self._engine is None:
+            raise BadRequest(503, "the prefill engine is still starting", "starting")
+        return self._engine
+
     def close(self) -> None:
         self.device_thread.shutdown(wait=True, cancel_futures=True)
-        self.engine.close()
+        if self._engine is not None:
+            self._engine.close()
 
     def parse(self, body: object) -> PrefillRequest:
         if not isinstance(body, dict):
-            raise BadRequest(400, "bad_request", "body must be a JSON object")
-        if body.get("proto") != PROTO:
-            raise BadRequest(400, "protocol_mismatch", f"proto must be {PROTO}")
+            raise BadRequest(400, "body must be a JSON object", "bad_request")
+        proto = body.get("proto")
+        if type(proto) is not int or proto != PROTO:
+            raise BadRequest(400, f"proto must be {PROTO}", "protocol_mismatch")
         if body.get("fingerprint") != self.fingerprint:
-            raise BadRequest(409, "model_mismatch", "model fingerprint does not match")
+            raise BadRequest(409, "model fingerprint does not match", "model_mismatch")
+        engine = self.engine
         tokens, start = body.get("tokens"), body.get("start", 0)
         if not isinstance(tokens, list) or not all(
-            type(t) is int and 0 <= t < self.engine.spec.vocab_size for t in tokens
+            type(t) is int and 0 <= t < engine.spec.vocab_size for t in tokens
         ):
-            raise BadRequest(400, "bad_tokens", "tokens must be a list of ids in the vocabulary")
+            raise BadRequest(400, "tokens must be a list of ids in the vocabulary", "bad_tokens")
         if type(start) is not int or not 0 <= start < len(tokens):
-            raise BadRequest(400, "bad_tokens", "start must satisfy 0 <= start < len(tokens)")
-        rid = body.get("request_id") or "prefill"
-        return PrefillRequest(str(rid)[:128], tokens, start)
+            raise BadRequest(400, "start must satisfy 0 <= start < len(tokens)", "bad_tokens")
+        context = engine.spec.max_position_embeddings
+        if len(tokens) > context:
+            raise BadRequest(
+                413, f"{len(tokens)} tokens exceed the model's context of {context}",
+                "context_length_exceeded",
+            )  # fmt: skip
+        try:  # before any streaming: a prompt whose activations would not fit
+            engine.check_fits(len(tokens))
+        except PromptTooLong as e:
+            raise BadRequest(413, str(e), "prompt_too_long") from None
+        rid = body.get("request_id")
+        rid = rid if isinstance(rid, str) and rid else "prefill"
+        return PrefillRequest(rid[:128], tokens, start)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
-            req = self.parse(await request.json())
-        except ValueError:
-            return _error(400, "bad_json", "body is not valid JSON")
+            req = self.parse(read_json(await request.read()))
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "request_too_large", "request body too large")
+        except BadBody as e:
+            return _error(400, "bad_json", str(e))
         except BadRequest as e:
             return _error(e.status, e.code, str(e))
-        try:  # before any streaming: a prompt whose activations would not fit
-            self.engine.check_fits(len(req.tokens))
-        except PromptTooLong as e:
-            return _error(413, "prompt_too_long", str(e))
         publish = self.events.publish
         if self._waiting >= self.queue_limit:
             publish(RequestEvent(req.request_id, phase="failed", detail="queue full (503)"))
@@ -242,6 +270,4 @@ class PrefillService:
 def _error(
     status: int, code: str, message: str, headers: dict[str, str] | None = None
 ) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": code, "code": code}}, status=status, headers=headers
-    )
+    return web.json_response(error_body(message, code), status=status, headers=headers)

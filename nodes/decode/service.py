@@ -1,0 +1,296 @@
+"""The decode node's pipeline for one completion, in order:
+
+1. admission: a bounded number of generations at once and a bounded queue (503 beyond);
+2. the prompt cache: a copy of the longest cached prefix of the prompt;
+3. the route: local (mlx) or a trusted prefill node (`router.choose`);
+4. the prefill: remote through `RemotePrefill` (retried while the node is busy, abandoned the
+   moment the peer table marks it unreachable), else — or on any remote failure — local;
+5. the generation: text pieces from the mlx thread as they come, then `Finished`.
+
+Every exit publishes one final `request` event: `done`, `cancelled` or `failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from nodes.contract import (
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_REMOTE_TIMEOUT_S,
+)
+from nodes.decode import kv
+from nodes.decode.host import Cancelled, Generation, ModelHost
+from nodes.decode.kv import KVShape
+from nodes.decode.openai_api import ApiError, Completion
+from nodes.decode.prompt_cache import PromptCache
+from nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
+from nodes.decode.router import LocalRate, Mode, choose
+from nodes.events import EventBus, RequestEvent, TokenEvent
+from nodes.model.spec import ModelSpec
+from nodes.peers import PeerTable
+
+log = logging.getLogger(__name__)
+MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most
+WATCH_S = 0.2  # how often a waiting remote prefill looks at its peer's state
+
+
+class GenerationFailed(Exception):
+    """The generation broke after the request was accepted; the message says how."""
+
+
+@dataclass
+class PrefillInfo:
+    where: str = "local"
+    node: str | None = None
+    tokens: int = 0
+    seconds: float = 0.0
+    kv_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item of a completion: what was generated and the reply's `tandem` object."""
+
+    generation: Generation
+    tandem: dict[str, Any]
+
+
+class DecodeService:
+    """Completions on one model: the pipeline above, shared by every route."""
+
+    def __init__(
+        self,
+        host: ModelHost,
+        spec: ModelSpec,
+        expect: KVShape,
+        fingerprint: str,
+        events: EventBus,
+        peers: PeerTable,
+        token: str | None,
+        mode: Mode = "auto",
+        max_tokens_limit: int = 4096,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
+    ) -> None:
+        self.host = host
+        self.spec = spec
+        self.events = events
+        self.peers = peers
+        self.mode = mode
+        self.max_tokens_limit = max_tokens_limit
+        self.remote_timeout_s = remote_timeout_s
+        self.remote = RemotePrefill(host, expect, fingerprint, token, events)
+        self.local = LocalRate()  # measured mlx prefill rate and floor
+        self.prompt_cache = PromptCache()
+        self.model_name = spec.name
+        self.max_concurrent, self.max_queue = max_concurrent, max_queue
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._waiting = 0
+
+    # ------------------------------------------------------------ calibration
+
+    async def calibrate(self, tokens: int = 128) -> LocalRate:
+        """Measure this node's local (mlx) prefill rate and floor for the router."""
+        floor = await self.host.call(self.host.measure_prefill, 1)
+        rate = await self.host.call(self.host.measure_prefill, tokens)
+        self.local = LocalRate(tok_s=tokens / rate, floor_s=floor)
+        log.info("local prefill: %.0f tokens/s, floor %.1f ms", tokens / rate, floor * 1e3)
+        return self.local
+
+    async def probe_peers(self) -> None:
+        """Keep calibrating: measure each newly trusted prefill node with a tiny prefill."""
+        while True:
+            for peer in self.peers.trusted("prefill"):
+                if peer.prefill_floor_s is None:
+                    await self._probe(peer.address)
+            await asyncio.sleep(1.0)
+
+    async def _probe(self, address: str, count: int = 8) -> None:
+        caches = await self.host.call(self.host.new_cache)
+        tokens = [(5 * i + 1) % self.spec.vocab_size for i in range(count)]
+        call = PrefillCall(f"probe-{uuid.uuid4().hex[:8]}", tokens, 0, timeout_s=30.0)
+        try:
+            result = await self.remote(address, call, caches, EventBus())
+        except RemotePrefillError as e:
+            log.info("probe of %s failed: %s", address, e)
+            self.peers.update_rates(address, seconds=30.0)
+            return
+        self.peers.update_rates(address, None, result.link_Bps, result.seconds)
+        log.info("prefill node %s: pass floor %.1f ms", address, result.seconds * 1e3)
+
+    # ------------------------------------------------------------ the pipeline
+
+    @contextlib.asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """A generation slot, after a wait in a bounded queue; 503 when that is full."""
+        if self._slots.locked() and self._waiting >= self.max_queue:
+            raise ApiError(
+                503, f"{self.max_concurrent} generations running and {self._waiting} waiting",
+                "overloaded", {"Retry-After": "1"},
+            )  # fmt: skip
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    async def run(self, req: Completion) -> AsyncIterator[str | Finished]:
+        """Text pieces of the reply as they are generated, then one `Finished`.
+
+        Iterate it inside `contextlib.aclosing`: leaving early cancels the generation and
+        waits for the mlx thread (and publishes `cancelled`)."""
+        rid = req.request_id
+        publish = self.events.publish
+        publish(RequestEvent(rid, phase="queued", tokens=len(req.tokens)))
+        t0 = time.perf_counter()
+        try:
+            caches, info = await self._prefill(req)
+            ticker = _TokenTicker(self.events, rid)
+            held = kv.positions(caches)  # positions already in the cache
+            gen = self.host.generation(req.tokens[held:], caches, req.sampling, ticker.tick)
+            async with gen:
+                async for text in gen:
+                    yield text
+            result = gen.result
+            assert result is not None
+            ticker.flush(result.tokens)
+            await self.host.call(self._remember, req.tokens + result.token_ids, caches)
+        except (asyncio.CancelledError, GeneratorExit, ConnectionResetError, Cancelled):
+            publish(RequestEvent(rid, phase="cancelled", detail="client went away"))
+            raise
+        except Exception as e:
+            log.exception("request %s failed", rid)
+            publish(RequestEvent(rid, phase="failed", detail=f"{type(e).__name__}: {e}"))
+            raise GenerationFailed(f"generation failed: {type(e).__name__}: {e}") from e
+        if info.where == "local":
+            info.seconds = result.first_token_s
+        publish(RequestEvent(rid, phase="done", tokens=result.tokens, where=info.where))
+        ttft = (result.first_token_at or time.perf_counter()) - t0
+        yield Finished(result, self._tandem(req, info, result, ttft))
+
+    def _remember(self, tokens: list[int], caches: kv.Caches) -> None:
+        """On the mlx thread: keep this conversation's KV for its next turn."""
+        if kv.positions(caches) <= len(tokens):
+            self.prompt_cache.store(tokens[: kv.positions(caches)], caches)
+
+    async def _prefill(self, req: Completion) -> tuple[kv.Caches, PrefillInfo]:
+        """Caches holding positions 0..k-1, k = n-1 after a remote prefill; mlx-lm prefills
+        whatever the cache lacks locally. The prompt cache supplies a reused prefix first."""
+        rid, n = req.request_id, len(req.tokens) - 1
+        k, reused = await self.host.call(self.prompt_cache.lookup, req.tokens)
+        caches = reused if reused is not None else await self.host.call(self.host.new_cache)
+        new = n - k  # positions that need a prefill
+        decision = choose(
+            self.mode, new, self.spec.kv_bytes_per_token, self.spec.num_layers,
+            self.local, self.peers.trusted("prefill"),
+        )  # fmt: skip
+        publish = self.events.publish
+        if decision.where == "local":
+            if self.mode == "always" and new > 0:
+                publish(RequestEvent(rid, phase="failed", detail=decision.reason))
+            publish(RequestEvent(rid, phase="prefill_start", tokens=new, where="local"))
+            return caches, PrefillInfo("local", None, new)
+        peer = decision.peer
+        assert peer is not None
+        publish(RequestEvent(rid, phase="prefill_start", tokens=new, where=peer.address))
+        try:
+            result = await self._remote(peer.address, PrefillCall(rid, req.tokens[:-1], k), caches)
+        except RemotePrefillError as e:
+            await self.host.call(kv.trim_to, caches, k)
+            log.warning("remote prefill failed, prefilling locally: %s", e)
+            publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
+            return caches, PrefillInfo("local", None, new)
+        # a pass near the floor says nothing about the marginal rate
+        rate = result.prefill_tok_s if result.seconds > 2 * (peer.prefill_floor_s or 0) else None
+        self.peers.update_rates(peer.address, rate, result.link_Bps, result.seconds)
+        publish(RequestEvent(rid, phase="prefill_done", tokens=new, where=peer.address))
+        return caches, PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
+
+    async def _remote(self, address: str, call: PrefillCall, caches: kv.Caches) -> RemoteResult:
+        """The remote prefill, asked again (after its Retry-After, with jitter) while the node
+        is busy, at most MAX_ATTEMPTS times within the timeout; given up the moment the peer
+        table stops trusting the node."""
+        deadline = time.monotonic() + self.remote_timeout_s
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            left = deadline - time.monotonic()
+            timed = PrefillCall(call.request_id, call.tokens, call.start, max(1.0, left))
+            try:
+                return await self._watched(address, timed, caches)
+            except RemotePrefillError as e:
+                wait = e.retry_after
+                if wait is None or attempt == MAX_ATTEMPTS:
+                    raise
+                wait *= random.uniform(1.0, 1.5)
+                if time.monotonic() + wait >= deadline:
+                    raise
+                await self.host.call(kv.trim_to, caches, call.start)
+                log.info("prefill node busy, asking again in %.1f s", wait)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _watched(self, address: str, call: PrefillCall, caches: kv.Caches) -> RemoteResult:
+        """`self.remote(...)`, abandoned as soon as the peer is no longer trusted."""
+        task = asyncio.create_task(self.remote(address, call, caches), name="remote-prefill")
+        try:
+            while not task.done():
+                peer = self.peers.peers.get(address)
+                if peer is None or not peer.trusted:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    reason = peer.reason if peer is not None else "gone"
+                    raise RemotePrefillError(f"{address} is no longer trusted ({reason})")
+                await asyncio.wait({task}, timeout=WATCH_S)
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _tandem(
+        self, req: Completion, info: PrefillInfo, gen: Generation, ttft_s: float
+    ) -> dict[str, Any]:
+        return {
+            "request_id": req.request_id,
+            "prefill": info.where,
+            "prefill_node": info.node,
+            "prefill_tokens": info.tokens,
+            "prefill_s": info.seconds,
+            "kv_bytes": info.kv_bytes,
+            "ttft_s": ttft_s,
+            "decode_tokens": gen.tokens,
+            "decode_s": gen.decode_s,
+            "decode_tok_s": gen.steady_tok_s,
+        }
+
+
+class _TokenTicker:
+    """`first_token`, then `token` events at most ten a second (called on the mlx thread)."""
+
+    def __init__(self, events: EventBus, rid: str) -> None:
+        self.events, self.rid = events, rid
+        self.last = 0.0
+
+    def tick(self, count: int) -> None:
+        if count == 1:
+            self.events.publish(RequestEvent(self.rid, phase="first_token", tokens=1))
+        now = time.monotonic()
+        if now - self.last >= 0.1:
+            self.last = now
+            self.events.publish(TokenEvent(self.rid, count=count))
+
+    def flush(self, total: int) -> None:
+        self.events.publish(TokenEvent(self.rid, count=total))
