@@ -14,7 +14,8 @@ from nodes.prefill.engine import PrefillEngine
 PREFILL_KEYS = {
     "wall_s", "load_s", "compute_s", "overlap_ratio", "sequential_ratio", "peak_weight_bytes",
     "peak_activation_bytes", "peak_rss_delta_bytes", "budget_bytes", "model_bytes",
-    "bytes_streamed", "tokens", "tokens_per_s", "link_gbps",
+    "bytes_streamed", "tokens", "tokens_per_s", "link_gbps", "disk_Bps", "copy_Bps",
+    "loader_Bps", "pinned_bytes",
 }  # fmt: skip
 E2E_KEYS = {
     "ttft_remote_s", "prefill_s", "ttft_ratio", "kv_bytes", "kv_Bps", "raw_Bps", "kv_ratio",
@@ -36,6 +37,10 @@ def test_bench_prefill_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> N
     assert r["bytes_streamed"] < r["model_bytes"]  # a resident layer stays loaded
     assert r["link_gbps"] > 0 and r["tokens"] == 96
     assert r["sequential_ratio"] <= r["overlap_ratio"]
+    # the loader's rate: the throttled link, not the disk (which is far faster here)
+    assert r["loader_Bps"] == pytest.approx(r["link_gbps"] * 1e9 / 8, rel=0.5)
+    assert r["disk_Bps"] > r["loader_Bps"]
+    assert r["pinned_bytes"] == 0  # no CUDA
     assert main([*args, "--cold"]) == 0
     assert "overlap" in capsys.readouterr().out
 

@@ -313,3 +313,14 @@ def test_engine_threads_are_not_left_behind(index: ModelIndex) -> None:
     engine.close()
     left = {t.name for t in threading.enumerate()} - before
     assert not [n for n in left if n.startswith("tandem-")], left
+
+
+def test_the_default_budget_holds_the_whole_model_and_its_reserve(index: ModelIndex) -> None:
+    """Without --budget, a model that fits stays resident next to its activation reserve
+    (the reserve is added to what the model needs, not taken out of it)."""
+    engine = PrefillEngine(index, device="cpu", max_prompt_tokens=64, chunk_tokens=32)
+    try:
+        assert engine.plan.granularity == "resident"
+        assert engine.budget == engine.plan.device_bytes + engine.activation_reserve
+    finally:
+        engine.close()

@@ -3,7 +3,9 @@
 In one run, on one prompt, after a warm-up pass (which loads the resident set):
 - `compute_s`: the sum of per-load compute times with each load fetched synchronously first,
   so no copy overlaps (works when the model exceeds the budget);
-- `load_s`: every load streamed through the budget with compute switched off;
+- `load_s`: every load streamed through the budget with compute switched off, with the
+  loader's rates: `loader_Bps` (bytes / loader busy time), `disk_Bps` and `copy_Bps` (the
+  host→device copy: CUDA only; on a CPU the read lands in the slot);
 - `wall_s`: the real, overlapped prefill.
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
 `sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
@@ -83,6 +85,12 @@ def _median(runs: int, fn: Callable[[], float], before: Callable[[], None]) -> f
     return statistics.median(values)
 
 
+def _rate(runs: list[tuple[int, float]]) -> float | None:
+    """Median bytes/s over runs that moved bytes and took time (None: none did)."""
+    rates = [n / t for n, t in runs if n and t > 0]
+    return statistics.median(rates) if rates else None
+
+
 def bench(
     model: Path,
     tokens: int,
@@ -112,7 +120,13 @@ def bench(
             per_pass = _run(engine, ids, compute=False).bytes_streamed
             fixed = per_pass * 8 / compute_s / 1e9 if compute_s > 0 else None
             engine.streamer.mover.throttle.set(fixed)
-        load_s = _median(repeat, lambda: _run(engine, ids, compute=False).wall_s, before)
+        loaded: list[PrefillStats] = []
+
+        def load_run() -> float:
+            loaded.append(_run(engine, ids, compute=False))
+            return loaded[-1].wall_s
+
+        load_s = _median(repeat, load_run, before)
         rss: list[int] = []
         walls: list[PrefillStats] = []
 
@@ -141,6 +155,11 @@ def bench(
         "model_bytes": index.total_bytes,
         "bytes_streamed": last.bytes_streamed,
         "disk_bytes": last.disk_bytes,
+        # the loader's own rates, from the load-only runs: whether it runs near the link
+        "disk_Bps": _rate([(s.disk_bytes, s.disk_s) for s in loaded]),
+        "copy_Bps": _rate([(s.bytes_streamed, s.h2d_s) for s in loaded]),
+        "loader_Bps": _rate([(s.bytes_streamed, s.load_busy_s) for s in loaded]),
+        "pinned_bytes": last.pinned_bytes,
         "tokens": tokens,
         "tokens_per_s": tokens / wall_s,
         "link_gbps": fixed,
@@ -184,6 +203,10 @@ def _fmt(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _gbs(rate: object) -> str:
+    return f"{rate / 1e9:.2f} GB/s" if isinstance(rate, float) else "-"
+
+
 def table(r: dict[str, object]) -> str:
     lines = [
         f"tandem bench prefill — {r['tokens']} tokens on {r['device']}, "
@@ -191,6 +214,8 @@ def table(r: dict[str, object]) -> str:
         + (", cold page cache" if r["cold"] else ""),
         f"  wall        {r['wall_s']:.3f} s   ({r['tokens_per_s']:.0f} tokens/s)",
         f"  load only   {r['load_s']:.3f} s   (link {r['link_gbps'] or 'unthrottled'} Gbit/s)",
+        f"  loader      {_gbs(r['loader_Bps'])} (disk {_gbs(r['disk_Bps'])}, "
+        f"copy {_gbs(r['copy_Bps'])})",
         f"  compute     {r['compute_s']:.3f} s",
         f"  overlap     {r['overlap_ratio']:.3f}   (wall / max(load, compute); 1.0 is ideal)",
         f"  sequential  {r['sequential_ratio']:.3f}   (wall / (load + compute))",

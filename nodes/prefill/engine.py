@@ -94,13 +94,15 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def default_budget(index: ModelIndex, device: torch.device) -> int:
-    """80% of free device memory (the whole model when that is smaller)."""
+def default_budget(index: ModelIndex, device: torch.device, reserve: int = 0) -> int:
+    """80% of free device memory, or what the whole model takes resident (its weights, a
+    quantized model's scratch, and `reserve` bytes of activations) when that is smaller."""
+    whole = make_plan(index, 1 << 62, direct=True).device_bytes + reserve
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return min(int(free * 0.8), index.total_bytes)
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(int(pages * 0.8), index.total_bytes)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(int(free * 0.8), whole)
 
 
 class PrefillEngine:
@@ -123,7 +125,6 @@ class PrefillEngine:
         self.spec = self.index.spec
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = TORCH_DTYPES[self.index.dtype]  # compute dtype
-        self.budget = budget if budget is not None else default_budget(self.index, self.device)
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.chunk_tokens = chunk_tokens
@@ -135,6 +136,11 @@ class PrefillEngine:
             max_prompt_tokens = min(self.spec.max_position_embeddings, DEFAULT_MAX_PROMPT_TOKENS)
         self.max_prompt_tokens = max_prompt_tokens or None
         self.activation_reserve = self._activations(self.max_prompt_tokens or 0, 0)
+        self.budget = (
+            budget
+            if budget is not None
+            else default_budget(self.index, self.device, self.activation_reserve)
+        )
         # loads are laid out for O_DIRECT reads: straight into the slot on a CPU, into pinned
         # staging on CUDA
         self.plan: Plan = make_plan(

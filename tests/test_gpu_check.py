@@ -1,0 +1,109 @@
+"""scripts/gpu-check, kept from rotting: its CPU smoke run (every section that can run on a CPU,
+tiny) and its quick exit where there is no CUDA. The real run is on a GPU box (issue 17)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
+SECTIONS = {
+    "env", "h2d", "attention", "kv", "requests", "sanitizer", "model", "memory", "small_card",
+    "bench", "cuda_tests",
+}  # fmt: skip
+NEEDS_CUDA = {"h2d", "sanitizer", "cuda_tests"}
+pytestmark = pytest.mark.timeout(200)  # the smoke run is one subprocess of up to 150 s
+
+
+def _gpu_check(*args: str, out: Path, timeout: float) -> tuple[int, dict[str, Any], float]:
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OUT": str(out)},
+        check=False,
+    )
+    assert done.stdout.strip(), done.stderr[-2000:]
+    return done.returncode, json.loads(done.stdout), time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("out")
+    work = tmp_path_factory.mktemp("work")
+    rc, report, _ = _gpu_check("--cpu-smoke", "--work-dir", str(work), out=out, timeout=150)
+    assert json.loads((out / "gpu-check.json").read_text()) == report
+    assert list(work.iterdir()) == []  # its models are cleaned up
+    report["rc"] = rc
+    return report
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_section(smoke: dict[str, Any]) -> None:
+    sections = smoke["sections"]
+    assert set(sections) == SECTIONS
+    for name, section in sections.items():
+        if name in NEEDS_CUDA:
+            assert section["ok"] is None and section["skipped"] == "no cuda", (name, section)
+        else:
+            assert section["ok"] is True, (name, section)
+    assert smoke["summary"]["failed"] == [] and smoke["rc"] == 0
+    assert smoke["smoke"] is True and smoke["wall_s"] < smoke["time_limit_s"]
+    # the sections the box cannot run here still ran their plumbing
+    assert sections["sanitizer"]["requests_ok"] is True
+    assert (
+        sections["cuda_tests"]["tests_ran"] is True
+        and "skipped" in sections["cuda_tests"]["summary"]
+    )
+
+
+@pytest.mark.slow
+def test_smoke_kv_agrees_at_every_granularity(smoke: dict[str, Any]) -> None:
+    kv = smoke["sections"]["kv"]
+    assert kv["devices"] == "cpu vs cpu"
+    for dtype in ("float32", "bfloat16"):
+        checked = {g: e for g, e in kv[dtype].items() if e.get("ok") is not None}
+        assert "resident" in checked and checked.keys() & {"layer", "part", "slice"}, kv[dtype]
+        for granularity, entry in checked.items():
+            assert entry["ok"] and entry["granularity"] == granularity
+            assert entry["prefix"]["ok"] and entry["vs_reference"]["layers"] == 8
+            if dtype == "float32":  # granularities and the prefix path compute the same K/V
+                assert entry["vs_reference"]["max_abs"] <= 1e-4
+                assert entry["prefix"]["max_abs"] <= 1e-4
+        for entry in kv[dtype].values():
+            assert entry.get("ok") is not None or entry["skipped"].startswith("no budget")
+
+
+@pytest.mark.slow
+def test_smoke_requests_attention_memory_bench(smoke: dict[str, Any]) -> None:
+    s = smoke["sections"]
+    streamed = s["requests"]["streamed_budget"]
+    assert streamed["plan"]["granularity"] != "resident" and streamed["second_streams_less"]
+    assert streamed["after_cancel_vs_first"]["max_abs"] == 0.0
+    assert s["requests"]["default_budget"]["second"]["bytes_streamed"] == 0
+    for dtype in ("bfloat16", "float32"):
+        for case in ("start_0", "start_gt_0"):
+            assert s["attention"][dtype][case]["backend"] != "unknown"
+            assert s["attention"][dtype][case]["backends"]["MATH"]["ok"]
+    assert all(run["ok"] and not run["oom"] for run in s["memory"]["runs"].values())
+    assert s["small_card"]["plan"]["granularity"] != "resident" and not s["small_card"]["oom"]
+    assert s["bench"]["overlap_ratio"] > 0 and s["bench"]["loader"]["cold"]["bytes_streamed"] > 0
+
+
+def test_without_cuda_it_says_so_quickly(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc, report, seconds = _gpu_check(out=tmp_path, timeout=60)
+    assert rc == 0 and report["cuda"] is False and list(report["sections"]) == ["env"]
+    assert seconds < 30
+    assert (tmp_path / "gpu-check.json").exists()
