@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nodes.contract import PROTO
+from nodes.contract import KV_BITS, KV_GROUP_SIZES, PROTO
 from nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of, parse_header
 
 try:  # ISA-L's crc32 is zlib's, at tens of GB/s instead of a few: the receive path's biggest cost
@@ -33,7 +33,9 @@ MAX_JSON_BYTES = 64 * 1024  # header, done and error payloads
 LAYER_EXTRA_BYTES = 64 * 1024  # a layer payload's allowance beyond its K and V bytes
 WIRE_DTYPES = ("F32", "F16", "BF16")
 _HEADER_SIZES = {"layers": 1, "start": 0, "count": 0, "n_kv_heads": 1, "head_dim": 1}  # least
-_NUMPY_DTYPE = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_NUMPY_DTYPE = {
+    "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "U32": np.dtype("<u4"),
+}  # fmt: skip
 
 
 class ProtocolError(Exception):
@@ -53,22 +55,41 @@ class Header:
     count: int  # tokens covered: positions start..start+count-1
     n_kv_heads: int
     head_dim: int
+    kv_bits: int = 0  # 8 or 4: K and V quantized as mx.quantize does (words, scales, biases)
+    kv_group_size: int = 0  # values per scale and bias when quantized
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """Shape of each of K and V: [1, n_kv_heads, count, head_dim]."""
         return (1, self.n_kv_heads, self.count, self.head_dim)
 
+    def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name → (dtype, shape) of each tensor in a layer blob: K and V, or their packed
+        uint32 words [.., head_dim * bits / 32] and scales and biases [.., head_dim / group]
+        in the header's dtype."""
+        if not self.kv_bits:
+            return {"k": (self.dtype, self.shape), "v": (self.dtype, self.shape)}
+        n, words = self.shape[:3], self.head_dim * self.kv_bits // 32
+        groups = self.head_dim // self.kv_group_size
+        out: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for x in ("k", "v"):
+            out[x] = ("U32", (*n, words))
+            out[f"{x}_scales"] = (self.dtype, (*n, groups))
+            out[f"{x}_biases"] = (self.dtype, (*n, groups))
+        return out
+
 
 @dataclass(frozen=True)
 class LayerFrame:
     """One layer's K and V as raw row-major bytes: views of `payload`, the safetensors blob,
-    in the buffer the frame was read into."""
+    in the buffer the frame was read into. Quantized (`Header.kv_bits`): `k` and `v` are the
+    packed words, `parts` holds every tensor of the blob by name (`Header.tensors`)."""
 
     layer: int
     k: memoryview
     v: memoryview
     payload: memoryview
+    parts: dict[str, memoryview] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,8 +112,8 @@ Frame = Header | LayerFrame | Done | ErrorFrame
 
 
 def max_layer_payload(header: Header, extra: int = LAYER_EXTRA_BYTES) -> int:
-    """Largest acceptable layer payload in bytes: K and V plus `extra` for the blob header."""
-    return 2 * nbytes_of(header.dtype, header.shape) + extra
+    """Largest acceptable layer payload in bytes: its tensors plus `extra` for the blob header."""
+    return sum(nbytes_of(d, shape) for d, shape in header.tensors().values()) + extra
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -108,24 +129,34 @@ def encode_header(h: Header) -> bytes:
     return _frame(KIND_HEADER, _json(dataclasses.asdict(h)))
 
 
-def encode_layer(layer: int, k: bytes | memoryview, v: bytes | memoryview, header: Header) -> bytes:
-    """The whole frame for one layer; K and V are copied once, into it.
+def encode_layer(
+    layer: int,
+    k: bytes | memoryview,
+    v: bytes | memoryview,
+    header: Header,
+    quantized: dict[str, bytes | memoryview] | None = None,
+) -> bytes:
+    """The whole frame for one layer; its tensors are copied once, into it.
 
     `k` and `v` hold `header.shape` in `header.dtype`, row-major: bytes or any C-contiguous
-    buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`).
+    buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`). For a
+    quantized header, `k` and `v` are the packed words and `quantized` holds the scales and
+    biases (`k_scales`, `k_biases`, `v_scales`, `v_biases`).
     """
-    k, v = memoryview(k).cast("B"), memoryview(v).cast("B")  # lengths in bytes
-    want = nbytes_of(header.dtype, header.shape)
-    if len(k) != want or len(v) != want:
-        raise ProtocolError(f"layer {layer}: K/V are {len(k)}/{len(v)} bytes, header says {want}")
-    head, *data = encode_parts(
-        {
-            "k": RawTensor(header.dtype, header.shape, k),
-            "v": RawTensor(header.dtype, header.shape, v),
-        },
-        {"layer": str(layer)},
-    )
-    return b"".join([PREFIX.pack(KIND_LAYER, len(head) + 2 * want), head, *data])
+    given = {"k": k, "v": v, **(quantized or {})}
+    tensors: dict[str, RawTensor] = {}
+    total = 0
+    for name, (dtype, shape) in header.tensors().items():
+        if name not in given:
+            raise ProtocolError(f"layer {layer}: {name} is missing")
+        data = memoryview(given[name]).cast("B")  # lengths in bytes
+        want = nbytes_of(dtype, shape)
+        if len(data) != want:
+            raise ProtocolError(f"layer {layer}: {name} is {len(data)} bytes, header says {want}")
+        tensors[name] = RawTensor(dtype, shape, data)
+        total += want
+    head, *data = encode_parts(tensors, {"layer": str(layer)})
+    return b"".join([PREFIX.pack(KIND_LAYER, len(head) + total), head, *data])
 
 
 def encode_done(layers: int, crc32: int) -> bytes:
@@ -159,10 +190,16 @@ class FrameWriter:
         self._started = True
         return encode_header(self.header)
 
-    def layer(self, layer: int, k: bytes | memoryview, v: bytes | memoryview) -> bytes:
+    def layer(
+        self,
+        layer: int,
+        k: bytes | memoryview,
+        v: bytes | memoryview,
+        quantized: dict[str, bytes | memoryview] | None = None,
+    ) -> bytes:
         """The frame for the next layer; layers must come 0, 1, 2, ..."""
         self._expect(self._started and layer == self.next_layer < self.header.layers, "layer")
-        frame = encode_layer(layer, k, v, self.header)
+        frame = encode_layer(layer, k, v, self.header, quantized)
         self.crc32 = crc32(memoryview(frame)[PREFIX.size :], self.crc32)
         self.next_layer += 1
         return frame
@@ -210,6 +247,17 @@ def _check_header(h: Header) -> None:
         raise ProtocolError(f"header dtype {h.dtype!r} is not one of {WIRE_DTYPES}")
     for name, least in _HEADER_SIZES.items():
         _check_uint(getattr(h, name), f"header {name}", least)
+    if _check_uint(h.kv_bits, "header kv_bits") not in (0, *KV_BITS):
+        raise ProtocolError(f"header kv_bits {h.kv_bits} is not one of {(0, *KV_BITS)}")
+    if h.kv_bits:
+        group = _check_uint(h.kv_group_size, "header kv_group_size")
+        if group not in KV_GROUP_SIZES or h.head_dim % group:
+            raise ProtocolError(
+                f"header kv_group_size {group}: not one of {KV_GROUP_SIZES} dividing "
+                f"head_dim {h.head_dim}"
+            )
+        if h.head_dim * h.kv_bits % 32:
+            raise ProtocolError(f"head_dim {h.head_dim} does not pack into 32-bit words")
 
 
 def _load_json(payload: bytes, what: str) -> dict[str, Any]:
@@ -393,13 +441,15 @@ class FrameReader:
         # JSON can still surface as these (deep nesting, Infinity, metadata not an object).
         except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             raise ProtocolError(f"layer frame is not a safetensors blob ({e})") from None
-        if set(entries) != {"k", "v"}:
-            raise ProtocolError(f"layer blob holds {sorted(entries)}, want ['k', 'v']")
+        want = h.tensors()
+        if set(entries) != set(want):
+            raise ProtocolError(f"layer blob holds {sorted(entries)}, want {sorted(want)}")
         for e in entries.values():
-            if e.dtype != h.dtype or e.shape != h.shape:
+            dtype, shape = want[e.name]
+            if e.dtype != dtype or e.shape != shape:
                 raise ProtocolError(
                     f"layer tensor {e.name}: {e.dtype}{list(e.shape)}, "
-                    f"header says {h.dtype}{list(h.shape)}"
+                    f"header says {dtype}{list(shape)}"
                 )
             if data_start + e.end > len(payload):
                 raise ProtocolError(f"layer tensor {e.name} runs past the end of the blob")
@@ -412,13 +462,10 @@ class FrameReader:
             raise ProtocolError(f"more layers than the header's {h.layers}")
         self.crc32 = self._payload_crc
         self.next_layer += 1
-        k, v = entries["k"], entries["v"]
-        return LayerFrame(
-            self.next_layer - 1,
-            payload[data_start + k.begin : data_start + k.end],
-            payload[data_start + v.begin : data_start + v.end],
-            payload,
-        )
+        parts = {
+            name: payload[data_start + e.begin : data_start + e.end] for name, e in entries.items()
+        }
+        return LayerFrame(self.next_layer - 1, parts["k"], parts["v"], payload, parts)
 
 
 def _blob_header(payload: memoryview) -> bytes:
@@ -431,12 +478,18 @@ def _blob_header(payload: memoryview) -> bytes:
 
 
 def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
-    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]`: views of the frame's
-    buffer, with no copy (copy them, as `mx.array` does, before that buffer is reused). numpy
-    has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it into bf16 with
-    `mx.array(a).view(mx.bfloat16)`."""
+    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]` (float headers): views of
+    the frame's buffer, with no copy (copy them, as `mx.array` does, before that buffer is
+    reused). numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it
+    into bf16 with `mx.array(a).view(mx.bfloat16)`."""
+    parts = layer_parts_to_numpy(frame, header)
+    return parts["k"], parts["v"]
 
-    def array(view: memoryview) -> np.ndarray:
-        return np.frombuffer(view, np.uint8).view(_NUMPY_DTYPE[header.dtype]).reshape(header.shape)
 
-    return array(frame.k), array(frame.v)
+def layer_parts_to_numpy(frame: LayerFrame, header: Header) -> dict[str, np.ndarray]:
+    """Every tensor of a layer frame by name (`Header.tensors`), as views of its buffer."""
+    out = {}
+    for name, (dtype, shape) in header.tensors().items():
+        view = frame.parts.get(name, frame.k if name == "k" else frame.v)
+        out[name] = np.frombuffer(view, np.uint8).view(_NUMPY_DTYPE[dtype]).reshape(shape)
+    return out

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from nodes.contract import PROTO
 from tests.bad_prefill import MODES
 from tests.nodeproc import (
     ROOT,
@@ -387,7 +388,7 @@ def test_prefill_beyond_the_context_is_refused_as_json(pair: Pair, oracle: Oracl
     context = oracle.config["max_position_embeddings"]
     n = max(20_000, context + 1)
     vocab = oracle.config["vocab_size"]
-    body = {"proto": 1, "fingerprint": pair.fingerprint, "request_id": "too-long",
+    body = {"proto": PROTO, "fingerprint": pair.fingerprint, "request_id": "too-long",
             "tokens": [(7 * i + 3) % vocab for i in range(n)], "start": 0}  # fmt: skip
     assert_error(status_only(pair.prefill.url + "/v1/prefill", body), (400, 413))
 

@@ -228,3 +228,36 @@ def test_four_bit_handoff_reads_a_real_continuation_as_mlx_lm_does(
     quality = _handoff_quality(real_model.path("mlx-q4"), (240, 400), "16MB", tmp_path)
     assert quality.top1_agreement >= 0.95
     assert abs(quality.perplexity_ratio - 1) <= 0.01
+
+
+def test_eight_bit_kv_handoff_is_within_one_percent_of_mlx_lms_own(real_model: RealModel) -> None:
+    """Issue 20: the prefill engine's K/V quantized to 8 bits on its device, built into
+    QuantizedKVCaches, read a real continuation within 1% perplexity of mlx-lm's own 8-bit
+    cache of the same prompt (`generate(kv_bits=8, quantized_kv_start=0)`'s cache)."""
+    from nodes.contract import KVFormat
+    from nodes.decode import kv
+    from nodes.decode.quality import handoff_quality
+    from nodes.prefill.engine import PrefillEngine
+
+    model_dir = real_model.path("float32")
+    model, tokenizer = _mlx_load(model_dir)
+    text = tokenizer.encode(CORPUS)
+    prompt, continuation = text[:400], text[400:560]
+    fmt = KVFormat(8, 64, kv.device_kernel())
+    engine = PrefillEngine(model_dir, budget=48 * 2**20, device="cpu")
+    try:
+        layers = [
+            {n: mx.array(t.numpy()) for n, t in layer.quantized.items()}
+            for layer in engine.prefill(prompt[:-1], kv_format=fmt)
+        ]
+    finally:
+        engine.close()
+    caches = kv.from_quantized(layers, fmt)
+    quality = handoff_quality(model, caches, prompt, continuation, fmt)
+    print(
+        f"\n8-bit KV handoff over {quality.tokens} tokens: top-1 {quality.top1_agreement:.3f}, "
+        f"perplexity {quality.perplexity:.4f} vs mlx-lm's 8-bit {quality.reference_perplexity:.4f}"
+        f" ({quality.perplexity_ratio - 1:+.2%})"
+    )
+    assert abs(quality.perplexity_ratio - 1) <= 0.01
+    assert quality.top1_agreement >= 0.95

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nodes.contract import PROTO
 from nodes.events import Event, LayerEvent
 from nodes.model import fingerprint
 from nodes.model.errors import ModelError
@@ -211,7 +212,7 @@ def test_prefill_node_answers_a_too_long_prompt_with_413(
     model = tiny_model(layers=2)
     node = start_node(tmp_path, model, "prefill", "--device", "cpu", "--max-prompt-tokens", "32")
     try:
-        body = {"proto": 1, "fingerprint": fingerprint(load_index(model)), "start": 0}
+        body = {"proto": PROTO, "fingerprint": fingerprint(load_index(model)), "start": 0}
 
         def post(n: int) -> tuple[int, bytes]:
             req = urllib.request.Request(

@@ -9,6 +9,7 @@ from app.tui.cluster import ClusterModel
 from app.tui.fmt import format_gbit, format_link, format_rate
 from app.tui.pipeline import PipelineModel
 from app.tui.rates import Bandwidth, RateSeries
+from nodes.contract import PROTO
 
 RID = "chatcmpl-1"
 
@@ -115,7 +116,7 @@ def test_bandwidth_counts_token_deltas_per_request() -> None:
 
 
 def _health(name: str, roles: list[str]) -> dict:
-    return {"id": name, "name": name, "roles": roles, "proto": 1, "device": "cpu",
+    return {"id": name, "name": name, "roles": roles, "proto": PROTO, "device": "cpu",
             "mem_bytes": 2 * 10**9, "budget_bytes": 10**8,
             "model": {"name": "m", "fingerprint": "f", "layers": 8}}  # fmt: skip
 

@@ -14,6 +14,7 @@ from app.tui.app import TandemApp
 from app.tui.client import ChatPart, Delta, Probe, ReplyStats
 from app.tui.messages import NodeProbed, NodeRecord
 from app.tui.widgets.chat import ChatPanel
+from nodes.contract import PROTO
 
 SIZE = (120, 40)
 DECODE = "http://10.0.0.3:8470"
@@ -32,7 +33,7 @@ REPLY = (
 
 def _health(node_id: str, name: str, roles: list[str], device: str, mem: float,
             budget: float) -> dict[str, Any]:  # fmt: skip
-    return {"status": "ok", "id": node_id, "name": name, "roles": roles, "proto": 1,
+    return {"status": "ok", "id": node_id, "name": name, "roles": roles, "proto": PROTO,
             "device": device, "mem_bytes": int(mem), "budget_bytes": int(budget),
             "model": {"name": "demo-llama", "fingerprint": "6bf3", "layers": LAYERS}}  # fmt: skip
 

@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from nodes.contract import PROTO
 from nodes.prefix import common_prefix
 from tests.fake_prefill import start_fake_prefill
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_healthy, wait_trusted
@@ -214,7 +215,7 @@ async def test_full_queue_answers_503_and_the_decode_node_retries(
 
         from nodes.model import fingerprint, load_index
 
-        body = {"proto": 1, "fingerprint": fingerprint(load_index(model)),
+        body = {"proto": PROTO, "fingerprint": fingerprint(load_index(model)),
                 "tokens": list(range(40)), "start": 0}  # fmt: skip
 
         def post() -> tuple[int, str | None]:

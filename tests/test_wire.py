@@ -101,11 +101,11 @@ def blob(header_json: bytes, data: bytes = b"") -> bytes:
 def test_header_frame_bytes() -> None:
     h = Header(PROTO, "fp", "r1", "F32", layers=1, start=0, count=1, n_kv_heads=1, head_dim=2)
     body = (
-        b'{"proto":1,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":1,'
-        b'"start":0,"count":1,"n_kv_heads":1,"head_dim":2}'
+        b'{"proto":2,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":1,'
+        b'"start":0,"count":1,"n_kv_heads":1,"head_dim":2,"kv_bits":0,"kv_group_size":0}'
     )
-    assert encode_header(h) == b"\x01\x79\x00\x00\x00\x00\x00\x00\x00" + body
-    assert len(body) == 0x79
+    assert encode_header(h) == b"\x01\x97\x00\x00\x00\x00\x00\x00\x00" + body
+    assert len(body) == 0x97
 
 
 def test_layer_frame_bytes() -> None:
@@ -331,7 +331,7 @@ MALFORMED: dict[str, bytes] = {
     "header json array": frame(1, b"[1, 2]"),
     "header deep nesting": frame(1, b"[" * 60000),
     "header missing key": frame(1, json.dumps({"proto": PROTO, "dtype": "F32"}).encode()),
-    "other proto version": _header_json(proto=2),
+    "other proto version": _header_json(proto=1),
     "proto missing": frame(1, b'{"dtype":"F32"}'),
     "proto is true": _header_json(proto=True),
     "header unknown dtype": _header_json(dtype="F64"),
@@ -374,7 +374,7 @@ def test_malformed_messages() -> None:
             decode_all(MALFORMED[name])
         return str(e.value)
 
-    assert "protocol version 2" in err("other proto version")
+    assert "protocol version 1, this node speaks 2" in err("other proto version")
     assert "unknown frame kind 7" in err("bad kind")
     assert "truncated" in err("truncated payload")
     assert "without a done" in err("no done frame")

@@ -50,8 +50,10 @@ class DecodeApi:
             body = await json_body(request)
             messages = oa.messages_of(body)
             sampling = oa.sampling_of(body, s.max_tokens_limit)
+            kv_format = oa.kv_format_in(body, s.kv_format, s.kv_kernel)
             tokens = await s.host.call(s.host.chat_tokens, messages)
-            req = oa.completion(body, tokens, sampling, True, s.spec.max_position_embeddings)
+            context = s.spec.max_position_embeddings
+            req = oa.completion(body, tokens, sampling, True, context, kv_format)
         except ApiError as e:
             return error_response(e.status, str(e), e.code, e.headers)
         return await self._respond(request, req)
@@ -62,10 +64,12 @@ class DecodeApi:
             body = await json_body(request)
             prompt = oa.prompt_of(body, s.spec.vocab_size)
             sampling = oa.sampling_of(body, s.max_tokens_limit)
+            kv_format = oa.kv_format_in(body, s.kv_format, s.kv_kernel)
             tokens = (
                 prompt if isinstance(prompt, list) else await s.host.call(s.host.encode, prompt)
             )
-            req = oa.completion(body, tokens, sampling, False, s.spec.max_position_embeddings)
+            context = s.spec.max_position_embeddings
+            req = oa.completion(body, tokens, sampling, False, context, kv_format)
         except ApiError as e:
             return error_response(e.status, str(e), e.code, e.headers)
         return await self._respond(request, req)

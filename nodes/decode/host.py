@@ -25,6 +25,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler
 
+from nodes.contract import KVFormat
 from nodes.decode import kv
 from nodes.decode.openai_api import Sampling
 from nodes.model.errors import ModelError
@@ -108,10 +109,11 @@ class ModelHost:
         caches: kv.Caches,
         params: Sampling,
         on_token: Callable[[int], None] | None = None,
+        kv_format: KVFormat | None = None,
     ) -> GenerationStream:
         """`async with host.generation(...) as gen: async for text in gen: ...`, then
         `gen.result`: `generate` on the mlx thread, its text pieces as they come."""
-        return GenerationStream(self, prompt, caches, params, on_token)
+        return GenerationStream(self, prompt, caches, params, on_token, kv_format)
 
     def measure_prefill(self, count: int) -> float:
         """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
@@ -134,6 +136,7 @@ class ModelHost:
         cancel: threading.Event,
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[int], None] | None = None,
+        kv_format: KVFormat | None = None,
     ) -> Generation:
         """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1).
 
@@ -153,7 +156,8 @@ class ModelHost:
         t0 = time.perf_counter()
         pending = ""  # text held back while it could still be the start of a stop string
         hold = max((len(s) for s in params.stop), default=0)
-        for token in self._tokens(mx.array(list(prompt)), cache, sampler, params.max_tokens):
+        tokens = self._tokens(mx.array(list(prompt)), cache, sampler, params.max_tokens, kv_format)
+        for token in tokens:
             if cancel.is_set():
                 raise Cancelled
             out.token_at.append(time.perf_counter())
@@ -191,7 +195,12 @@ class ModelHost:
         return out
 
     def _tokens(
-        self, prompt: mx.array, cache: list[Any], sampler: Callable[..., mx.array], max_tokens: int
+        self,
+        prompt: mx.array,
+        cache: list[Any],
+        sampler: Callable[..., mx.array],
+        max_tokens: int,
+        kv_format: KVFormat | None = None,
     ) -> Iterator[int]:
         """mlx-lm's `generate_step`, op for op: the prompt in 2048-token steps, then one token
         per step, each step queued (`async_eval`) before the previous token is handed out.
@@ -202,12 +211,14 @@ class ModelHost:
 
         def step(tokens: mx.array) -> mx.array:
             logits = self.model(tokens[None], cache=cache)[:, -1, :]
+            kv.quantize_when_due(cache, kv_format)  # after the call, as mlx-lm does
             return sampler(logits - mx.logsumexp(logits, keepdims=True))
 
         with mx.stream(generation_stream):
             while prompt.size > 1:
                 n = min(PREFILL_STEP, prompt.size - 1)
                 self.model(prompt[:n][None], cache=cache)
+                kv.quantize_when_due(cache, kv_format)
                 kv.evaluate(cache)
                 prompt = prompt[n:]
                 mx.clear_cache()
@@ -261,10 +272,12 @@ class GenerationStream:
         caches: kv.Caches,
         params: Sampling,
         on_token: Callable[[int], None] | None,
+        kv_format: KVFormat | None = None,
     ) -> None:
         self._host = host
         self._args = (list(prompt), caches, params)
         self._on_token = on_token
+        self._kv_format = kv_format
         self.cancel = threading.Event()
         self._texts: asyncio.Queue[object] = asyncio.Queue()
         self._job: asyncio.Future[Generation] | None = None
@@ -280,7 +293,9 @@ class GenerationStream:
         def run() -> Generation:
             try:
                 prompt, caches, params = self._args
-                return self._host.generate(prompt, caches, params, self.cancel, put, self._on_token)
+                return self._host.generate(
+                    prompt, caches, params, self.cancel, put, self._on_token, self._kv_format
+                )
             finally:
                 put(_END)
 

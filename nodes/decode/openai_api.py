@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.contract import error_body
+from nodes.contract import KVFormat, KVKernel, error_body, kv_format_of
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 256
@@ -56,6 +56,7 @@ class Completion:
     sampling: Sampling
     stream: bool
     chat: bool
+    kv_format: KVFormat | None = None  # how the KV crosses the wire (None: full precision)
 
 
 def messages_of(body: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -109,8 +110,32 @@ def sampling_of(body: Mapping[str, Any], max_tokens_limit: int) -> Sampling:
     return Sampling(max_tokens, temperature, top_p, tuple(stop), seed)
 
 
+def kv_format_in(
+    body: Mapping[str, Any], default: KVFormat | None, kernel: KVKernel = "cpu"
+) -> KVFormat | None:
+    """The request's KV format: the `tandem` extension's `kv_bits` (16 or 0: full precision)
+    and `kv_group_size`, else the node's default."""
+    extension = body.get("tandem")
+    if extension is None:
+        return default
+    if not isinstance(extension, dict):
+        raise ApiError(400, "tandem must be an object")
+    if "kv_bits" not in extension and "kv_group_size" not in extension:
+        return default
+    try:
+        asked = {k: extension.get(k) for k in ("kv_bits", "kv_group_size")}
+        return kv_format_of({**asked, "kv_kernel": kernel})
+    except ValueError as e:
+        raise ApiError(400, f"tandem: {e}") from None
+
+
 def completion(
-    body: Mapping[str, Any], tokens: list[int], sampling: Sampling, chat: bool, context: int
+    body: Mapping[str, Any],
+    tokens: list[int],
+    sampling: Sampling,
+    chat: bool,
+    context: int,
+    kv_format: KVFormat | None = None,
 ) -> Completion:
     if not tokens:
         raise ApiError(400, "the prompt is empty after tokenization")
@@ -128,6 +153,7 @@ def completion(
         sampling=sampling,
         stream=body.get("stream") is True,
         chat=chat,
+        kv_format=kv_format,
     )
 
 

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nodes.contract import KVFormat
 from nodes.decode import kv
 from nodes.prefix import best_prefix
 
@@ -24,6 +25,7 @@ class _Entry:
     tokens: tuple[int, ...]
     caches: kv.Caches
     nbytes: int
+    kv_format: KVFormat | None  # a request reuses only caches held as it asks
 
 
 class PromptCache:
@@ -39,14 +41,17 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int, kv.Caches | None]:
+    def lookup(
+        self, tokens: Sequence[int], kv_format: KVFormat | None = None
+    ) -> tuple[int, kv.Caches | None]:
         """(k, caches holding 0..k-1) for the longest stored prefix of `tokens[:-1]`.
 
         At most n-1 positions are reused: the last prompt token must be fed to decode.
         """
         limit = len(tokens) - 1
         with self._lock:
-            best, best_k = best_prefix(self._entries, tokens, limit)
+            held = {key: e for key, e in self._entries.items() if _same(e.kv_format, kv_format)}
+            best, best_k = best_prefix(held, tokens, limit)
             if best is None:
                 return 0, None
             self._entries.move_to_end(best)
@@ -59,12 +64,20 @@ class PromptCache:
         if not key or kv.positions(caches) != len(key):
             return
         nbytes = kv.nbytes(caches)
+        kv_format = kv.format_of(caches)
         with self._lock:
             for other in list(self._entries):
                 if key[: len(other)] == other:  # a shorter prefix of this one
                     del self._entries[other]
-            self._entries[key] = _Entry(key, caches, nbytes)
+            self._entries[key] = _Entry(key, caches, nbytes, kv_format)
             while self._entries and (
                 self.nbytes > self.max_bytes or len(self._entries) > self.max_entries
             ):
                 self._entries.popitem(last=False)
+
+
+def _same(a: KVFormat | None, b: KVFormat | None) -> bool:
+    """Whether caches held as `a` serve a request for `b` (the rounding kernel aside)."""
+    return (a is None) == (b is None) and (
+        a is None or b is None or (a.bits, a.group_size) == (b.bits, b.group_size)
+    )

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from nodes.contract import KVFormat
 from nodes.decode import kv
 from nodes.decode.host import PREFILL_STEP
 
@@ -46,25 +47,33 @@ def read_continuation(
     return picked.tolist(), mx.argmax(logits, axis=-1).tolist()
 
 
-def own_prefill(model: Any, prompt_head: Sequence[int]) -> list[Any]:
-    """mlx-lm's own cache of `prompt_head` (tokens 0..n-2), in generate's prefill steps."""
+def own_prefill(
+    model: Any, prompt_head: Sequence[int], kv_format: KVFormat | None = None
+) -> list[Any]:
+    """mlx-lm's own cache of `prompt_head` (tokens 0..n-2), in generate's prefill steps,
+    quantized as `generate(kv_bits=..., quantized_kv_start=0)` does when `kv_format` says."""
     cache = kv.new_caches(model)
     for start in range(0, len(prompt_head), PREFILL_STEP):
         model(mx.array([list(prompt_head[start : start + PREFILL_STEP])]), cache=cache)
+        kv.quantize_when_due(cache, kv_format)
         kv.evaluate(cache)
     return cache
 
 
 def handoff_quality(
-    model: Any, handed_off: list[Any], prompt: Sequence[int], continuation: Sequence[int]
+    model: Any,
+    handed_off: list[Any],
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    kv_format: KVFormat | None = None,
 ) -> Quality:
     """Score `continuation` after the handed-off cache (holding `prompt[:-1]`) and after
-    mlx-lm's own prefill of the same tokens."""
+    mlx-lm's own prefill of the same tokens (its own quantized cache for `kv_format`)."""
     if len(prompt) < 2 or len(continuation) < 1:
         raise ValueError("need a prompt of at least 2 tokens and a continuation")
     ours_lp, ours_top = read_continuation(model, handed_off, prompt[-1], continuation)
     ref_lp, ref_top = read_continuation(
-        model, own_prefill(model, prompt[:-1]), prompt[-1], continuation
+        model, own_prefill(model, prompt[:-1], kv_format), prompt[-1], continuation
     )
     agree = sum(a == b for a, b in zip(ours_top, ref_top, strict=True)) / len(continuation)
     return Quality(

@@ -1,6 +1,7 @@
 """mlx-lm's own decode speed at a given context: the denominator of `tandem bench e2e`'s
-`decode_ratio`. Run as `python -m nodes.decode.reference MODEL TOKENS MAX_TOKENS`; prints one
-JSON line `{"decode_tok_s", "tokens"}`.
+`decode_ratio`. Run as `python -m nodes.decode.reference MODEL TOKENS MAX_TOKENS [KV_BITS
+KV_GROUP_SIZE]`; prints one JSON line `{"decode_tok_s", "tokens"}`. With KV_BITS, mlx-lm's own
+quantized cache (`kv_bits`, `quantized_kv_start=0`).
 
 The rate is the decode node's steady-state definition (`Generation.steady_tok_s`): tokens
 after the second over the time from the second token to the last, taken as mlx-lm's
@@ -18,18 +19,25 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 
 
-def decode_rate(model_dir: str, tokens: int, max_tokens: int) -> dict[str, float]:
+def decode_rate(
+    model_dir: str, tokens: int, max_tokens: int, kv_bits: int | None = None, kv_group: int = 64
+) -> dict[str, float]:
     model, tokenizer = load(model_dir)
     vocab = model.args.vocab_size
     prompt = [random.Random(0).randrange(vocab) for _ in range(tokens)]
     times = [
         time.perf_counter()
-        for _ in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens)
-    ]  # one response per token; the last one carries the final token
+        for _ in stream_generate(
+            model, tokenizer, mx.array(prompt), max_tokens=max_tokens, kv_bits=kv_bits,
+            kv_group_size=kv_group, quantized_kv_start=0,
+        )
+    ]  # fmt: skip  # one response per token; the last one carries the final token
     if len(times) < 3:
         raise SystemExit("need at least 3 decoded tokens to measure a rate")
     return {"decode_tok_s": (len(times) - 2) / (times[-1] - times[1]), "tokens": len(times)}
 
 
 if __name__ == "__main__":
-    print(json.dumps(decode_rate(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    bits = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    group = int(sys.argv[5]) if len(sys.argv) > 5 else 64
+    print(json.dumps(decode_rate(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bits, group)))

@@ -28,9 +28,11 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from nodes.contract import KVFormat
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
 from nodes.prefill.engine import PrefillEngine, PrefillStats
@@ -71,7 +73,7 @@ def _peak_rss() -> int:
     return 0
 
 
-def _run(engine: PrefillEngine, tokens: list[int], **kw: bool) -> PrefillStats:
+def _run(engine: PrefillEngine, tokens: list[int], **kw: Any) -> PrefillStats:
     for _ in engine.prefill(tokens, **kw):
         pass
     return engine.last_stats
@@ -101,6 +103,7 @@ def bench(
     repeat: int = 3,
     chunk_tokens: int = 512,
     host_budget: int | None = None,
+    kv_bits: int = 16,
 ) -> dict[str, object]:
     index = load_index(model)
     fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
@@ -140,6 +143,12 @@ def bench(
 
         wall_s = _median(repeat, wall_run, before)
         last = walls[-1]
+        quantize_s = None
+        if kv_bits < 16:  # the wire's quantizing, timed inside the same overlapped runs
+            fmt = KVFormat(kv_bits)
+            quantize_s = _median(
+                repeat, lambda: _run(engine, ids, kv_format=fmt).quantize_s, before
+            )
     finally:
         engine.close()
     return {
@@ -157,9 +166,16 @@ def bench(
         "disk_bytes": last.disk_bytes,
         # the loader's own rates, from the load-only runs: whether it runs near the link
         "disk_Bps": _rate([(s.disk_bytes, s.disk_s) for s in loaded]),
-        "copy_Bps": _rate([(s.bytes_streamed, s.h2d_s) for s in loaded]),
+        "copy_Bps": (  # on a CPU the read lands in the slot: there is no separate copy
+            _rate([(s.bytes_streamed, s.h2d_s) for s in loaded])
+            if engine.device.type != "cpu"
+            else None
+        ),
         "loader_Bps": _rate([(s.bytes_streamed, s.load_busy_s) for s in loaded]),
         "pinned_bytes": last.pinned_bytes,
+        "kv_bits": kv_bits,
+        "quantize_s": quantize_s,
+        "quantize_share": quantize_s / wall_s if quantize_s is not None else None,
         "tokens": tokens,
         "tokens_per_s": tokens / wall_s,
         "link_gbps": fixed,
@@ -224,6 +240,11 @@ def table(r: dict[str, object]) -> str:
         f"  activations {_fmt(r['peak_activation_bytes'])}; "
         f"peak RSS +{_fmt(r['peak_rss_delta_bytes'])}",
     ]
+    if r.get("quantize_s") is not None:
+        lines.append(
+            f"  quantize    {r['quantize_s']:.3f} s  ({r['quantize_share']:.1%} of wall, "
+            f"{r['kv_bits']}-bit KV for the wire)"
+        )
     if "accelerate_wall_s" in r:
         lines.append(
             f"  accelerate  {r['accelerate_wall_s']:.3f} s, peak RSS "
@@ -248,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold", action="store_true", help="evict the page cache before each phase")
     p.add_argument("--vs", choices=["accelerate"], default=None)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16,
+                   help="also time quantizing K/V for the wire")  # fmt: skip
     p.add_argument("--json", action="store_true")
     return p
 
@@ -266,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = a.model or make_random_model(a.random, Path(tmp) / "model", a.dtype)
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
-                a.chunk_tokens, a.host_budget,
+                a.chunk_tokens, a.host_budget, a.kv_bits,
             )  # fmt: skip
             if a.vs == "accelerate":
                 other = vs_accelerate(model, a.tokens, a.budget, a.device)

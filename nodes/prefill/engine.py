@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nodes.contract import KVFormat
 from nodes.events import EventBus, LayerEvent, LinkEvent
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
@@ -31,6 +32,7 @@ from nodes.prefill.blocks import (
     rope_tables,
 )
 from nodes.prefill.dequant import DequantizedWeights, dequantize
+from nodes.prefill.kv_quant import quantize
 from nodes.prefill.movers import FillTimes, HostArena, HostTier, Mover, make_mover
 from nodes.prefill.plan import Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
@@ -50,11 +52,14 @@ class PromptTooLong(PrefillError):
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One finished layer: K and V [1, n_kv, count, D] on the host, in the model dtype."""
+    """One finished layer: K and V [1, n_kv, count, D] on the host, in the model dtype, and
+    when a KV format was asked for, the same quantized on the device (`quantized`: `k`, `v`
+    packed words and `k_scales`, `k_biases`, `v_scales`, `v_biases`, as `Header.tensors`)."""
 
     layer: int
     k: torch.Tensor
     v: torch.Tensor
+    quantized: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -74,6 +79,7 @@ class PrefillStats:
     h2d_s: float = 0.0  # host→device copy time (CUDA: from events on the copy stream)
     pinned_bytes: int = 0
     activation_reserve_bytes: int = 0
+    quantize_s: float = 0.0  # quantizing K/V for the wire (CPU: wall; CUDA: its kernels)
     resident_layers: list[int] = field(default_factory=list)
     layer_compute_s: list[float] = field(default_factory=list)
 
@@ -81,7 +87,8 @@ class PrefillStats:
         keys = (
             "tokens", "layers", "wall_s", "load_busy_s", "compute_busy_s", "budget_bytes",
             "peak_weight_bytes", "peak_activation_bytes", "bytes_streamed", "disk_bytes",
-            "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes", "resident_layers",
+            "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes", "quantize_s",
+            "resident_layers",
         )  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
@@ -253,6 +260,7 @@ class PrefillEngine:
         request_id: str | None = None,
         compute: bool = True,
         synchronous: bool = False,
+        kv_format: KVFormat | None = None,
     ) -> Iterator[LayerKV]:
         """Yield each layer's K/V for `tokens` at positions start.. as soon as it is done.
 
@@ -286,7 +294,7 @@ class PrefillEngine:
             torch.cuda.reset_peak_memory_stats(dev)
         layer_state: LayerState | None = None
         clock = _ComputeClock(dev)
-        self._handover.reset()
+        self._handover.reset(kv_format)
         hooks = LoaderHooks(on_loading=self._on_loading(rid), on_ready=self._on_ready(rid))
         with torch.inference_mode(), self.streamer.stream(hooks, synchronous) as run:
             # the loader is already filling the ring while the prompt's rows are read
@@ -317,6 +325,7 @@ class PrefillEngine:
         stats.h2d_s = stream.h2d_s
         stats.layer_compute_s = clock.per_layer(spec.num_layers) if compute else []
         stats.compute_busy_s = sum(stats.layer_compute_s)
+        stats.quantize_s = self._handover.quantize_seconds()
         if dev.type == "cuda":
             if stream.h2d_s:  # per-load copy times exist only once the request is done
                 publish(
@@ -430,38 +439,73 @@ class _ComputeClock:
         return [self._seconds.get(i, 0.0) for i in range(layers)]
 
 
+def quantized_parts(
+    k: torch.Tensor, v: torch.Tensor, kv_format: KVFormat
+) -> dict[str, torch.Tensor]:
+    """K and V [1, n_kv, count, D] quantized where they are (`Header.tensors` names)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, x in (("k", k), ("v", v)):
+        words, scales, biases = quantize(
+            x, kv_format.group_size, kv_format.bits, kernel=kv_format.kernel
+        )
+        out[name], out[f"{name}_scales"], out[f"{name}_biases"] = words, scales, biases
+    return out
+
+
+def _int32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """uint32 tensors as int32 views (torch's uint32 is a storage type with few kernels)."""
+    return tuple(t.view(torch.int32) for t in ts)
+
+
 class _HostHandover:
     """Finished layers' K/V, handed over at once: on a CPU they are host memory already."""
 
+    def __init__(self) -> None:
+        self.kv_format: KVFormat | None = None
+        self._quantize_s = 0.0
+
     def push(self, layer: int, state: LayerState, start: int) -> list[LayerKV]:
         k, v = state.k[:, :, start:], state.v[:, :, start:]
-        return [LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous())]
+        quantized = None
+        if self.kv_format is not None:
+            t0 = time.perf_counter()
+            parts = quantized_parts(k, v, self.kv_format)
+            quantized = {name: t.to("cpu") for name, t in parts.items()}
+            self._quantize_s += time.perf_counter() - t0
+        return [LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous(), quantized)]
 
     def flush(self) -> list[LayerKV]:
         return []
 
-    def reset(self) -> None:
-        return None
+    def reset(self, kv_format: KVFormat | None = None) -> None:
+        self.kv_format = kv_format
+        self._quantize_s = 0.0
+
+    def quantize_seconds(self) -> float:
+        return self._quantize_s
 
 
 class _CudaHandover:
     """Finished layers' K/V to host memory without stalling compute: a side stream copies each
-    layer, once its kernels are done, into reused pinned buffers; a layer is handed over one
-    layer later (after its copy's event), as a pageable clone the consumer may keep, while the
-    GPU already computes the next one."""
+    layer (and its quantized form), once its kernels are done, into reused pinned buffers; a
+    layer is handed over one layer later (after its copy's event), as pageable clones the
+    consumer may keep, while the GPU already computes the next one."""
 
     LAG = 1  # layers in flight between the GPU and the consumer
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.kv_format: KVFormat | None = None
         self._arena: HostArena | None = None
         self._buffers: deque[torch.Tensor] = deque()
-        self._pending: deque[tuple[int, torch.Tensor, torch.Tensor, torch.cuda.Event]] = deque()
+        self._pending: deque[tuple[int, dict[str, torch.Tensor], torch.cuda.Event]] = deque()
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def _pinned(self, k: torch.Tensor) -> torch.Tensor:
-        """A pinned host buffer for one layer's K and V, [2, *k.shape], from a ring of LAG + 1."""
-        nbytes = 2 * k.numel() * k.element_size()
+    def _pinned(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pinned host tensors shaped like `like`, from a ring of LAG + 1 buffers."""
+        sizes = {name: -(-t.numel() * t.element_size() // 64) * 64 for name, t in like.items()}
+        nbytes = sum(sizes.values())
         if self._arena is None or not self._buffers or self._buffers[0].numel() < nbytes:
             if self._arena is not None:  # a longer prompt than any before: re-pin, once
                 self._arena.close()
@@ -469,36 +513,58 @@ class _CudaHandover:
             self._buffers = deque(self._arena.take(nbytes) for _ in range(self.LAG + 1))
         buf = self._buffers[0]
         self._buffers.rotate(-1)
-        return buf[:nbytes].view(k.dtype).view(2, *k.shape)
+        out, at = {}, 0
+        for name, t in like.items():
+            raw = buf[at : at + t.numel() * t.element_size()]
+            out[name] = raw.view(t.dtype).view(t.shape)
+            at += sizes[name]
+        return out
 
     def push(self, layer: int, state: LayerState, start: int) -> list[LayerKV]:
+        k, v = state.k[:, :, start:], state.v[:, :, start:]
+        device = {"k": k, "v": v}
+        if self.kv_format is not None:  # on the compute stream, right after the layer
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            device |= {f"q_{n}": t for n, t in quantized_parts(k, v, self.kv_format).items()}
+            b.record()
+            self._timed.append((a, b))
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        k, v = state.k[:, :, start:], state.v[:, :, start:]
-        host = self._pinned(k)
+        host = self._pinned(device)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(done)
-            host[0].copy_(k, non_blocking=True)
-            host[1].copy_(v, non_blocking=True)
+            for name, t in device.items():  # packed words copied as int32: the same bits
+                dst, src = (host[name], t) if t.dtype != torch.uint32 else _int32(host[name], t)
+                dst.copy_(src, non_blocking=True)
             copied = torch.cuda.Event(blocking=True)
             copied.record(self.stream)
-        state.k.record_stream(self.stream)  # not reused by the allocator before the copy ran
-        state.v.record_stream(self.stream)
-        self._pending.append((layer, host[0], host[1], copied))
+        for t in (state.k, state.v, *device.values()):  # not reused before the copy ran
+            t.record_stream(self.stream)
+        self._pending.append((layer, host, copied))
         return self._ready(self.LAG)
 
     def flush(self) -> list[LayerKV]:
         return self._ready(0)
 
-    def reset(self) -> None:
-        """Forget what an abandoned request left in flight."""
+    def reset(self, kv_format: KVFormat | None = None) -> None:
+        """Forget what an abandoned request left in flight; take the next request's format."""
         self.stream.synchronize()
         self._pending.clear()
+        self._timed.clear()
+        self.kv_format = kv_format
+
+    def quantize_seconds(self) -> float:
+        if not self._timed:
+            return 0.0
+        self._timed[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._timed) / 1000
 
     def _ready(self, keep: int) -> list[LayerKV]:
         out = []
         while len(self._pending) > keep:
-            layer, k, v, copied = self._pending.popleft()
+            layer, host, copied = self._pending.popleft()
             copied.synchronize()
-            out.append(LayerKV(layer, k.clone(), v.clone()))
+            quantized = {n[2:]: t.clone() for n, t in host.items() if n.startswith("q_")}
+            out.append(LayerKV(layer, host["k"].clone(), host["v"].clone(), quantized or None))
         return out

@@ -16,15 +16,29 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from aiohttp import web
 
-from nodes.contract import DEFAULT_PREFILL_QUEUE, PROTO, BadBody, error_body, read_json
+from nodes.contract import (
+    DEFAULT_PREFILL_QUEUE,
+    PROTO,
+    BadBody,
+    KVFormat,
+    error_body,
+    kv_format_of,
+    read_json,
+)
 from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from nodes.kv_link import tune_sender
-from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError, PromptTooLong
+from nodes.prefill.engine import (
+    LayerKV,
+    PrefillEngine,
+    PrefillError,
+    PromptTooLong,
+    quantized_parts,
+)
 from nodes.prefill.prefix_cache import PrefixCache
 from nodes.prefill.streamer import DEVICE_NICE, lower_this_thread
 from nodes.throttle import PacedSender
@@ -40,6 +54,7 @@ class PrefillRequest:
     request_id: str
     tokens: list[int]
     start: int
+    kv_format: KVFormat | None = None  # None: K and V in the model's dtype
 
 
 class BadRequest(Exception):
@@ -123,7 +138,8 @@ class PrefillService:
             raise BadRequest(400, "tokens must be a list of ids in the vocabulary", "bad_tokens")
         if type(start) is not int or not 0 <= start < len(tokens):
             raise BadRequest(400, "start must satisfy 0 <= start < len(tokens)", "bad_tokens")
-        context = engine.spec.max_position_embeddings
+        spec = engine.spec
+        context = spec.max_position_embeddings
         if len(tokens) > context:
             raise BadRequest(
                 413, f"{len(tokens)} tokens exceed the model's context of {context}",
@@ -133,9 +149,18 @@ class PrefillService:
             engine.check_fits(len(tokens))
         except PromptTooLong as e:
             raise BadRequest(413, str(e), "prompt_too_long") from None
+        try:
+            kv_format = kv_format_of(body)
+        except ValueError as e:
+            raise BadRequest(400, str(e), "bad_kv_format") from None
+        if kv_format is not None and spec.head_dim % kv_format.group_size:
+            raise BadRequest(
+                400, f"kv_group_size {kv_format.group_size} does not divide head_dim "
+                f"{spec.head_dim}", "bad_kv_format",
+            )  # fmt: skip
         rid = body.get("request_id")
         rid = rid if isinstance(rid, str) and rid else "prefill"
-        return PrefillRequest(rid[:128], tokens, start)
+        return PrefillRequest(rid[:128], tokens, start, kv_format)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -174,6 +199,8 @@ class PrefillService:
             count=count,
             n_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
+            kv_bits=req.kv_format.bits if req.kv_format else 0,
+            kv_group_size=req.kv_format.group_size if req.kv_format else 0,
         )
         writer = FrameWriter(header)
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
@@ -192,7 +219,11 @@ class PrefillService:
             while (item := await layers.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                frame = writer.layer(item.layer, raw_bytes(item.k), raw_bytes(item.v))
+                if item.quantized is not None:
+                    parts = {name: raw_bytes(t) for name, t in item.quantized.items()}
+                    frame = writer.layer(item.layer, parts.pop("k"), parts.pop("v"), parts)
+                else:
+                    frame = writer.layer(item.layer, raw_bytes(item.k), raw_bytes(item.v))
                 t_send = time.perf_counter()
                 await self._throttle.send(response, frame)
                 sent_s = time.perf_counter() - t_send
@@ -245,8 +276,9 @@ class PrefillService:
 
         j, prefix = self.prefix_cache.lookup(req.tokens)
         layers = self.engine.prefill(
-            req.tokens[j:], start=j, prefix=prefix, request_id=req.request_id
-        )
+            req.tokens[j:], start=j, prefix=prefix, request_id=req.request_id,
+            kv_format=req.kv_format,
+        )  # fmt: skip
         full: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             for layer in layers:
@@ -256,8 +288,11 @@ class PrefillService:
                 if prefix is not None:
                     pk, pv = prefix[layer.layer]
                     k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-                full.append((k, v))
-                put(LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :]))
+                full.append((k, v))  # the prefix cache keeps full precision
+                sent = LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :])
+                if req.kv_format is not None:
+                    sent = replace(sent, quantized=_sent_quantized(layer, prefix, j, req))
+                put(sent)
             self.prefix_cache.store(req.tokens, full)
             self.served_tokens += len(req.tokens) - j  # computed, not reused
             put(None)
@@ -265,6 +300,24 @@ class PrefillService:
             put(e)
         finally:
             layers.close()
+
+
+def _sent_quantized(
+    layer: LayerKV,
+    prefix: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    j: int,
+    req: PrefillRequest,
+) -> dict[str, torch.Tensor]:
+    """The quantized K/V of positions req.start.. : the engine's (positions j..) and, where
+    the request starts inside the prefix cache's hit, that part quantized here (groups run
+    along head_dim, so quantizing a concatenation is concatenating the quantized parts)."""
+    assert req.kv_format is not None and layer.quantized is not None
+    computed = {n: t[:, :, max(0, req.start - j) :] for n, t in layer.quantized.items()}
+    if prefix is None or req.start >= j:
+        return computed
+    pk, pv = prefix[layer.layer]
+    head = quantized_parts(pk[:, :, req.start :], pv[:, :, req.start :], req.kv_format)
+    return {n: torch.cat([head[n], computed[n]], dim=2) for n in computed}
 
 
 def _error(

@@ -32,6 +32,7 @@ def stats_line(stats: ReplyStats, name_of: NameOf = str) -> str:
     where = "remote" if stats.prefill == "remote" else "local"
     node = name_of(stats.prefill_node) if stats.prefill_node else ""
     head = f"{where} prefill" + (f" on {node}" if node else "")
+    head += f" · KV {stats.kv_dtype}" if stats.kv_dtype else ""
     return (
         f"{head} · {stats.prefill_tokens} prompt tok at {format_tok_s(stats.prefill_tok_s)}"
         f" · TTFT {format_seconds(stats.ttft_s)}"

@@ -1,0 +1,286 @@
+"""Quantized KV on the wire (issue 20): frames that carry mlx's packed words, scales and
+biases; a decode node that builds mlx-lm QuantizedKVCaches from them; greedy tokens equal to
+mlx-lm's own `generate(kv_bits=N, quantized_kv_start=0)`; bad formats refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from nodes.contract import PROTO, KVFormat, kv_format_of
+from nodes.decode.kv import CacheBuilder, KVShape
+from nodes.model import fingerprint, load_index
+from nodes.prefill.engine import quantized_parts
+from nodes.wire import FrameReader, FrameWriter, Header, LayerFrame, ProtocolError
+from tests.conftest import MakeTiny
+from tests.nodeproc import NodeProc, remote_pair, start_node
+
+TOKEN = "quant-token-0123456789"
+PROMPTS = ["Tell me a story about a lighthouse keeper.", "Why is the sky blue?"]
+MAX_TOKENS = 16
+H = Header(PROTO, "fp", "r", "F32", layers=1, start=0, count=3, n_kv_heads=2, head_dim=64,
+           kv_bits=8, kv_group_size=64)  # fmt: skip
+
+
+def read(data: bytes) -> list:
+    r = FrameReader()
+    frames, pos = [], 0
+    while pos < len(data):
+        view = r.get_buffer()
+        n = min(len(view), len(data) - pos)
+        view[:n] = data[pos : pos + n]
+        pos += n
+        frames += r.buffer_updated(n)
+    r.finish()
+    return frames
+
+
+def quantized_layer(h: Header, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(h.shape, generator=g)
+    v = torch.randn(h.shape, generator=g)
+    fmt = KVFormat(h.kv_bits, h.kv_group_size)
+    return k, v, quantized_parts(k, v, fmt)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+# ---------------------------------------------------------------- frames
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_frames_round_trip_into_a_quantized_cache(bits: int) -> None:
+    """A layer's packed words, scales and biases cross the wire and land in a QuantizedKVCache
+    holding exactly what mx.quantize makes of the same K and V."""
+    h = dataclasses.replace(H, kv_bits=bits)
+    k, _, parts = quantized_layer(h)
+    writer = FrameWriter(h)
+    named = {n: raw(t) for n, t in parts.items()}
+    stream = writer.start() + writer.layer(0, named.pop("k"), named.pop("v"), named)
+    stream += writer.done()
+    frames = read(stream)
+    layer = next(f for f in frames if isinstance(f, LayerFrame))
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    caches = [KVCache()]
+    fmt = KVFormat(bits, 64)
+    builder = CacheBuilder(frames[0], caches, KVShape(1, 2, 64, "F32"), 0, 3, fmt)
+    builder.add(layer)
+    assert isinstance(caches[0], QuantizedKVCache) and caches[0].offset == 3
+    want = mx.quantize(mx.array(k.numpy()), group_size=64, bits=bits)
+    got = caches[0].state[0]
+    for a, b in zip(got, want, strict=True):
+        assert np.array_equal(np.array(a[..., :3, :]), np.array(b))
+
+
+def test_packed_shapes_that_disagree_with_the_header_are_a_protocol_error() -> None:
+    _, _, parts = quantized_layer(H)
+    writer = FrameWriter(H)
+    start = writer.start()
+    # a blob whose words are shaped for 4 bits under an 8-bit header
+    four = dataclasses.replace(H, kv_bits=4)
+    _, _, small = quantized_layer(four)
+    named = {n: raw(t) for n, t in small.items()}
+    bad = FrameWriter(four)
+    bad.start()
+    frame = bad.layer(0, named.pop("k"), named.pop("v"), named)
+    with pytest.raises(ProtocolError, match="header says"):
+        read(start + frame)
+    with pytest.raises(ProtocolError, match="missing"):
+        writer.layer(0, raw(parts["k"]), raw(parts["v"]))  # no scales and biases
+
+
+def test_a_header_in_another_format_than_asked_is_refused() -> None:
+    from mlx_lm.models.cache import KVCache
+
+    with pytest.raises(ProtocolError, match="asked for"):
+        CacheBuilder(H, [KVCache()], KVShape(1, 2, 64, "F32"), 0, 3, None)
+    with pytest.raises(ProtocolError, match="asked for"):
+        CacheBuilder(H, [KVCache()], KVShape(1, 2, 64, "F32"), 0, 3, KVFormat(4, 64))
+
+
+@pytest.mark.parametrize(
+    "obj", [{"kv_bits": 3}, {"kv_bits": "8"}, {"kv_bits": 8, "kv_group_size": 48},
+            {"kv_group_size": 64}, {"kv_bits": True}],
+)  # fmt: skip
+def test_unsupported_formats_are_refused(obj: dict) -> None:
+    with pytest.raises(ValueError):
+        kv_format_of(obj)
+
+
+def test_bytes_on_the_wire_per_token() -> None:
+    """70B-shaped: 80 layers, 8 KV heads, head_dim 128, bf16 (320 KiB/token at 16 bits)."""
+    shape = KVShape(80, 8, 128, "BF16")
+    full = shape.bytes_per_token(None)
+    assert full == 327_680
+    assert shape.bytes_per_token(KVFormat(8, 64)) / full == pytest.approx(0.53125)  # ≤ 0.54
+    assert shape.bytes_per_token(KVFormat(4, 64)) / full == pytest.approx(0.28125)  # ≤ 0.29
+
+
+# ---------------------------------------------------------------- end to end
+
+
+class Pair:
+    def __init__(self, model: Path, prefill: NodeProc, decode: NodeProc) -> None:
+        from mlx_lm import load
+
+        self.model, self.prefill, self.decode = model, prefill, decode
+        self.mlx_model, self.tokenizer = load(str(model))
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.decode.url + "/v1", api_key=TOKEN)
+
+    def tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def reference(self, messages: list[dict[str, str]], bits: int) -> str:
+        from mlx_lm import generate
+
+        return generate(
+            self.mlx_model, self.tokenizer, self.tokens(messages), max_tokens=MAX_TOKENS,
+            kv_bits=bits, kv_group_size=64, quantized_kv_start=0,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    model = tiny_model(arch="llama", layers=4, hidden=64, heads=2, kv_heads=1, head_dim=64)
+    with remote_pair(tmp_path_factory.mktemp("qkv"), model, "200KB", TOKEN) as (p, d):
+        yield Pair(model, p, d)
+
+
+def _chat(pair: Pair, messages: list[dict[str, str]], bits: int):
+    return pair.client().chat.completions.create(
+        model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"tandem": {"kv_bits": bits}},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_remote_quantized_prefill_is_mlx_lms_quantized_greedy(pair: Pair, bits: int) -> None:
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        reply = _chat(pair, messages, bits)
+        extra = reply.model_extra["tandem"]
+        assert extra["prefill"] == "remote", pair.decode.output()
+        assert extra["kv_dtype"] == f"q{bits}/g64"
+        assert reply.choices[0].message.content == pair.reference(messages, bits)
+
+
+def test_a_second_turn_appends_to_the_quantized_cache(pair: Pair) -> None:
+    """Turn 2 reuses turn 1's quantized cache (start = k > 0) and the prefill node's frames
+    append to it. (Its reply is not mlx-lm's from-scratch one, by construction: turn 1's
+    generated positions were computed attending to a quantized cache, a from-scratch prefill
+    computes them attending to float K/V. Checked: the turn is served remotely from a reused
+    prefix, in the same format, and answers as the same request asked again does.)"""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    first = _chat(pair, messages, 8)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And three animals?"},
+    ]
+    second = _chat(pair, messages, 8)
+    extra = second.model_extra["tandem"]
+    assert extra["prefill"] == "remote"
+    assert extra["prefill_tokens"] < len(pair.tokens(messages)) - 1  # a prefix was reused
+    assert extra["kv_dtype"] == "q8/g64"
+    again = _chat(pair, messages, 8)  # now from the cache stored after turn 2
+    assert again.choices[0].message.content == second.choices[0].message.content
+
+
+def test_bad_kv_formats_are_400(pair: Pair) -> None:
+    with pytest.raises(openai.BadRequestError, match="kv_bits"):
+        _chat(pair, [{"role": "user", "content": "hi"}], 3)
+    body = {"proto": PROTO, "fingerprint": fingerprint(load_index(pair.model)), "start": 0,
+            "tokens": [1, 2, 3], "kv_bits": 8, "kv_group_size": 48}  # fmt: skip
+    req = urllib.request.Request(
+        pair.prefill.url + "/v1/prefill", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["code"] == "bad_kv_format"
+
+
+def test_a_local_quantized_prefill_is_mlx_lms_too(tiny_model: MakeTiny, tmp_path: Path) -> None:
+    """A decode node alone with --kv-bits 4 quantizes its own cache as mlx-lm does."""
+    from mlx_lm import generate, load
+
+    model = tiny_model(arch="llama", layers=4, hidden=64, heads=2, kv_heads=1, head_dim=64)
+    node = start_node(tmp_path, model, "decode", "--kv-bits", "4", token=TOKEN)
+    try:
+        client = openai.OpenAI(base_url=node.url + "/v1", api_key=TOKEN)
+        messages = [{"role": "user", "content": PROMPTS[1]}]
+        reply = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert reply.model_extra["tandem"]["kv_dtype"] == "q4/g64"
+        net, tok = load(str(model))
+        ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        want = generate(net, tok, ids, max_tokens=MAX_TOKENS, kv_bits=4, kv_group_size=64,
+                        quantized_kv_start=0)  # fmt: skip
+        assert reply.choices[0].message.content == want
+    finally:
+        node.stop()
+
+
+def test_frame_layout_is_the_documented_one() -> None:
+    """A quantized layer blob names its tensors k, k_scales, k_biases, v, v_scales, v_biases;
+    words are U32 [1, kv heads, count, head_dim * bits / 32]."""
+    _, _, parts = quantized_layer(H)
+    named = {n: raw(t) for n, t in parts.items()}
+    w = FrameWriter(H)
+    w.start()
+    frame = w.layer(0, named.pop("k"), named.pop("v"), named)
+    (n,) = struct.unpack("<Q", frame[9:17])
+    header = json.loads(frame[17 : 17 + n])
+    assert set(header) - {"__metadata__"} == {"k", "k_scales", "k_biases", "v", "v_scales",
+                                              "v_biases"}  # fmt: skip
+    assert header["k"]["dtype"] == "U32" and header["k"]["shape"] == [1, 2, 3, 16]
+    assert header["k_scales"]["shape"] == [1, 2, 3, 1] and header["k_scales"]["dtype"] == "F32"
+
+
+def test_the_dashboard_shows_each_replys_kv_dtype() -> None:
+    from app.tui.client import ReplyStats
+    from app.tui.widgets.chat import stats_line
+
+    stats = ReplyStats.from_json({"prefill": "remote", "kv_dtype": "q4/g64"})
+    assert "KV q4/g64" in stats_line(stats)
+    assert "KV" not in stats_line(ReplyStats())  # a node that does not say: nothing shown
+
+
+async def test_a_peer_of_the_old_protocol_is_refused_with_a_clear_reason() -> None:
+    """Proto 2 carries quantized frames: a proto-1 prefill node is not trusted, and says why."""
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from nodes.peers import PeerTable
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "id": "old", "name": "old", "proto": 1,
+                                  "roles": ["prefill"], "model": {"fingerprint": "f"}})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        table = PeerTable("me", "f", TOKEN, PROTO)
+        url = str(server.make_url("")).rstrip("/")
+        table.add(url)
+        table._session = session
+        peer = await table.check(url)
+    assert peer is not None and not peer.trusted and peer.reason == "protocol_mismatch"
