@@ -47,16 +47,19 @@ from nodes.kv_link import arrival_seconds, receiver_socket, tune_sender
 from nodes.throttle import PacedSender
 
 
-async def _completion(cluster: DemoCluster, tokens: list[int], max_tokens: int) -> dict:
+async def _completion(
+    cluster: DemoCluster, tokens: list[int], max_tokens: int, kv_bits: int = 16
+) -> dict:
     """Stream one completion; returns the last chunk's `tandem` object."""
-    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"prompt": tokens, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "tandem": {"kv_bits": kv_bits}}  # fmt: skip
     headers = {"Authorization": f"Bearer {cluster.token}"}
     extra: dict = {}
     timeout = aiohttp.ClientTimeout(total=600)
     url = cluster.decode_url + "/v1/completions"
     async with (
         aiohttp.ClientSession(timeout=timeout) as s,
-        s.post(url, json=body, headers=headers) as r,
+        s.post(url, json=body, headers=headers, ssl=cluster.ssl_for(url)) as r,
     ):
         r.raise_for_status()
         async for line in r.content:
@@ -74,7 +77,8 @@ async def _net_in(cluster: DemoCluster, request_id: str) -> tuple[list[int], lis
 
     async def read() -> None:
         url = f"{cluster.decode_url}/v1/events?since=0"
-        async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        ssl = cluster.ssl_for(url)
+        async with aiohttp.ClientSession() as s, s.get(url, headers=headers, ssl=ssl) as r:
             async for line in r.content:
                 event = event_from_json(sse_record(line))
                 if isinstance(event, LinkEvent) and event.request_id == request_id:
@@ -190,10 +194,11 @@ async def _raw_transfer(
     return statistics.median(loaded or [math.inf]), statistics.median(idle or [math.inf])
 
 
-def _mlx_reference(model: Path, tokens: int, max_tokens: int) -> float:
+def _mlx_reference(model: Path, tokens: int, max_tokens: int, kv_bits: int = 16) -> float:
     root = Path(__file__).resolve().parents[1]
+    args = [str(model), str(tokens), str(max_tokens)] + ([str(kv_bits)] if kv_bits < 16 else [])
     done = subprocess.run(
-        [sys.executable, "-m", "nodes.decode.reference", str(model), str(tokens), str(max_tokens)],
+        [sys.executable, "-m", "nodes.decode.reference", *args],
         cwd=root, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -202,13 +207,19 @@ def _mlx_reference(model: Path, tokens: int, max_tokens: int) -> float:
 
 
 async def bench_e2e(
-    model: Path, tokens: int, net_gbps: float | None, max_tokens: int, repeat: int
+    model: Path,
+    tokens: int,
+    net_gbps: float | None,
+    max_tokens: int,
+    repeat: int,
+    kv_bits: int = 16,
+    tls: bool = False,
 ) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="tandem-e2e-") as tmp:
         cluster = DemoCluster(Path(tmp), secrets.token_urlsafe(24))
         try:
             net = ["--net-gbps", str(net_gbps)] if net_gbps else []
-            cluster.start(model, link_gbps=None, budget=None, prefill_args=net)
+            cluster.start(model, link_gbps=None, budget=None, prefill_args=net, tls=tls)
             await cluster.wait_ready()
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             prompts = [  # a fresh prompt each run: no prompt-cache hits
@@ -217,12 +228,14 @@ async def bench_e2e(
             ]
             runs, mlx_rates = [], []
             for i in range(repeat + 1):  # the first run warms both nodes up
-                extra = await _completion(cluster, prompts[i], max_tokens)
+                extra = await _completion(cluster, prompts[i], max_tokens, kv_bits)
                 sizes, seconds = await _net_in(cluster, extra["request_id"])
                 if i:
                     runs.append((extra, sizes, seconds))
                     # mlx-lm alone, right after: both rates sample the machine's same minutes
-                    mlx = await asyncio.to_thread(_mlx_reference, model, tokens, max_tokens)
+                    mlx = await asyncio.to_thread(
+                        _mlx_reference, model, tokens, max_tokens, kv_bits
+                    )
                     mlx_rates.append(mlx)
             raw_Bps, raw_idle_Bps = await _raw_transfer(cluster, sizes, net_gbps, prompts[-1])
         finally:
@@ -237,8 +250,12 @@ async def bench_e2e(
         statistics.median(n / t for n, t in zip(z, s, strict=True) if t > 0) for _, z, s in runs
     )
     mlx_tok_s = statistics.median(mlx_rates)
+    full = _full_kv_bytes(model, tokens - 1)
     return {
         "tokens": tokens,
+        "kv_bits": kv_bits,
+        "kv_dtype": runs[-1][0].get("kv_dtype"),
+        "kv_wire_ratio": runs[-1][0]["kv_bytes"] / full,  # frames / K and V at 16 bits
         "ttft_remote_s": ttft,
         "prefill_s": prefill_s,
         "ttft_ratio": ttft / prefill_s,
@@ -251,8 +268,18 @@ async def bench_e2e(
         "mlx_decode_tok_s": mlx_tok_s,
         "decode_ratio": decode_tok_s / mlx_tok_s,
         "net_gbps": net_gbps,
+        "tls": tls,
         "repeat": repeat,
     }
+
+
+def _full_kv_bytes(model: Path, positions: int) -> int:
+    """K and V of `positions` tokens at 16 bits (bf16), from the model's config."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * positions
 
 
 def table(r: dict[str, object]) -> str:
@@ -260,10 +287,12 @@ def table(r: dict[str, object]) -> str:
     return "\n".join(
         [
             f"tandem bench e2e — {r['tokens']} tokens, network "
-            f"{r['net_gbps'] or 'unthrottled'} Gbit/s, medians of {r['repeat']}",
+            f"{r['net_gbps'] or 'unthrottled'} Gbit/s{' over TLS' if r['tls'] else ''}, "
+            f"medians of {r['repeat']}",
             f"  time to first token  {r['ttft_remote_s']:.3f} s  (remote prefill "
             f"{r['prefill_s']:.3f} s; ratio {r['ttft_ratio']:.2f})",
-            f"  KV handoff           {r['kv_bytes'] / mb:.1f} MB at {r['kv_Bps'] / mb:.0f} MB/s"
+            f"  KV handoff           {r['kv_bytes'] / mb:.1f} MB ({r['kv_dtype']}; "
+            f"{r['kv_wire_ratio']:.3f} of bf16) at {r['kv_Bps'] / mb:.0f} MB/s"
             f"  (plain aiohttp {r['raw_Bps'] / mb:.0f} MB/s under the same load, "
             f"{r['raw_idle_Bps'] / mb:.0f} MB/s on idle cores; ratio {r['kv_ratio']:.2f})",
             f"  decode               {r['decode_tok_s']:.1f} tok/s  (mlx-lm alone "
@@ -279,10 +308,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--net-gbps", type=float, default=None, help="cap the KV link (Gbit/s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per run")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16)
+    p.add_argument("--tls", action="store_true", help="both nodes serve HTTPS (on loopback)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
-        result = asyncio.run(bench_e2e(a.model, a.tokens, a.net_gbps, a.max_tokens, a.repeat))
+        result = asyncio.run(
+            bench_e2e(a.model, a.tokens, a.net_gbps, a.max_tokens, a.repeat, a.kv_bits, a.tls)
+        )
     except (DemoError, RuntimeError, TimeoutError, aiohttp.ClientError) as e:
         print(f"tandem bench e2e: {e}", file=sys.stderr)
         return 2

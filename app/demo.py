@@ -33,6 +33,7 @@ from app.paths import ASSETS, models_dir
 from app.real_model import Form
 from app.tui.client import Delta, NodeClient, ReplyStats
 from app.tui.fmt import format_seconds, format_tok_s
+from nodes.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
 DEMO_PROMPT = "Tell me a story about a lighthouse keeper."
@@ -113,6 +114,7 @@ class DemoCluster:
     prefill_url: str = ""
     decode_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    pins: dict[str, str] = field(default_factory=dict)  # https URL → certificate it proved on
 
     def start(
         self,
@@ -120,18 +122,22 @@ class DemoCluster:
         link_gbps: float | None = None,
         budget: str | None = None,
         prefill_args: Sequence[str] = (),
+        tls: bool = False,
     ) -> None:
         """Spawn both nodes; `link_gbps=None` and `budget=None` leave the prefill node at its
-        defaults (unthrottled, 80% of free memory), as `tandem bench e2e` wants."""
+        defaults (unthrottled, 80% of free memory), as `tandem bench e2e` wants; `tls` has
+        them serve HTTPS on loopback."""
         token_file = self.workdir / "token"
         token_file.write_text(self.token + "\n")
         token_file.chmod(0o600)
         env = {k: v for k, v in os.environ.items() if k != "TANDEM_TOKEN"}
         env["XDG_CONFIG_HOME"] = str(self.workdir / "config")  # node ids die with the demo
         p_port, d_port = free_port(), free_port()
-        self.prefill_url = f"http://127.0.0.1:{p_port}"
-        self.decode_url = f"http://127.0.0.1:{d_port}"
+        scheme = "https" if tls else "http"
+        self.prefill_url = f"{scheme}://127.0.0.1:{p_port}"
+        self.decode_url = f"{scheme}://127.0.0.1:{d_port}"
         common = ["--model", str(model), "--no-mdns", "--token-file", str(token_file)]
+        common += ["--tls"] if tls else []
         limits = [*(["--link-gbps", str(link_gbps)] if link_gbps else []),
                   *(["--budget", budget] if budget else []), *prefill_args]  # fmt: skip
         self._spawn("prefill", env, [
@@ -142,6 +148,11 @@ class DemoCluster:
             "--role", "decode", "--port", str(d_port), "--name", "demo-decode",
             "--peer", self.prefill_url, "--remote-prefill", "always", *common,
         ])  # fmt: skip
+
+    def ssl_for(self, url: str) -> aiohttp.Fingerprint | bool:
+        """`ssl=` for the demo's own requests to a node: its pinned certificate over https."""
+        base = url.split("/v1/", 1)[0].rstrip("/")
+        return aiohttp_pin(self.pins[base]) if base in self.pins else True
 
     def _spawn(self, role: str, env: dict[str, str], args: list[str]) -> None:
         out = (self.workdir / f"{role}.log").open("wb")
@@ -182,6 +193,8 @@ class DemoCluster:
                 if p.ok and d.ok and d.cluster is not None:
                     peers = d.cluster.get("peers") or []
                     if any(x.get("trusted") and "prefill" in x.get("roles", ()) for x in peers):
+                        nodes = (decode, prefill)
+                        self.pins = {c.url: c.cert_fingerprint for c in nodes if c.cert_fingerprint}
                         return
                 if time.monotonic() > deadline:
                     raise DemoError(f"the demo nodes were not ready after {timeout:.0f} s")
@@ -255,7 +268,8 @@ def describe(stats: ReplyStats) -> str:
     return (
         f"prefill: {stats.prefill} ({stats.prefill_node or 'decode node'}), "
         f"{stats.prefill_tokens} tokens in {format_seconds(stats.prefill_s)} "
-        f"({format_tok_s(stats.prefill_tok_s)}), KV {stats.kv_bytes} B\n"
+        f"({format_tok_s(stats.prefill_tok_s)}), KV {stats.kv_bytes} B"
+        f"{f' ({stats.kv_dtype})' if stats.kv_dtype else ''}\n"
         f"decode: {stats.decode_tokens} tokens in {format_seconds(stats.decode_s)} "
         f"({format_tok_s(stats.decode_tok_s)}), time to first token "
         f"{format_seconds(stats.ttft_s)}"

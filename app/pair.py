@@ -15,7 +15,9 @@ from pathlib import Path
 import aiohttp
 
 from app.paths import config_dir
-from nodes.auth import new_token, verify_proof
+from app.tui.client import normalize
+from nodes.auth import new_token
+from nodes.hello import HelloError, prove
 
 
 def token_path() -> Path:
@@ -51,37 +53,39 @@ def pair_text(token: str, created: bool) -> str:
         f"    tandem pair --set {shlex.quote(token)}\n\n"
         "Then start a node on each machine; they find each other on the LAN and trust\n"
         "each other once each proves it holds this token. Check a node with:\n\n"
-        "    tandem pair --check http://OTHER-MACHINE:8470"
+        "    tandem pair --check https://OTHER-MACHINE:8470\n\n"
+        "(a node listening beyond loopback serves HTTPS with its own certificate; the check\n"
+        "prints the certificate's fingerprint, which peers pin once it proved the token)"
     )
 
 
 async def check(url: str, token: str) -> tuple[bool, str]:
-    """Run `/v1/hello` against a node: does it hold our token? Returns (ok, explanation)."""
-    url = url.rstrip("/")
-    nonce, me = secrets.token_hex(16), "tandem-pair"
+    """Run a hello with a node: does it hold our token, on the channel we see? Returns
+    (ok, explanation); the explanation names the certificate pinned for an https:// node."""
+    url = normalize(url)
     timeout = aiohttp.ClientTimeout(total=5)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            async with s.get(f"{url}/health") as r:
-                health = await r.json()
-            async with s.post(f"{url}/v1/hello", json={"nonce": nonce, "id": me}) as r:
-                if r.status != 200:
-                    return False, f"{url} answered /v1/hello with HTTP {r.status}"
-                answer = await r.json()
+            async with s.get(f"{url}/health", ssl=False) as r:  # public: no check needed
+                health = await r.json()  # the hello below checks the certificate
+            proven = await prove(s, url, token, "tandem-pair-" + secrets.token_hex(4))
+    except HelloError as e:
+        if e.reason == "unauthorized":
+            return False, (
+                f"{url} does NOT hold this token, or is not the node it claims to be ({e}): "
+                "run `tandem pair --set TOKEN` there with the token printed by `tandem pair` here"
+            )
+        return False, f"cannot check {url}: {e}"
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
         return False, f"cannot reach {url}: {type(e).__name__} {e}".strip()
-    name = health.get("name") or answer.get("id")
-    model = (health.get("model") or {}).get("name", "?")
-    ok = verify_proof(
-        token, nonce, me, str(answer.get("id")), str(answer.get("fingerprint")),
-        str(answer.get("proof")),
-    )  # fmt: skip
-    if not ok:
-        return False, (
-            f"{name} at {url} does NOT hold this token (its proof does not verify): "
-            "run `tandem pair --set TOKEN` there with the token printed by `tandem pair` here"
-        )
-    return True, f"{name} at {url} holds this token: trusted (model {model})"
+    name = (health.get("name") if isinstance(health, dict) else None) or proven.id
+    model = ((health.get("model") if isinstance(health, dict) else None) or {}).get("name", "?")
+    pinned = (
+        f"; pinned its TLS certificate sha256:{proven.cert_fingerprint}"
+        if proven.cert_fingerprint
+        else "; plain HTTP (loopback), no certificate to pin"
+    )
+    return True, f"{name} at {url} holds this token: trusted (model {model}){pinned}"
 
 
 def run_check(url: str, token: str) -> tuple[bool, str]:

@@ -1,22 +1,32 @@
-"""The cluster token: where it comes from, how requests prove it, how peers prove it.
+"""The cluster token: where it comes from, which binds need it, how requests prove it.
 
-Requests carry `Authorization: Bearer TOKEN` (compared in constant time). Peers prove they
-hold the token without sending it: `POST /v1/hello {"nonce", "id"}` is answered with
-`proof = hex(hmac_sha256(token, nonce ‖ caller ‖ own id ‖ fingerprint))` (DESIGN.md).
+A client's request carries `Authorization: Bearer TOKEN` (compared in constant time): the
+token is the user's to give to the OpenAI API, the dashboard and tests. A node never sends
+it: its requests to a peer are signed for that peer (`nodes.signing`), and peers prove the
+token to each other in a hello (`nodes.hello`). Every `/v1/*` route but the hello accepts
+either, once a token is configured.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
-from hashlib import sha256
+import socket
+import time
 from pathlib import Path
 
 from aiohttp import web
 
-OPEN_PATHS = frozenset({"/health", "/v1/hello"})
+from nodes.contract import error_body
+from nodes.signing import SIGNED_HEADERS, SignatureError, Verifier
+
+log = logging.getLogger(__name__)
+HELLO_PATH = "/v1/hello"
+CONFIRM_PATH = "/v1/hello/confirm"
+OPEN_PATHS = frozenset({"/health", HELLO_PATH, CONFIRM_PATH})
 
 
 class AuthError(Exception):
@@ -49,32 +59,47 @@ def new_token() -> str:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
+    """Whether a node bound to `host` is reachable from this machine only.
+
+    True for 127.0.0.0/8 and ::1 (bare or in brackets, or IPv4-mapped `::ffff:127.x.x.x`,
+    which is 127.x.x.x), and for a name, `localhost` included, whose every address is one of
+    those. False for the wildcards (`""`, `0.0.0.0`, `::`, `0`), any other address, and a
+    name that does not resolve. Names are resolved as the bind would (`getaddrinfo`), so
+    `127.1` counts and `0` does not; resolving may block on DNS.
+    """
+
+    def loopback_ip(text: str) -> bool:  # ValueError when `text` is no IP literal
+        ip = ipaddress.ip_address(text)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped.is_loopback
+        return ip.is_loopback
+
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return loopback_ip(literal)
+    except ValueError:
+        pass
+    if not host or literal != host:  # "" binds every interface; "[name]" is no address
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):  # socket.gaierror is an OSError; idna rejects some names
+        return False
+    try:
+        return bool(infos) and all(loopback_ip(str(info[4][0])) for info in infos)
     except ValueError:
         return False
 
 
 def check_bind(host: str, token: str | None) -> None:
-    """A node without a token serves loopback only."""
-    if token is None and not is_loopback(host):
+    """A node without a token serves loopback only (`is_loopback`)."""
+    if not token and not is_loopback(host):
+        shown = host or '"" (every interface)'
         raise AuthError(
-            f"refusing to listen on {host} without a token: run `tandem pair` to create one, "
-            "or pass --token-file / TANDEM_TOKEN (or bind to 127.0.0.1)"
+            f"refusing to listen on {shown} without a token: only 127.0.0.0/8, ::1 and "
+            "localhost are loopback. Run `tandem pair` to create a token, or pass "
+            "--token-file / TANDEM_TOKEN (or bind to 127.0.0.1)"
         )
-
-
-def proof(token: str, nonce: str, caller: str, own_id: str, fingerprint: str) -> str:
-    msg = "\n".join((nonce, caller, own_id, fingerprint)).encode()
-    return hmac.new(token.encode(), msg, sha256).hexdigest()
-
-
-def verify_proof(
-    token: str, nonce: str, caller: str, peer_id: str, fingerprint: str, got: str
-) -> bool:
-    return hmac.compare_digest(proof(token, nonce, caller, peer_id, fingerprint), str(got))
 
 
 def bearer_ok(header: str | None, token: str) -> bool:
@@ -84,22 +109,48 @@ def bearer_ok(header: str | None, token: str) -> bool:
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
+    """A client's header; a node calling a peer signs instead (`PeerTable.signed`)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def auth_middleware(token: str | None) -> web.middleware:
-    """Every `/v1/*` route but `/v1/hello` needs the bearer token once one is configured."""
+def auth_middleware(token: str | None, own_id: str) -> web.middleware:
+    """Every `/v1/*` route but the hello needs, once a token is configured, the bearer token
+    (a client) or a request signed for `own_id` (a peer: fresh, and never seen before)."""
+    if not token:
+        return _open
+    verifier = Verifier(token, own_id)
+    # this process remembers no nonce from before it started: refuse what was signed then
+    verifier.floor = int(time.time()) - 1
 
     @web.middleware
     async def middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
-        if token is None or request.path in OPEN_PATHS or not request.path.startswith("/v1/"):
+        if request.path in OPEN_PATHS or not request.path.startswith("/v1/"):
             return await handler(request)
-        if not bearer_ok(request.headers.get("Authorization"), token):
-            return web.json_response(
-                {"error": {"message": "missing or wrong bearer token", "type": "unauthorized",
-                           "code": "unauthorized"}},
-                status=401,
-            )  # fmt: skip
+        if bearer_ok(request.headers.get("Authorization"), token):
+            return await handler(request)
+        if not any(h in request.headers for h in SIGNED_HEADERS):
+            return _unauthorized("missing or wrong bearer token")
+        body = await request.read()  # aiohttp keeps it: the handler reads the same bytes
+        try:
+            caller = verifier.verify(
+                request.method, request.path, request.query, body, request.headers
+            )
+        except SignatureError as e:
+            log.info("refused a signed %s %s: %s", request.method, request.path, e)
+            return _unauthorized(f"signed request refused: {e}")
+        request[CALLER_KEY] = caller
         return await handler(request)
 
     return middleware
+
+
+CALLER_KEY = "tandem_caller"  # request key: the peer id a signed request came from
+
+
+@web.middleware
+async def _open(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+    return await handler(request)  # no token: a loopback-only node (`check_bind`)
+
+
+def _unauthorized(message: str) -> web.Response:
+    return web.json_response(error_body(message, "unauthorized"), status=401)

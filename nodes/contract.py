@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-PROTO: Final = 1  # `/health` "proto", `/v1/prefill` "proto", KV frame headers
+PROTO: Final = 2  # `/health`, `/v1/prefill` and KV frame headers; 2: quantized KV frames
 SERVICE_TYPE: Final = "_tandem._tcp.local."  # mDNS
 
 DEFAULT_PORT: Final = 8470
@@ -26,6 +26,53 @@ MAX_JSON_DEPTH: Final = 32  # nesting of a request body; no route needs more tha
 Reason = Literal["unauthorized", "model_mismatch", "unreachable", "protocol_mismatch", "bad_reply"]
 
 SSE_DONE: Final = b"data: [DONE]\n\n"
+
+KV_BITS: Final = (8, 4)  # quantized KV on the wire (mlx affine, as QuantizedKVCache holds it)
+KV_GROUP_SIZES: Final = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE: Final = 64
+KVKernel = Literal["cpu", "gpu"]  # whose mx.quantize rounding to match: mlx's CPU or Metal
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How K and V cross the wire: quantized to `bits` in groups of `group_size` values, with
+    the rounding of the decode node's mlx device (`kernel`)."""
+
+    bits: int
+    group_size: int = DEFAULT_KV_GROUP_SIZE
+    kernel: KVKernel = "cpu"
+
+    def __post_init__(self) -> None:
+        if type(self.bits) is not int or self.bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {KV_BITS}")
+        if type(self.group_size) is not int or self.group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}")
+        if self.kernel not in ("cpu", "gpu"):
+            raise ValueError("kv_kernel must be 'cpu' or 'gpu'")
+
+    def bytes_per_token(self, layers: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        """K and V of one token over all layers: packed words plus scales and biases."""
+        words = head_dim * self.bits // 8
+        groups = 2 * (head_dim // self.group_size) * itemsize
+        return 2 * layers * n_kv_heads * (words + groups)
+
+
+def kv_format_of(obj: Any) -> KVFormat | None:
+    """The KV format a request asks for: `{"kv_bits", "kv_group_size", "kv_kernel"}` (absent
+    or 0/None/16 bits: full precision). ValueError for anything else."""
+    if not isinstance(obj, dict):
+        raise ValueError("expected an object")
+    bits = obj.get("kv_bits")
+    if bits is None or (type(bits) is int and bits in (0, 16)):
+        if obj.get("kv_group_size") is not None:
+            raise ValueError("kv_group_size needs kv_bits")
+        return None
+    group = obj.get("kv_group_size")
+    return KVFormat(
+        bits,
+        DEFAULT_KV_GROUP_SIZE if group is None else group,
+        obj.get("kv_kernel") or "cpu",
+    )
 
 
 class BadBody(ValueError):
@@ -145,6 +192,8 @@ class Health:
     model_name: str
     fingerprint: str
     layers: int
+    instance: str = ""  # random per process: a restart (or another process) changes it
+    cert_fingerprint: str = ""  # hex sha256 of the TLS certificate it serves; "" on plain HTTP
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,6 +202,7 @@ class Health:
             "mem_bytes": self.mem_bytes, "budget_bytes": self.budget_bytes,
             "model": {"name": self.model_name, "fingerprint": self.fingerprint,
                       "layers": self.layers},
+            "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
         }  # fmt: skip
 
     @classmethod
@@ -173,6 +223,8 @@ class Health:
                 model_name=str(model.get("name", "")),
                 fingerprint=str(model.get("fingerprint", "")),
                 layers=int(model.get("layers") or 0),
+                instance=str(obj.get("instance") or ""),
+                cert_fingerprint=str(obj.get("cert_fingerprint") or ""),
             )  # fmt: skip
         except (TypeError, ValueError, OverflowError) as e:
             raise ValueError(f"/health holds a bad value ({e})") from None

@@ -1,7 +1,9 @@
 """mDNS: advertise this node as `_tandem._tcp.local.` and browse for the others (DESIGN.md).
 
 Discovery finds candidates only. A node seen here goes into the PeerTable, which trusts it
-after `/v1/hello` proves the token; before that a candidate gets nothing but `GET /health`.
+after `/v1/hello` proves the token; before that a candidate gets nothing but `GET /health`
+and the hello. A node that serves TLS advertises its certificate's fingerprint (TXT `cert`)
+and is reached at `https://`; the fingerprint is a claim, the hello checks the real one.
 Registration probes the network for ~1.6 s, so it runs in a kept task and never delays
 start-up. Zeroconf's interfaces follow the bind address: a loopback node multicasts on
 loopback only (other machines could not reach it anyway), a wildcard node on every interface
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import socket
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -34,6 +37,7 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 from nodes.auth import is_loopback
 from nodes.contract import SERVICE_TYPE, Health
 from nodes.peers import Peer, PeerTable
+from nodes.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
 MODEL_PREFIX_HEX = 16  # TXT `model`: enough to tell models apart; trust checks the full one
@@ -46,6 +50,7 @@ MAX_FOUND = 64  # mDNS is unauthenticated: bound what a flood of fake records ca
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 # zeroconf raises RuntimeError for an IPv6 address it finds on no interface
 ZEROCONF_SETUP_ERRORS = (OSError, RuntimeError, ValueError)
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Advert:
     mem_bytes: int
     host: str
     port: int
+    cert_fingerprint: str = ""  # "" when serving plain HTTP
 
     @classmethod
     def from_health(cls, health: Health, host: str, port: int) -> Advert:
@@ -75,10 +81,11 @@ class Advert:
             mem_bytes=health.mem_bytes,
             host=host,
             port=port,
+            cert_fingerprint=health.cert_fingerprint,
         )
 
     def properties(self) -> dict[str, str]:
-        return {
+        props = {
             "id": self.id,
             "name": self.name,
             "roles": ",".join(self.roles),
@@ -87,6 +94,9 @@ class Advert:
             "device": self.device,
             "mem": str(self.mem_bytes),
         }
+        if self.cert_fingerprint:  # the whole fingerprint: 64 hex, well inside a TXT string
+            props["cert"] = self.cert_fingerprint
+        return props
 
     def instance_name(self) -> str:
         """`NAME-ID8._tandem._tcp.local.`: two nodes given one `--name` still differ."""
@@ -109,10 +119,11 @@ class Sighting:
     mem_bytes: int
     port: int
     addresses: tuple[str, ...]  # best first
+    cert_fingerprint: str = ""  # claimed; non-empty: it serves https://
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return tuple(url_for(a, self.port) for a in self.addresses)
+        return tuple(url_for(a, self.port, bool(self.cert_fingerprint)) for a in self.addresses)
 
     def peer(self, url: str) -> Peer:
         return Peer(
@@ -125,12 +136,14 @@ class Sighting:
             model={"name": "", "fingerprint": self.model},
             proto=self.proto,
             source="mdns",
+            cert_fingerprint=self.cert_fingerprint,
         )
 
 
-def url_for(host: str, port: int) -> str:
-    """`http://host:port`, with an IPv6 literal in brackets."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def url_for(host: str, port: int, tls: bool = False) -> str:
+    """`http://host:port` (`https://` for a node serving TLS), an IPv6 literal in brackets."""
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def _usable(ip: Address) -> bool:
@@ -184,6 +197,9 @@ def read_service(info: AsyncServiceInfo) -> Sighting | None:
         mem = int(props.get("mem") or 0)
     except ValueError:
         return None
+    cert = (props.get("cert") or "").lower()
+    if cert and not _FINGERPRINT.fullmatch(cert):
+        return None
     return Sighting(
         service=info.name,
         id=node_id,
@@ -195,6 +211,7 @@ def read_service(info: AsyncServiceInfo) -> Sighting | None:
         mem_bytes=mem,
         port=info.port,
         addresses=tuple(str(ip) for ip in ips),
+        cert_fingerprint=cert,
     )
 
 
@@ -240,7 +257,7 @@ class Discovery:
             addresses = advertised_addresses(self.advert.host)
             self._zc = _open_zeroconf(self.advert.host)
         except ZEROCONF_SETUP_ERRORS as e:
-            log.warning("mDNS is off (%s): add other nodes with --peer http://HOST:PORT", e)
+            log.warning("mDNS is off (%s): add other nodes with --peer https://HOST:PORT", e)
             return
         self._browser = AsyncServiceBrowser(
             self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_change]
@@ -312,7 +329,7 @@ class Discovery:
             log.info(
                 "mDNS: no other tandem node found on this machine in %.0f s. This node listens "
                 "on %s only; to join other machines use --host 0.0.0.0 with a token "
-                "(tandem pair), or reach them with --peer http://HOST:PORT",
+                "(tandem pair), or reach them with --peer https://HOST:PORT",
                 self._hint_after_s,
                 self.advert.host,
             )
@@ -320,7 +337,7 @@ class Discovery:
             log.info(
                 "mDNS: no other tandem node found on the LAN in %.0f s. If other nodes are "
                 "running, multicast (UDP 5353) is probably blocked (firewall, separate subnets "
-                "or VLANs, Wi-Fi client isolation): connect them with --peer http://HOST:PORT",
+                "or VLANs, Wi-Fi client isolation): connect them with --peer https://HOST:PORT",
                 self._hint_after_s,
             )
 
@@ -386,20 +403,23 @@ class Discovery:
         urls = s.urls
         for delay in (0.0, *PROBE_DELAYS_S):
             await asyncio.sleep(delay)
-            answers = await asyncio.gather(*(self._answers_as(url, s.id) for url in urls))
+            answers = await asyncio.gather(*(self._answers_as(url, s) for url in urls))
             for url, ok in zip(urls, answers, strict=True):
                 if ok:
                     return url
-            lan = [url_for(a, s.port) for a in s.addresses if not is_loopback(a)]
+            lan = [url for url, a in zip(urls, s.addresses, strict=True) if not is_loopback(a)]
             if lan:
                 return lan[0]
         return None
 
-    async def _answers_as(self, url: str, node_id: str) -> bool:
+    async def _answers_as(self, url: str, s: Sighting) -> bool:
+        """Whether `url` answers `/health` as the sighted node (and with the certificate it
+        claims: an address that presents another one is not where that node is)."""
         timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
+        ssl = aiohttp_pin(s.cert_fingerprint) if s.cert_fingerprint else True
         try:
-            async with self._session.get(f"{url}/health", timeout=timeout) as r:
+            async with self._session.get(f"{url}/health", timeout=timeout, ssl=ssl) as r:
                 body = await r.json()
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return False
-        return isinstance(body, dict) and body.get("id") == node_id
+        return isinstance(body, dict) and body.get("id") == s.id

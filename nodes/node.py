@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import secrets
 import signal
 import socket
 import uuid
@@ -22,9 +24,10 @@ import aiohttp
 from aiohttp import web
 
 from nodes import __version__
-from nodes.auth import auth_middleware, check_bind
+from nodes.auth import CONFIRM_PATH, HELLO_PATH, auth_middleware, check_bind, is_loopback
 from nodes.contract import (
     DEFAULT_CHUNK_TOKENS,
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PORT,
@@ -34,14 +37,17 @@ from nodes.contract import (
     PROTO,
     BadBody,
     Health,
+    KVFormat,
     error_body,
     read_json,
 )
 from nodes.discovery import Advert, Discovery, url_for
 from nodes.events import EventBus, sse
+from nodes.hello import HelloRefused, HelloResponder
 from nodes.model.fingerprint import fingerprint
 from nodes.model.index import ModelIndex, load_index
-from nodes.peers import Peer, PeerTable, hello_answer
+from nodes.peers import Peer, PeerTable
+from nodes.tls import Identity, TLSError, load_or_create, server_context
 
 if TYPE_CHECKING:  # the heavy halves load only for their role
     from nodes.decode.service import DecodeService
@@ -79,7 +85,15 @@ class NodeConfig:
     remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # decode: generations at once
     max_queue: int = DEFAULT_MAX_QUEUE  # decode: generations waiting, then 503
+    kv_bits: int | None = None  # decode: KV quantized on the wire by default (8 or 4)
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    tls: bool = False  # serve HTTPS on loopback too (beyond loopback it always does)
+    tls_dir: Path | None = None  # where this node's certificate and key live (per port)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def serves_tls(self) -> bool:
+        return self.tls or not is_loopback(self.host)
 
 
 def node_id_for(port: int, config_dir: Path) -> str:
@@ -98,11 +112,17 @@ def node_id_for(port: int, config_dir: Path) -> str:
 class Node:
     """Shared state of one node: identity, model, events, peers, and its services."""
 
-    def __init__(self, config: NodeConfig, index: ModelIndex, fp: str) -> None:
+    def __init__(
+        self, config: NodeConfig, index: ModelIndex, fp: str, identity: Identity | None = None
+    ) -> None:
         self.config = config
         self.index = index
         self.fingerprint = fp
         self.id = config.node_id or uuid.uuid4().hex[:16]
+        self.instance = secrets.token_hex(8)  # this process: peers see a restart in /health
+        self.identity = identity  # the TLS certificate it serves; None: plain HTTP
+        self.cert_fingerprint = identity.fingerprint if identity is not None else ""
+        self.hello = HelloResponder(config.token, self.id, fp, self.cert_fingerprint)
         self.name = config.name or f"{socket.gethostname()}:{config.port}"
         self.events = EventBus(self.id)
         self.peers = PeerTable(self.id, fp, config.token, PROTO)
@@ -112,7 +132,7 @@ class Node:
         self.discovery: Discovery | None = None
         self.device = "cpu"
         self.budget_bytes = 0
-        self.address = url_for(config.host, config.port)
+        self.address = url_for(config.host, config.port, identity is not None)
         self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 
     def health(self) -> Health:
@@ -121,7 +141,7 @@ class Node:
             id=self.id, name=self.name, roles=tuple(self.config.roles), proto=PROTO,
             version=__version__, device=self.device, mem_bytes=_mem_bytes(),
             budget_bytes=self.budget_bytes, model_name=spec.name, fingerprint=self.fingerprint,
-            layers=spec.num_layers,
+            layers=spec.num_layers, instance=self.instance, cert_fingerprint=self.cert_fingerprint,
         )  # fmt: skip
 
     def self_peer(self) -> Peer:
@@ -158,10 +178,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def hello(request: web.Request) -> web.Response:
+    """Hello v2, the callee's answer (nodes/hello.py)."""
     node = request.app[NODE]
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
     try:
         body = read_json(await request.read())
-        answer = hello_answer(node.config.token, node.id, node.fingerprint, body)
+        answer = node.hello.answer(body, sockname)
     except web.HTTPRequestEntityTooLarge:
         return web.json_response(
             error_body("request body too large", "request_too_large"), status=413
@@ -171,12 +193,30 @@ async def hello(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
+async def hello_confirm(request: web.Request) -> web.Response:
+    """Hello v2, the caller's proof: 200 once it verifies, else 401."""
+    node = request.app[NODE]
+    try:
+        caller = node.hello.confirm(read_json(await request.read()))
+    except web.HTTPRequestEntityTooLarge:
+        return web.json_response(
+            error_body("request body too large", "request_too_large"), status=413
+        )
+    except (BadBody, ValueError) as e:
+        return web.json_response(error_body(str(e), "bad_request"), status=400)
+    except HelloRefused as e:
+        return web.json_response(error_body(str(e), "unauthorized"), status=401)
+    return web.json_response({"id": node.id, "caller": caller, "proven": True})
+
+
 async def events(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     since: float | None = None
     if "since" in request.query:
         try:
             since = float(request.query["since"])
+            if not math.isfinite(since):
+                raise ValueError(since)
         except ValueError:
             return web.json_response(
                 error_body("since must be a number", "bad_request"), status=400
@@ -201,13 +241,15 @@ def create_app(config: NodeConfig) -> web.Application:
     """The node's aiohttp application; models load in its startup context."""
     check_bind(config.host, config.token)
     index = load_index(config.model)
-    node = Node(config, index, fingerprint(index))
+    node = Node(config, index, fingerprint(index), _identity(config))
     app = web.Application(
-        middlewares=[json_errors, auth_middleware(config.token)], client_max_size=MAX_BODY_BYTES
+        middlewares=[json_errors, auth_middleware(config.token, node.id)],
+        client_max_size=MAX_BODY_BYTES,
     )
     app[NODE] = node
     app.router.add_get("/health", health)
-    app.router.add_post("/v1/hello", hello)
+    app.router.add_post(HELLO_PATH, hello)
+    app.router.add_post(CONFIRM_PATH, hello_confirm)
     app.router.add_get("/v1/events", events)
     app.router.add_get("/v1/cluster", cluster)
     if "prefill" in config.roles:
@@ -220,6 +262,17 @@ def create_app(config: NodeConfig) -> web.Application:
         DecodeApi(node.decode).add_routes(app)
     app.cleanup_ctx.append(_lifecycle)
     return app
+
+
+def _identity(config: NodeConfig) -> Identity | None:
+    """The TLS identity a node serving TLS presents (made on its first start); TLSError."""
+    if not config.serves_tls:
+        return None
+    if config.tls_dir is None:
+        raise TLSError("serving TLS needs a directory for the certificate (NodeConfig.tls_dir)")
+    me = socket.gethostname()
+    hosts = (config.host, me, f"{me.split('.')[0]}.local", "localhost", "127.0.0.1", "::1")
+    return load_or_create(config.tls_dir, config.name or f"tandem-{config.node_id}", hosts)
 
 
 @web.middleware
@@ -298,16 +351,17 @@ async def _start_prefill(node: Node) -> None:
 
 def _decode_service(node: Node) -> DecodeService:
     from nodes.decode.host import ModelHost
-    from nodes.decode.kv import KVShape
+    from nodes.decode.kv import KVShape, device_kernel
     from nodes.decode.service import DecodeService
 
     spec, c = node.index.spec, node.config
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, node.index.dtype)
+    kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if c.kv_bits else None
     return DecodeService(
         ModelHost(c.model), spec, expect, node.fingerprint, node.events, node.peers, c.token,
         c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,
         max_concurrent=c.max_concurrent, max_queue=c.max_queue,
-        remote_timeout_s=c.remote_timeout_s,
+        remote_timeout_s=c.remote_timeout_s, kv_format=kv_format,
     )  # fmt: skip
 
 
@@ -322,11 +376,16 @@ async def _start_decode(node: Node) -> None:
 
 async def serve(config: NodeConfig) -> None:
     """Run a node until SIGINT/SIGTERM, then close tasks, children and sockets."""
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except TLSError as e:
+        raise ListenError(f"cannot serve TLS: {e}") from None
+    identity = app[NODE].identity
     # handler_cancellation: a client that disconnects cancels its handler (and its decode).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    tls = server_context(identity) if identity is not None else None
+    site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
     try:
         await site.start()
     except OSError as e:

@@ -1,7 +1,13 @@
-"""Known peers: health-checked every 2 s, trusted only after `/v1/hello` proves the token.
+"""Known peers: health-checked every 2 s, trusted only after a hello proves the token.
 
-A peer is *trusted* when its proof verifies and its model fingerprint equals ours. The token
-is never sent to a peer before that (DESIGN.md): `/health` and `/v1/hello` carry none.
+A peer is *trusted* when its hello v2 proof verifies on the channel this node sees
+(`nodes.hello`) and its model fingerprint equals ours. Trust is per connection identity: the
+peer's id, its process (`/health` "instance"), its protocol and model, and its certificate,
+pinned from the hello on. A failed health check, a restart, another certificate or another
+process at the address untrusts it at once, and it proves again before any request goes to
+it. Over plain HTTP (loopback) nothing pins the channel, so every health check runs the hello
+again. The token itself never leaves this node: requests to a peer are signed for it
+(`signed`).
 """
 
 from __future__ import annotations
@@ -9,20 +15,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import aiohttp
 
-from nodes.auth import proof, verify_proof
 from nodes.contract import Health, Reason
+from nodes.hello import HelloError, prove
+from nodes.signing import Query, sign
+from nodes.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
 Source = Literal["static", "mdns"]  # `--peer URL`, or found by nodes.discovery
 HEALTH_INTERVAL_S = 2.0
-UNREACHABLE_AFTER_S = 6.0  # well inside the 10 s DESIGN.md allows
+HEALTH_TIMEOUT_S = 2.0
+
+
+class UntrustedPeer(LookupError):
+    """A request meant for a peer this node does not trust (now)."""
+
+
+@dataclass(frozen=True)
+class Signed:
+    """What one request to a trusted peer carries: its signature headers (none without a
+    token) and the certificate to pin (`None` on plain HTTP)."""
+
+    headers: dict[str, str]
+    pin: str | None
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,8 @@ class Peer:
     link_Bps: float | None = None
     prefill_floor_s: float | None = None  # the cheapest remote pass seen (weights + HTTP)
     source: Source = "static"
+    instance: str = ""  # the peer process's `/health` instance
+    cert_fingerprint: str = ""  # pinned by the hello (an mDNS claim until then); "" plain
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -64,6 +86,7 @@ class Peer:
             "link_Bps": self.link_Bps,
             "prefill_floor_s": self.prefill_floor_s,
             "source": self.source,
+            "cert_fingerprint": self.cert_fingerprint,
         }
 
 
@@ -142,96 +165,123 @@ class PeerTable:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), HEALTH_INTERVAL_S)
 
+    def signed(
+        self, address: str, method: str, path: str, body: bytes, query: Query = None
+    ) -> Signed:
+        """Headers and pin for one request to the trusted peer at `address`, signed for the
+        id it proved; UntrustedPeer when it is not trusted right now."""
+        peer = self.peers.get(address.rstrip("/"))
+        if peer is None or not peer.trusted or not peer.id:
+            reason = peer.reason if peer is not None else "not a known peer"
+            raise UntrustedPeer(f"{address} is not trusted ({reason})")
+        tls = peer.address.startswith("https://")
+        if tls and not peer.cert_fingerprint:
+            raise UntrustedPeer(f"{address} has no pinned certificate")
+        headers = (
+            sign(self.token, method, path, query, body, self.own_id, peer.id) if self.token else {}
+        )
+        return Signed(headers, peer.cert_fingerprint if tls else None)
+
     async def check(self, address: str) -> Peer | None:
-        """Health-check one peer; (re)verify its proof when it was not trusted."""
+        """Health-check one peer; prove it again whenever what it was trusted for changed
+        (at once untrusted until then), and at every check over plain HTTP."""
         assert self._session is not None
         peer = self.peers.get(address)
         if peer is None:
             return None
-        timeout = aiohttp.ClientTimeout(total=2.0)
+        pinned = peer.trusted and address.startswith("https://") and bool(peer.cert_fingerprint)
         try:
-            async with self._session.get(f"{address}/health", timeout=timeout) as r:
-                health = Health.from_json(await r.json())
-            updated = replace(
-                peer,
-                id=health.id,
-                name=health.name,
-                roles=health.roles,
-                device=health.device,
-                mem_bytes=health.mem_bytes,
-                budget_bytes=health.budget_bytes,
-                model={"name": health.model_name, "fingerprint": health.fingerprint},
-                proto=health.proto,
-                last_seen=time.time(),
-            )
-            if peer.source == "mdns" and peer.id and updated.id != peer.id:
-                # another process answers at the address this node advertised
-                updated = replace(peer, trusted=False, reason="unreachable")
-            elif not peer.trusted or _identity(peer) != _identity(updated):
-                updated = await self._hello(updated)
-            else:
-                updated = replace(updated, reason=None)
+            health = await self._health(address, peer.cert_fingerprint if pinned else None)
+        except aiohttp.ServerFingerprintMismatch:
+            log.warning("peer %s presents another certificate: untrusted", address)
+            updated = replace(peer, trusted=False, reason="unauthorized")
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
-            stale = time.time() - peer.last_seen > UNREACHABLE_AFTER_S
-            if stale or not peer.last_seen:
-                if peer.reason != "unreachable":
-                    log.warning("peer %s unreachable: %s", address, e)
-                updated = replace(peer, trusted=False, reason="unreachable")
-            else:
-                updated = peer
-        if address in self.peers:
-            self.peers[address] = updated
+            if peer.reason != "unreachable":
+                log.warning("peer %s unreachable: %s%s", address, e, _scheme_hint(address))
+            updated = replace(peer, trusted=False, reason="unreachable")
+        else:
+            updated = await self._checked(peer, health)
+        current = self.peers.get(address)
+        if current is not None:  # rates measured while this check ran are kept
+            self.peers[address] = replace(
+                updated, prefill_tok_s=current.prefill_tok_s, link_Bps=current.link_Bps,
+                prefill_floor_s=current.prefill_floor_s,
+            )  # fmt: skip
+            updated = self.peers[address]
         if updated.source == "static" and updated.id:
             for a, p in list(self.peers.items()):  # the same node, also found by mDNS
                 if p.source == "mdns" and p.id == updated.id:
                     del self.peers[a]
         return updated
 
+    async def _health(self, address: str, pin: str | None) -> Health:
+        # unpinned: /health is public and the hello checks the certificate (http ignores ssl=)
+        ssl: aiohttp.Fingerprint | bool = aiohttp_pin(pin) if pin else False
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        assert self._session is not None
+        async with self._session.get(f"{address}/health", timeout=timeout, ssl=ssl) as r:
+            return Health.from_json(await r.json())
+
+    async def _checked(self, peer: Peer, health: Health) -> Peer:
+        """The peer after a health check that answered `health`."""
+        updated = replace(
+            peer,
+            id=health.id,
+            name=health.name,
+            roles=health.roles,
+            device=health.device,
+            mem_bytes=health.mem_bytes,
+            budget_bytes=health.budget_bytes,
+            model={"name": health.model_name, "fingerprint": health.fingerprint},
+            proto=health.proto,
+            instance=health.instance,
+            last_seen=time.time(),
+        )
+        if peer.source == "mdns" and peer.id and updated.id != peer.id:
+            # another process answers at the address this node advertised
+            return replace(peer, trusted=False, reason="unreachable")
+        tls = peer.address.startswith("https://")
+        same = peer.trusted and _identity(peer) == _identity(updated)
+        if same and tls and health.cert_fingerprint == peer.cert_fingerprint:
+            return replace(updated, reason=None)  # the pinned channel says the rest
+        if peer.trusted and not same and peer.address in self.peers:
+            log.info("peer %s changed (restart or another process): proving again", peer.address)
+            # untrusted while the hello runs: nothing is sent to it until it proved again
+            self.peers[peer.address] = replace(peer, trusted=False, reason="unauthorized")
+        return await self._hello(updated)
+
     async def _hello(self, peer: Peer) -> Peer:
         assert self._session is not None
         if peer.proto != self.proto:
             return replace(peer, trusted=False, reason="protocol_mismatch")
-        nonce = secrets.token_hex(16)
-        async with self._session.post(
-            f"{peer.address}/v1/hello",
-            json={"nonce": nonce, "id": self.own_id},
-            timeout=aiohttp.ClientTimeout(total=3.0),
-        ) as r:
-            if r.status != 200:
-                return replace(peer, trusted=False, reason="unauthorized")
-            answer = await r.json()
-        peer_id = str(answer.get("id", ""))
-        fp = str(answer.get("fingerprint", ""))
-        ok = verify_proof(self.token or "", nonce, self.own_id, peer_id, fp, answer.get("proof"))
-        if not ok:
+        try:
+            proven = await prove(self._session, peer.address, self.token, self.own_id)
+        except HelloError as e:
+            if peer.trusted or peer.reason != e.reason:
+                log.warning("peer %s not trusted: %s", peer.address, e)
+            return replace(peer, trusted=False, reason=e.reason)
+        if proven.id != peer.id:
+            log.warning("peer %s proved id %s, not %s: untrusted", peer.address, proven.id, peer.id)
             return replace(peer, trusted=False, reason="unauthorized")
-        if fp != self.fingerprint:
+        if proven.fingerprint != self.fingerprint:
             return replace(peer, trusted=False, reason="model_mismatch")
         if not peer.trusted:
-            log.info("peer %s (%s) trusted", peer.address, peer.name or peer_id)
-        return replace(peer, id=peer_id, trusted=True, reason=None)
+            log.info("peer %s (%s) trusted", peer.address, peer.name or proven.id)
+        return replace(peer, cert_fingerprint=proven.cert_fingerprint, trusted=True, reason=None)
 
 
-def _identity(peer: Peer) -> tuple[str, int, str]:
-    """What trust was granted for: a change (a restart with another model) asks again."""
-    return peer.id, peer.proto, peer.model.get("fingerprint", "")
+def _identity(peer: Peer) -> tuple[str, str, int, str]:
+    """What trust was granted for: a change (a restart, another model) proves again."""
+    return peer.id, peer.instance, peer.proto, peer.model.get("fingerprint", "")
+
+
+def _scheme_hint(address: str) -> str:
+    if address.startswith("http://") and not address.startswith(("http://127.", "http://[::1]")):
+        return " (a node listening beyond loopback speaks https://)"
+    return ""
 
 
 def _ewma(old: float | None, new: float | None, weight: float = 0.3) -> float | None:
     if not new:
         return old
     return new if not old else (1 - weight) * old + weight * new
-
-
-def hello_answer(token: str | None, own_id: str, fingerprint: str, body: object) -> dict[str, str]:
-    """This node's answer to `/v1/hello`. Raises ValueError on a malformed body."""
-    if not isinstance(body, dict) or not isinstance(body.get("nonce"), str):
-        raise ValueError("hello needs {nonce, id}")
-    nonce, caller = body["nonce"], str(body.get("id", ""))
-    if not 8 <= len(nonce) <= 256:
-        raise ValueError("nonce must be 8..256 characters")
-    return {
-        "id": own_id,
-        "fingerprint": fingerprint,
-        "proof": proof(token or "", nonce, caller, own_id, fingerprint),
-    }

@@ -2,7 +2,7 @@
 
     python -m tests.bad_prefill --model DIR --token-file F --port N
 
-It answers `/health` and `/v1/hello` as a real prefill node does (it proves the token), and
+It answers `/health` and the hello as a real prefill node does (it proves the token), and
 `/v1/prefill` with frames crafted to disagree with the model, 503s with a useless
 `Retry-After`, or a freeze. The test sets the mode with `POST /control {"mode": M}` and reads
 back what reached `/v1/prefill` with `GET /control`. The router's calibration probes
@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from nodes.auth import proof
+from nodes.hello import HelloResponder
 from nodes.model import fingerprint, load_index
 from nodes.model.spec import ModelSpec
 from nodes.wire import PROTO, FrameWriter, Header
+from tests.trust_support import add_hello_routes
 
 log = logging.getLogger(__name__)
 FRAME_MODES = ("good", "count_more", "count_less", "heads", "head_dim", "f16", "nan", "inf")
@@ -88,13 +89,6 @@ async def health(request: web.Request) -> web.Response:
     )  # fmt: skip
 
 
-async def hello(request: web.Request) -> web.Response:
-    c = request.app[CONTROL]
-    body = await request.json()
-    p = proof(c.token, body["nonce"], body["id"], NODE_ID, c.fingerprint)
-    return web.json_response({"id": NODE_ID, "fingerprint": c.fingerprint, "proof": p})
-
-
 async def control(request: web.Request) -> web.Response:
     c = request.app[CONTROL]
     if request.method == "POST":
@@ -147,9 +141,10 @@ def _freeze() -> None:
 def create_app(model: Path, token: str) -> web.Application:
     index = load_index(model)
     app = web.Application()
-    app[CONTROL] = Control(index.spec, fingerprint(index), token)
+    fp = fingerprint(index)
+    app[CONTROL] = Control(index.spec, fp, token)
     app.router.add_get("/health", health)
-    app.router.add_post("/v1/hello", hello)
+    add_hello_routes(app, HelloResponder(token, NODE_ID, fp, ""))  # proves as a node does
     app.router.add_post("/v1/prefill", prefill)
     app.router.add_route("*", "/control", control)
     return app

@@ -14,19 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.nodeproc import ROOT, NodeProc, free_port, wait_healthy
+from nodes.auth import is_loopback
+from tests.nodeproc import ROOT, NodeProc, free_port, unverified_tls, wait_healthy
 
 T = TypeVar("T")
 
 # Runs inside a namespace: one HTTP request, the JSON reply on stdout.
 NS_CLIENT = """
-import json, sys, urllib.request
+import json, ssl, sys, urllib.request
 url, body, token = sys.argv[1], sys.argv[2], sys.argv[3]
 req = urllib.request.Request(url, data=body.encode() if body else None)
 req.add_header("Content-Type", "application/json")
 if token:
     req.add_header("Authorization", "Bearer " + token)
-with urllib.request.urlopen(req, timeout=30) as r:
+ctx = ssl._create_unverified_context()  # nodes' certificates are self-signed
+with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
     sys.stdout.write(r.read().decode())
 """
 
@@ -41,7 +43,7 @@ class MdnsNode(NodeProc):
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def get(self, path: str, auth: bool = True) -> dict:
         return self.request(path, None, auth)
@@ -57,7 +59,8 @@ class MdnsNode(NodeProc):
             req.add_header("Content-Type", "application/json")
             if token:
                 req.add_header("Authorization", f"Bearer {token}")
-            with urllib.request.urlopen(req, timeout=30) as r:
+            context = unverified_tls() if self.tls else None
+            with urllib.request.urlopen(req, timeout=30, context=context) as r:
                 return json.loads(r.read())
         cmd = ["ip", "netns", "exec", self.netns, sys.executable, "-c", NS_CLIENT]
         done = subprocess.run([*cmd, self.url + path, data, token], capture_output=True, timeout=40)
@@ -92,7 +95,8 @@ def start_mdns_node(
         cmd = ["ip", "netns", "exec", netns, *cmd]  # ip execs python: the pid is the node's
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    node = MdnsNode(proc, port, log, token, host=host, netns=netns)
+    tls = "--tls" in args or not is_loopback(host)  # as the node decides (NodeConfig.serves_tls)
+    node = MdnsNode(proc, port, log, token, tls, host=host, netns=netns)
     if wait:
         wait_healthy(node)
     return node

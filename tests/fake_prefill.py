@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 
-from nodes.auth import proof
+from nodes.hello import HelloResponder
 from nodes.model import fingerprint, load_index
 from nodes.wire import PROTO, FrameWriter, Header
+from tests.trust_support import add_hello_routes
 
 MODES = ("zeros", "503", "409", "error_frame", "garbage", "die", "hang")
 
@@ -21,7 +22,8 @@ class FakePrefill:
     mode: str
     url: str = ""
     prefills: list[str] = field(default_factory=list)  # request ids that reached /v1/prefill
-    auth_headers: list[str] = field(default_factory=list)
+    auth_headers: list[str] = field(default_factory=list)  # paths that got a bearer token
+    signed: list[str] = field(default_factory=list)  # paths that got signature headers
     runner: web.AppRunner | None = None
 
     async def close(self) -> None:
@@ -38,6 +40,8 @@ async def start_fake_prefill(model: Path, token: str, mode: str) -> FakePrefill:
     async def record(request: web.Request, handler: web.Handler) -> web.StreamResponse:
         if "Authorization" in request.headers:
             fake.auth_headers.append(request.path)
+        if "X-Tandem-Signature" in request.headers:
+            fake.signed.append(request.path)
         return await handler(request)
 
     async def health(request: web.Request) -> web.Response:
@@ -46,11 +50,6 @@ async def start_fake_prefill(model: Path, token: str, mode: str) -> FakePrefill:
             {"status": "ok", "id": "fake", "name": "fake", "roles": ["prefill"],
              "proto": PROTO, "model": model}
         )  # fmt: skip
-
-    async def hello(request: web.Request) -> web.Response:
-        body = await request.json()
-        p = proof(token, body["nonce"], body["id"], "fake", fp)
-        return web.json_response({"id": "fake", "fingerprint": fp, "proof": p})
 
     async def prefill(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -90,7 +89,7 @@ async def start_fake_prefill(model: Path, token: str, mode: str) -> FakePrefill:
 
     app = web.Application(middlewares=[record])
     app.router.add_get("/health", health)
-    app.router.add_post("/v1/hello", hello)
+    add_hello_routes(app, HelloResponder(token, "fake", fp, ""))  # proves as a node does
     app.router.add_post("/v1/prefill", prefill)
     fake.runner = web.AppRunner(app, shutdown_timeout=0.5)
     await fake.runner.setup()

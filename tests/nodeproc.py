@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -17,8 +18,25 @@ from pathlib import Path
 
 from app.demo import free_port
 
-__all__ = ["NodeProc", "free_port", "remote_pair", "start_node", "wait_healthy", "wait_trusted"]
+__all__ = [
+    "NodeProc",
+    "free_port",
+    "remote_pair",
+    "start_node",
+    "unverified_tls",
+    "wait_healthy",
+    "wait_trusted",
+]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def unverified_tls() -> ssl.SSLContext:
+    """What a test's own requests to a TLS node use: nodes' certificates are self-signed, and
+    the test knows whom it started (nodes check each other by the hello and the pin)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 @dataclass
@@ -27,16 +45,18 @@ class NodeProc:
     port: int
     log: Path
     token: str | None = None
+    tls: bool = False  # started with --tls (or beyond loopback): it serves https://
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def get(self, path: str, auth: bool = True) -> dict:
         req = urllib.request.Request(self.url + path)
         if auth and self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
-        with urllib.request.urlopen(req, timeout=10) as r:
+        context = unverified_tls() if self.url.startswith("https://") else None
+        with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return json.loads(r.read())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
@@ -76,7 +96,7 @@ def start_node(
         cmd += ["--token-file", str(token_file)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
-    node = NodeProc(proc, port, log, token)
+    node = NodeProc(proc, port, log, token, tls="--tls" in args)
     if wait:
         wait_healthy(node)
     return node

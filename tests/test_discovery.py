@@ -20,8 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
-from nodes.auth import proof
-from nodes.contract import SERVICE_TYPE
+from nodes.contract import PROTO, SERVICE_TYPE
 from nodes.discovery import (
     Advert,
     Discovery,
@@ -30,6 +29,7 @@ from nodes.discovery import (
     url_for,
     zeroconf_interfaces,
 )
+from nodes.hello import HelloResponder
 from nodes.model import fingerprint, load_index
 from nodes.node import NODE, NodeConfig, create_app
 from nodes.peers import Peer, PeerTable
@@ -115,6 +115,7 @@ class FakeNode:
         app = web.Application(middlewares=[record])
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/hello", self.hello)
+        app.router.add_post("/v1/hello/confirm", self.confirm)
         app.router.add_route("*", "/{tail:.*}", self.refuse)
         return app
 
@@ -125,7 +126,7 @@ class FakeNode:
                 "id": self.id,
                 "name": self.name,
                 "roles": ["prefill"],
-                "proto": 2 if self.behaviour == "old_proto" else 1,
+                "proto": PROTO + 1 if self.behaviour == "old_proto" else PROTO,
                 "device": "cuda",
                 "mem_bytes": 1 << 30,
                 "budget_bytes": 1 << 28,
@@ -134,11 +135,15 @@ class FakeNode:
         )
 
     async def hello(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        fp = self.model_fp()
-        good = proof(TOKEN, body["nonce"], body["id"], self.id, fp)
-        answer = "ab" * 32 if self.behaviour == "wrong_proof" else good
-        return web.json_response({"id": self.id, "fingerprint": fp, "proof": answer})
+        self.responder = HelloResponder(TOKEN, self.id, self.model_fp(), "")
+        sockname = request.transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        answer = self.responder.answer(await request.json(), sockname)
+        if self.behaviour == "wrong_proof":
+            answer["proof"] = "ab" * 32
+        return web.json_response(answer)
+
+    async def confirm(self, request: web.Request) -> web.Response:
+        return web.json_response({"caller": self.responder.confirm(await request.json())})
 
     async def refuse(self, request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "fake"}}, status=500)
@@ -149,7 +154,7 @@ class FakeNode:
             "id": self.id,
             "name": self.name,
             "roles": "prefill",
-            "proto": "1",
+            "proto": str(PROTO),
             "model": self.model_fp()[:16],
             "device": "cuda",
             "mem": str(1 << 30),
@@ -231,7 +236,7 @@ async def test_own_browser_sees_the_txt_keys(
         node, props = want[node_id], info.decoded_properties
         assert set(props) >= TXT_KEYS
         assert props["roles"] == ("prefill" if node is prefill else "decode")
-        assert props["name"] == "twin" and props["proto"] == "1"
+        assert props["name"] == "twin" and props["proto"] == str(PROTO)
         assert props["model"] == fp[:16]
         assert int(props["mem"] or 0) > 0 and props["device"]
         assert info.port == node.port
@@ -304,8 +309,9 @@ async def test_spoofed_registrations_are_rejected_and_never_get_a_prompt_or_toke
 
         for fake in fakes:
             assert "/health" in fake.paths
-            assert not [p for p in fake.paths if p not in ("/health", "/v1/hello")]
+            assert not [p for p in fake.paths if not p.startswith(("/health", "/v1/hello"))]
             assert all("Authorization" not in h for _, h in fake.requests)
+            assert all("X-Tandem-Signature" not in h for _, h in fake.requests)
         assert "/v1/hello" in fakes[0].paths and "/v1/hello" in fakes[1].paths
         for info in infos:
             await azc.async_unregister_service(info)
@@ -439,7 +445,7 @@ async def test_hint_suggests_peer_when_nothing_is_found(caplog: pytest.LogCaptur
     async with aiohttp.ClientSession() as s:
         lan = Discovery(replace(_advert(), host="0.0.0.0"), table, s, hint_after_s=0.01)
         await lan._hint()
-        assert "--peer http://HOST:PORT" in caplog.text and "multicast" in caplog.text
+        assert "--peer https://HOST:PORT" in caplog.text and "multicast" in caplog.text
         caplog.clear()
         table.add("http://10.0.0.5:8470")
         await lan._hint()

@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from nodes.contract import PROTO
 from nodes.model import load_index
 from tests.fake_prefill import start_fake_prefill
 from tests.hide_modules import hidden_env
@@ -225,7 +226,7 @@ async def test_junk_and_bad_json_then_still_serving(cluster: Cluster) -> None:
         async with s.post(cluster.decode.url + "/v1/chat/completions", json=huge) as r:
             assert r.status == 400
             assert (await r.json())["error"]["code"] == "context_length_exceeded"
-        async with s.post(cluster.prefill.url + "/v1/prefill", json={"proto": 1}) as r:
+        async with s.post(cluster.prefill.url + "/v1/prefill", json={"proto": PROTO}) as r:
             assert r.status in (400, 409)
     reply = await asyncio.to_thread(_chat, cluster.client(), PROMPTS[1])
     assert reply.choices[0].message.content == cluster.reference(PROMPTS[1])
@@ -256,7 +257,7 @@ def test_prefill_fingerprint_mismatch_is_409(cluster: Cluster) -> None:
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"proto": 1, "fingerprint": "0" * 64, "tokens": [1, 2], "start": 0})
+    body = json.dumps({"proto": PROTO, "fingerprint": "0" * 64, "tokens": [1, 2], "start": 0})
     req = urllib.request.Request(
         cluster.prefill.url + "/v1/prefill", data=body.encode(), method="POST",
         headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from nodes.decode import http_stream
 from nodes.decode.http_stream import HttpError
 from nodes.kv_link import BUFFER_BYTES, arrival_seconds, tune_receiver, tune_sender
+from nodes.tls import Identity, load_or_create, server_context
 
 BODY = bytes(range(256)) * 1200  # 300 KiB
 PIECES = [1, 2, 3, 1000, 1005, 70_000, 170_000, len(BODY)]  # the server's writes, cut at these
@@ -31,8 +32,9 @@ async def read_body(resp: http_stream.Response, view_size: int) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def serve() -> AsyncIterator[str]:
-    """An aiohttp server with a route for each case; yields its URL."""
+async def serve(identity: Identity | None = None) -> AsyncIterator[str]:
+    """An aiohttp server with a route for each case (over TLS with `identity`); yields its
+    URL."""
 
     async def chunked(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()
@@ -66,8 +68,17 @@ async def serve() -> AsyncIterator[str]:
     for path, handler in [("/chunked", chunked), ("/sized", sized), ("/echo", echo),
                           ("/busy", busy), ("/hang", hang)]:  # fmt: skip
         app.router.add_post(path, handler)
-    async with TestServer(app, host="127.0.0.1") as srv:
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server(ssl=server_context(identity) if identity is not None else None)
+    try:
         yield str(srv.make_url("")).rstrip("/")
+    finally:
+        await srv.close()
+
+
+@pytest.fixture(scope="module")
+def identity(tmp_path_factory: pytest.TempPathFactory) -> Identity:
+    return load_or_create(tmp_path_factory.mktemp("tls"), "stream-test")
 
 
 @pytest.mark.parametrize("view_size", [1, 7, 4096, 1 << 20])
@@ -116,6 +127,73 @@ async def test_a_silent_server_times_out() -> None:
             await read_body(resp, 4096)
 
 
+@pytest.mark.parametrize("view_size", [1, 7, 4096, 1 << 20])
+@pytest.mark.parametrize("path", ["/chunked", "/sized"])
+async def test_tls_bodies_read_whole_into_the_given_buffer(
+    identity: Identity, path: str, view_size: int
+) -> None:
+    async with (
+        serve(identity) as server,
+        http_stream.post(
+            server + path, b"{}", {}, read_timeout_s=10, pin=identity.fingerprint
+        ) as resp,
+    ):
+        assert server.startswith("https://") and resp.status == 200
+        assert await read_body(resp, view_size) == BODY
+        assert resp.conn.received >= len(BODY)
+
+
+async def test_tls_echo_and_503(identity: Identity) -> None:
+    async with serve(identity) as server:
+        headers = {"X-Tandem-Signature": "ab" * 32}
+        async with http_stream.post(
+            server + "/echo", b'{"a": 1}', headers, read_timeout_s=10, pin=identity.fingerprint
+        ) as resp:
+            got = json.loads(await resp.read(10_000))
+        assert got["body"] == {"a": 1} and got["headers"]["X-Tandem-Signature"] == "ab" * 32
+        async with http_stream.post(
+            server + "/busy", b"{}", {}, read_timeout_s=10, pin=identity.fingerprint
+        ) as resp:
+            assert resp.status == 503 and resp.headers["retry-after"] == "2"
+
+
+async def test_another_certificate_gets_not_one_byte_of_the_request(
+    identity: Identity, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A TLS server with another identity at the pinned address: the handshake completes,
+    the pin does not match, and the request (its signature headers) is never sent."""
+    impostor = load_or_create(tmp_path_factory.mktemp("impostor"), "impostor")
+    received = bytearray()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            received.extend(await reader.read())
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_context(impostor))
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(HttpError, match="not the pinned"):
+            async with http_stream.post(
+                f"https://127.0.0.1:{port}/v1/prefill", b'{"tokens": [1]}',
+                {"X-Tandem-Signature": "cd" * 32}, read_timeout_s=5, pin=identity.fingerprint,
+            ):  # fmt: skip
+                pass
+        await asyncio.sleep(0.1)
+    finally:
+        srv.close()
+        await srv.wait_closed()
+    assert received == b""
+
+
+async def test_tls_to_a_plain_server_fails_cleanly() -> None:
+    async with serve() as server:
+        with pytest.raises((HttpError, OSError)):
+            url = server.replace("http://", "https://") + "/sized"
+            async with http_stream.post(url, b"{}", {}, read_timeout_s=5, pin="ab" * 32):
+                pass
+
+
 async def test_unreachable_and_unsupported_urls() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,7 +202,13 @@ async def test_unreachable_and_unsupported_urls() -> None:
         async with http_stream.post(f"http://127.0.0.1:{port}/", b"", {}, read_timeout_s=5):
             pass
     with pytest.raises(HttpError, match="only http"):
+        async with http_stream.post("ftp://example.com/", b"", {}, read_timeout_s=5):
+            pass
+    with pytest.raises(HttpError, match="pinned certificate"):  # https needs a pin...
         async with http_stream.post("https://example.com/", b"", {}, read_timeout_s=5):
+            pass
+    with pytest.raises(HttpError, match="pinned certificate"):  # ...and http cannot take one
+        async with http_stream.post("http://x/", b"", {}, read_timeout_s=5, pin="ab" * 32):
             pass
 
 

@@ -15,13 +15,20 @@ from typing import Any
 import pytest
 
 from nodes.contract import SERVICE_TYPE
-from tests.discovery_support import MdnsNode, mutual_trust, poll, start_mdns_node, trusted_by
+from tests.discovery_support import (
+    MdnsNode,
+    mutual_trust,
+    peer,
+    poll,
+    start_mdns_node,
+    trusted_by,
+)
 from tests.nodeproc import free_port, wait_healthy
 
 pytestmark = pytest.mark.netns
 TOKEN = "netns-test-token-0123456789"
 PREFIX = "tdmt"  # namespaces are named PREFIX + pid + letter
-HINT = "--peer http://HOST:PORT"
+HINT = "--peer https://HOST:PORT"
 
 
 def _ip(*args: str) -> None:
@@ -86,10 +93,17 @@ class Lab:
             _ip("-n", ns, "link", "set", dev, "up")
 
     def node(
-        self, ns: str, host: str, role: str, *args: str, model: Path, port: int | None = None
+        self,
+        ns: str,
+        host: str,
+        role: str,
+        *args: str,
+        model: Path,
+        port: int | None = None,
+        token: str = TOKEN,
     ) -> MdnsNode:
         node = start_mdns_node(
-            self.tmp, model, role, *args, token=TOKEN, host=host, netns=ns, port=port, wait=False
+            self.tmp, model, role, *args, token=token, host=host, netns=ns, port=port, wait=False
         )
         self.nodes.append(node)
         return node
@@ -142,6 +156,10 @@ def test_nodes_in_two_namespaces_discover_each_other_and_prefill_remotely(
     took = time.monotonic() - t_up
     assert seen_prefill["address"] == prefill.url and seen_prefill["source"] == "mdns"
     assert seen_decode["address"] == decode.url
+    # beyond loopback both serve TLS, and each pinned the certificate the other serves
+    assert prefill.url.startswith("https://") and decode.url.startswith("https://")
+    assert seen_prefill["cert_fingerprint"] == prefill.get("/health")["cert_fingerprint"]
+    assert seen_decode["cert_fingerprint"] == decode.get("/health")["cert_fingerprint"]
 
     body = {"messages": [{"role": "user", "content": "across the link"}], "max_tokens": 4}
     reply = decode.post("/v1/chat/completions", body)
@@ -200,3 +218,54 @@ def test_a_second_node_with_the_same_id_advertises_under_a_new_name(lab: Lab, mo
     poll(lambda: f"mDNS: advertising {renamed}" in second.output(), 20.0)
     assert f"{name} is already advertised" in second.output()
     assert "already advertised" not in first.output()
+
+
+def test_a_lan_peer_with_another_certificate_is_refused_until_it_proves_the_token(
+    lab: Lab, model: Path
+) -> None:
+    """Over a real link: the prefill node's address taken by a node with another certificate
+    and another token is refused at once and stays refused; the real node back with a new
+    certificate proves the token again and is pinned anew."""
+    a, b = lab.netns("a"), lab.netns("b")
+    lab.link(a, "10.80.0.1/24", b, "10.80.0.2/24")
+    port = free_port()
+    prefill = lab.node(a, "10.80.0.1", "prefill", "--no-mdns", model=model, port=port)
+    prefill_id = wait_healthy(prefill)["id"]
+    decode = lab.node(
+        b, "10.80.0.2", "decode", "--no-mdns", "--peer", prefill.url,
+        "--remote-prefill", "always", model=model,
+    )  # fmt: skip
+    wait_healthy(decode)
+    first_pin = poll(lambda: trusted_by(decode, prefill_id), 15.0)["cert_fingerprint"]
+    assert first_pin == prefill.get("/health")["cert_fingerprint"]
+
+    identity = lab.tmp / "config" / "tandem" / "nodes" / str(port)  # where its cert lives
+    prefill.stop(timeout=5.0)
+    for name in ("cert.pem", "key.pem"):
+        (identity / name).unlink()
+    other = lab.node(
+        a, "10.80.0.1", "prefill", "--no-mdns", model=model, port=port,
+        token="another-cluster-token-0123456789",
+    )  # fmt: skip
+    other_pin = wait_healthy(other)["cert_fingerprint"]
+    assert other_pin != first_pin
+    seen = poll(
+        lambda: (p := peer(decode.get("/v1/cluster"), prefill_id)) and
+        p["reason"] == "unauthorized" and p, 10.0,
+    )  # fmt: skip
+    assert not seen["trusted"] and seen["cert_fingerprint"] == first_pin  # nothing new pinned
+    time.sleep(4.0)  # two more health checks: still refused
+    assert not peer(decode.get("/v1/cluster"), prefill_id)["trusted"]
+    assert "does not hold this token" in decode.output()
+
+    other.stop(timeout=5.0)
+    for name in ("cert.pem", "key.pem"):
+        (identity / name).unlink()
+    back = lab.node(a, "10.80.0.1", "prefill", "--no-mdns", model=model, port=port)
+    new_pin = wait_healthy(back)["cert_fingerprint"]
+    again = poll(lambda: trusted_by(decode, prefill_id), 15.0)
+    assert again["cert_fingerprint"] == new_pin not in (first_pin, other_pin)
+    reply = decode.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    )
+    assert reply["tandem"]["prefill"] == "remote"

@@ -15,6 +15,7 @@ from nodes.decode.kv import KVShape
 from nodes.decode.remote import BufferPool, PrefillCall, RemotePrefill, RemotePrefillError
 from nodes.events import EventBus, LinkEvent
 from nodes.model import fingerprint, load_index
+from nodes.peers import Peer, PeerTable
 from tests.fake_prefill import start_fake_prefill
 
 TOKEN = "t0ken"
@@ -39,15 +40,20 @@ async def _prefill(
     caches = await host.call(host.new_cache)
     events = EventBus()
     call = PrefillCall("r1", list(range(1, 40)), 0, timeout_s)
-    await client(host, model, events, pool)(url, call, caches)
+    await client(host, model, events, pool, url)(url, call, caches)
     return caches, events
 
 
-def client(host: ModelHost, model: Path, events: EventBus, pool: BufferPool) -> RemotePrefill:
+def client(
+    host: ModelHost, model: Path, events: EventBus, pool: BufferPool, url: str
+) -> RemotePrefill:
+    """The client of a decode node whose peer table trusts the fake at `url`."""
     index = load_index(model)
     spec = index.spec
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, index.dtype)
-    return RemotePrefill(host, expect, fingerprint(index), TOKEN, events, pool)
+    peers = PeerTable("decode-test", fingerprint(index), TOKEN)
+    peers.peers[url] = Peer(url, id="fake", trusted=True, reason=None)
+    return RemotePrefill(host, expect, fingerprint(index), peers, events, pool)
 
 
 async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Path) -> None:
@@ -67,12 +73,13 @@ async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Pa
         for _ in range(3):
             caches = await host.call(host.new_cache)
             call = PrefillCall("r1", list(range(1, 40)), 0)
-            result = await client(host, model, events, pool)(fake.url, call, caches)
+            result = await client(host, model, events, pool, fake.url)(fake.url, call, caches)
             assert result.tokens == 39 and result.kv_bytes > 0
             assert [c.offset for c in caches] == [39, 39]
             assert all(not mx.any(c.keys[..., :39, :]).item() for c in caches)  # zeros sent
     finally:
         await fake.close()
+    assert fake.signed == ["/v1/prefill"] * 3 and not fake.auth_headers  # never the token
     assert len(made) == 3 * 2  # a buffer per layer frame...
     assert len({id(b) for b in made}) <= 2  # ...the same ones again: given back once applied
     links = [e for e in events.replay(since=0) if isinstance(e, LinkEvent)]

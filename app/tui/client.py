@@ -3,7 +3,8 @@
 No Textual here: `tandem demo --headless` uses the same client. Every failure a node can
 cause becomes one `NodeError` whose `reason` matches `/v1/cluster`'s reasons, so callers
 show it instead of a traceback. The bearer token goes only to a node that first proved,
-through `/v1/hello`, that it holds the same token (DESIGN.md).
+through a hello (`nodes.hello`), that it holds the same token; an `https://` node is then
+reached only over a connection whose certificate is the one that hello covered (pinned).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any
 
 import aiohttp
 
-from nodes.auth import auth_headers, verify_proof
+from nodes.auth import auth_headers
 from nodes.contract import PROTO, SSE_END, Health, Reason, sse_record
+from nodes.hello import HelloError, prove
+from nodes.tls import aiohttp_pin
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=3.0, sock_read=None)
@@ -65,6 +68,7 @@ class ReplyStats:
     ttft_s: float = 0.0
     decode_tokens: int = 0
     decode_s: float = 0.0
+    kv_dtype: str = ""  # how the KV was held: the model's dtype or e.g. "q8/g64"
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ReplyStats:
@@ -97,6 +101,7 @@ class NodeClient:
         self.url = normalize(url)
         self.token = token
         self.caller = "tui-" + secrets.token_hex(4)
+        self.cert_fingerprint: str | None = None  # pinned by the last hello (https:// only)
 
     async def probe(self) -> Probe:
         """Health, then the token proof, then the node's view of the cluster."""
@@ -116,28 +121,39 @@ class NodeClient:
         return Probe(self.url, health, cluster)
 
     async def _hello(self, node_id: str) -> None:
-        nonce = secrets.token_hex(16)
-        body = {"nonce": nonce, "id": self.caller}
-        answer = await self._request("POST", "/v1/hello", auth=False, json=body)
-        ok = verify_proof(
-            self.token or "",
-            nonce,
-            self.caller,
-            str(answer.get("id", node_id)),
-            str(answer.get("fingerprint", "")),
-            str(answer.get("proof", "")),
-        )
-        if not ok:
-            raise NodeError("unauthorized", "the node does not hold our token")
+        try:
+            proven = await prove(self.session, self.url, self.token, self.caller)
+        except HelloError as e:
+            self.cert_fingerprint = None
+            if e.reason == "unauthorized":
+                raise NodeError("unauthorized", f"the node does not hold our token: {e}") from None
+            raise NodeError(e.reason, str(e)) from None
+        if proven.id != node_id:
+            raise NodeError("unauthorized", f"the hello came from {proven.id}, not {node_id}")
+        self.cert_fingerprint = proven.cert_fingerprint or None
+
+    async def _ssl(self, auth: bool) -> aiohttp.Fingerprint | bool:
+        """`ssl=` for a request: an https:// node's pinned certificate once it proved the
+        token (proved first when the request carries it); unchecked for public routes."""
+        if not self.url.startswith("https://"):
+            return True
+        if not auth:
+            return False  # /health and the hello: public, and the hello checks the certificate
+        if self.cert_fingerprint is None:
+            health = await self._get_json("/health", auth=False)
+            await self._hello(str(health.get("id", "")))
+        assert self.cert_fingerprint is not None
+        return aiohttp_pin(self.cert_fingerprint)
 
     async def _get_json(self, path: str, auth: bool) -> dict[str, Any]:
         return await self._request("GET", path, auth=auth)
 
     async def _request(self, method: str, path: str, auth: bool, **kw: Any) -> dict[str, Any]:
         headers = auth_headers(self.token) if auth else {}
+        ssl = await self._ssl(auth)
         try:
             async with self.session.request(
-                method, self.url + path, headers=headers, timeout=PROBE_TIMEOUT, **kw
+                method, self.url + path, headers=headers, timeout=PROBE_TIMEOUT, ssl=ssl, **kw
             ) as r:
                 if r.status == 401:
                     raise NodeError("unauthorized", "the node refuses our token")
@@ -158,11 +174,13 @@ class NodeClient:
         """The node's event records (`/v1/events`), live, until the connection ends;
         `on_open` is called once the node accepted the subscription."""
         query = f"?since={since!r}" if since is not None else ""
+        ssl = await self._ssl(auth=True)
         try:
             async with self.session.get(
                 f"{self.url}/v1/events{query}",
                 headers=auth_headers(self.token),
                 timeout=STREAM_TIMEOUT,
+                ssl=ssl,
             ) as r:
                 if r.status == 401:
                     raise NodeError("unauthorized", "the node refuses our token")
@@ -191,12 +209,14 @@ class NodeClient:
         body: dict[str, Any] = {"messages": messages, "stream": True, "max_tokens": max_tokens}
         if temperature is not None:
             body["temperature"] = temperature
+        ssl = await self._ssl(auth=True)
         try:
             async with self.session.post(
                 f"{self.url}/v1/chat/completions",
                 json=body,
                 headers=auth_headers(self.token),
                 timeout=STREAM_TIMEOUT,
+                ssl=ssl,
             ) as r:
                 if r.status != 200:
                     raise NodeError(*await _api_error(r))

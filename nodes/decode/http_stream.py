@@ -4,8 +4,13 @@ aiohttp's client hands a body out as a new bytes object per read, 256 KiB at mos
 is hundreds of MB of frames, parsed where they land, so the decode node reads it with
 `recv_into` straight into the frames' own buffers (`FrameReader.get_buffer`): no allocation
 and no copy per read, and the same warm pages frame after frame. This speaks just what that
-needs: one request per connection (`Connection: close`), plain `http://`, and a response body
-that is chunked, sized by Content-Length, or runs to the close.
+needs: one request per connection (`Connection: close`), `http://` or `https://`, and a
+response body that is chunked, sized by Content-Length, or runs to the close.
+
+`https://` is a non-blocking `ssl.SSLSocket` driven by the event loop's reader and writer
+callbacks: OpenSSL decrypts each record straight into the caller's buffer, as a plain socket's
+`recv_into` fills it. The peer's certificate must be the pinned one (`tls.check_peer`), checked
+after the handshake and before one byte of the request is sent.
 """
 
 from __future__ import annotations
@@ -13,35 +18,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 from nodes.kv_link import receiver_socket
+from nodes.tls import TLSError, check_peer, client_context
 
 READ_AHEAD = 64 * 1024  # bytes buffered for the status line, headers and chunk sizes
 MAX_LINE = 8 * 1024  # bytes in one status, header or chunk-size line
 MAX_HEADERS = 100
+# bytes one TLS read may decrypt (OpenSSL goes on through every record that has arrived):
+# the event loop stays responsive, and a frame's reads stay many enough to time it by
+TLS_READ_MAX = 2**20
+# a non-blocking socket that has nothing to give (or take) yet; for TLS, also what it needs
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class HttpError(Exception):
-    """The peer broke HTTP/1.1 or hung up early; the message says how."""
+    """The peer broke HTTP/1.1 or hung up early, or is not the pinned peer; the message says
+    how."""
 
 
 class Connection:
-    """A connected non-blocking socket. Lines come through a small read-ahead buffer; bulk
-    bytes go straight from the socket into the caller's buffer."""
+    """A connected non-blocking socket, plain or TLS. Lines come through a small read-ahead
+    buffer; bulk bytes go straight from the socket into the caller's buffer."""
 
     def __init__(self, sock: socket.socket, read_timeout_s: float) -> None:
         self.sock = sock
+        self._tls = isinstance(sock, ssl.SSLSocket)
         self.read_timeout_s = read_timeout_s  # the longest wait for the next byte
         self._loop = asyncio.get_running_loop()
         self._ahead = bytearray(READ_AHEAD)
         self._lo = self._hi = 0  # the unread bytes of `_ahead`
-        self.received = 0  # bytes taken from the socket so far
+        self.received = 0  # bytes taken from the socket so far (after decryption)
 
     @classmethod
-    async def open(cls, host: str, port: int, read_timeout_s: float) -> Connection:
-        """Connect to the first address of `host` that answers within `read_timeout_s`."""
+    async def open(
+        cls, host: str, port: int, read_timeout_s: float, pin: str | None = None
+    ) -> Connection:
+        """Connect to the first address of `host` that answers within `read_timeout_s`; with
+        `pin`, over TLS to a peer whose certificate has that fingerprint (else HttpError)."""
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         error: OSError = OSError(f"{host}:{port} has no address")
@@ -52,21 +69,77 @@ class Connection:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 async with asyncio.timeout(read_timeout_s):
                     await loop.sock_connect(sock, address)
-                return cls(sock, read_timeout_s)
             except OSError as e:  # TimeoutError too: try the next address
                 sock.close()
                 error = e
+                continue
             except BaseException:
                 sock.close()
                 raise
+            if pin is None:
+                return cls(sock, read_timeout_s)
+            return await cls._secure(sock, pin, read_timeout_s)
         raise error
+
+    @classmethod
+    async def _secure(cls, sock: socket.socket, pin: str, read_timeout_s: float) -> Connection:
+        """The TLS handshake on a connected socket, then the pin check; the socket is closed
+        on any failure."""
+        try:
+            tls = client_context().wrap_socket(sock, do_handshake_on_connect=False)
+        except BaseException:
+            sock.close()
+            raise
+        conn = cls(tls, read_timeout_s)
+        try:
+            async with asyncio.timeout(read_timeout_s):
+                while True:
+                    try:
+                        tls.do_handshake()
+                        break
+                    except _WOULD_BLOCK as e:
+                        await conn._ready(not isinstance(e, ssl.SSLWantWriteError))
+            check_peer(tls, pin)
+        except TLSError as e:
+            conn.close()
+            raise HttpError(str(e)) from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         self.sock.close()
 
+    async def _ready(self, readable: bool) -> None:
+        """Until the socket is readable (or writable)."""
+        done = self._loop.create_future()
+        fd = self.sock.fileno()
+
+        def wake() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        if readable:
+            self._loop.add_reader(fd, wake)
+        else:
+            self._loop.add_writer(fd, wake)
+        try:
+            await done
+        finally:
+            if readable:
+                self._loop.remove_reader(fd)
+            else:
+                self._loop.remove_writer(fd)
+
     async def send(self, data: bytes) -> None:
+        view = memoryview(data)
         async with asyncio.timeout(self.read_timeout_s):
-            await self._loop.sock_sendall(self.sock, data)
+            while view:
+                try:
+                    view = view[self.sock.send(view) :]
+                except _WOULD_BLOCK as e:  # TLS may need to read before it can write
+                    await self._ready(isinstance(e, ssl.SSLWantReadError))
 
     async def recv_into(self, view: memoryview) -> int:
         """Up to len(view) bytes into `view`; 0 at the end of the stream."""
@@ -76,17 +149,41 @@ class Connection:
         view[:n] = memoryview(self._ahead)[self._lo : self._lo + n]
         self._lo += n
         if n < len(view):  # and what has arrived since, in the same call
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                n += self._count(self.sock.recv_into(view[n:]))
+            n += self._more(view[n:])
         return n
 
     async def _recv(self, view: memoryview) -> int:
+        if self._tls:
+            view = view[:TLS_READ_MAX]
         try:  # bytes already waiting cost no trip through the event loop
-            return self._count(self.sock.recv_into(view))
-        except (BlockingIOError, InterruptedError):
-            pass
+            n = self._count(self.sock.recv_into(view))
+        except _WOULD_BLOCK as e:
+            n = await self._wait_recv(view, not isinstance(e, ssl.SSLWantWriteError))
+        if self._tls and 0 < n < len(view):  # records that came in while these were read
+            n += self._more(view[n:])
+        return n
+
+    async def _wait_recv(self, view: memoryview, readable: bool) -> int:
         async with asyncio.timeout(self.read_timeout_s):
-            return self._count(await self._loop.sock_recv_into(self.sock, view))
+            while True:
+                await self._ready(readable)
+                try:
+                    return self._count(self.sock.recv_into(view))
+                except _WOULD_BLOCK as e:  # TLS: a record not yet whole, or a write due
+                    readable = not isinstance(e, ssl.SSLWantWriteError)
+
+    def _more(self, view: memoryview) -> int:
+        """What the socket holds now, into `view`, without waiting (TLS: up to
+        TLS_READ_MAX, for as long as records keep coming)."""
+        if self._tls:
+            view = view[:TLS_READ_MAX]
+        got = 0
+        with contextlib.suppress(*_WOULD_BLOCK):
+            while got < len(view) and (n := self._count(self.sock.recv_into(view[got:]))):
+                got += n
+                if not self._tls:
+                    break  # a plain socket's recv_into took all it had
+        return got
 
     def _count(self, n: int) -> int:
         self.received += n
@@ -188,13 +285,22 @@ async def _read_head(conn: Connection) -> Response:
 
 @contextlib.asynccontextmanager
 async def post(
-    url: str, body: bytes, headers: Mapping[str, str], *, read_timeout_s: float
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    read_timeout_s: float,
+    pin: str | None = None,
 ) -> AsyncIterator[Response]:
-    """POST `body` (JSON) to `url`; yields the response once its head is in."""
+    """POST `body` (JSON) to `url`; yields the response once its head is in. An `https://`
+    URL needs `pin`, the fingerprint its certificate must have."""
     where = urlsplit(url)
-    if where.scheme != "http" or not where.hostname:
-        raise HttpError(f"{url}: only http://host[:port]/path URLs are spoken here")
-    conn = await Connection.open(where.hostname, where.port or 80, read_timeout_s)
+    if where.scheme not in ("http", "https") or not where.hostname:
+        raise HttpError(f"{url}: only http:// and https://host[:port]/path URLs are spoken here")
+    if (where.scheme == "https") != (pin is not None):
+        raise HttpError(f"{url}: https:// needs a pinned certificate, and http:// cannot have one")
+    port = where.port or (443 if where.scheme == "https" else 80)
+    conn = await Connection.open(where.hostname, port, read_timeout_s, pin)
     try:
         head = [
             f"POST {where.path or '/'} HTTP/1.1",

@@ -11,13 +11,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from nodes.auth import auth_headers
+from nodes.contract import KVFormat
 from nodes.decode import http_stream, kv
 from nodes.decode.host import ModelHost
 from nodes.decode.http_stream import HttpError
 from nodes.decode.kv import KVShape
 from nodes.events import EventBus, LayerEvent, LinkEvent
 from nodes.kv_link import arrival_seconds
+from nodes.peers import PeerTable, UntrustedPeer
 from nodes.wire import (
     PREFIX,
     PROTO,
@@ -92,6 +93,7 @@ class PrefillCall:
     tokens: list[int]
     start: int
     timeout_s: float = 300.0
+    kv_format: KVFormat | None = None  # K and V quantized on the wire (None: model dtype)
 
     @property
     def count(self) -> int:
@@ -109,12 +111,12 @@ class RemotePrefill:
         host: ModelHost,
         expect: KVShape,
         fingerprint: str,
-        token: str | None,
+        peers: PeerTable,
         events: EventBus,
         buffers: BufferPool | None = None,
     ) -> None:
         self.host, self.expect, self.fingerprint = host, expect, fingerprint
-        self.token, self.events = token, events
+        self.peers, self.events = peers, events  # peers sign each request for its callee
         self.buffers = buffers or BufferPool()
 
     async def __call__(
@@ -130,6 +132,17 @@ class RemotePrefill:
             "tokens": call.tokens,
             "start": call.start,
         }
+        if call.kv_format is not None:
+            body |= {
+                "kv_bits": call.kv_format.bits,
+                "kv_group_size": call.kv_format.group_size,
+                "kv_kernel": call.kv_format.kernel,
+            }
+        data = json.dumps(body).encode()
+        try:  # signed for the node it proved to be; no client's header is ever forwarded
+            link = self.peers.signed(url, "POST", "/v1/prefill", data)
+        except UntrustedPeer as e:
+            raise RemotePrefillError(str(e)) from None
         t0 = time.perf_counter()
         reader = FrameReader(alloc=self.buffers.take)
         assembler = _Assembler(self, caches, events, call)
@@ -139,9 +152,10 @@ class RemotePrefill:
                 asyncio.timeout(call.timeout_s),
                 http_stream.post(
                     f"{url}/v1/prefill",
-                    json.dumps(body).encode(),
-                    auth_headers(self.token),
+                    data,
+                    link.headers,
                     read_timeout_s=min(60.0, call.timeout_s),
+                    pin=link.pin,
                 ) as resp,
             ):
                 if resp.status != 200:
@@ -214,8 +228,9 @@ class _Assembler:
             raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
         if isinstance(frame, Header):
             self.builder = kv.CacheBuilder(
-                frame, self.caches, self.client.expect, self.call.start, self.call.count
-            )
+                frame, self.caches, self.client.expect, self.call.start, self.call.count,
+                self.call.kv_format,
+            )  # fmt: skip
             self.task = asyncio.create_task(self._apply_all(), name="kv-assembly")
         elif isinstance(frame, LayerFrame):
             assert self.task is not None  # the reader guarantees a header first

@@ -19,13 +19,14 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nodes.contract import (
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_REMOTE_TIMEOUT_S,
+    KVFormat,
 )
 from nodes.decode import kv
 from nodes.decode.host import Cancelled, Generation, ModelHost
@@ -81,6 +82,7 @@ class DecodeService:
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         max_queue: int = DEFAULT_MAX_QUEUE,
         remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
+        kv_format: KVFormat | None = None,
     ) -> None:
         self.host = host
         self.spec = spec
@@ -89,7 +91,10 @@ class DecodeService:
         self.mode = mode
         self.max_tokens_limit = max_tokens_limit
         self.remote_timeout_s = remote_timeout_s
-        self.remote = RemotePrefill(host, expect, fingerprint, token, events)
+        self.expect = expect
+        self.kv_format = kv_format  # the default of requests that do not say
+        self.kv_kernel = kv.device_kernel()  # whose rounding quantized K/V must match
+        self.remote = RemotePrefill(host, expect, fingerprint, peers, events)
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
         self.model_name = spec.name
@@ -161,7 +166,9 @@ class DecodeService:
             caches, info = await self._prefill(req)
             ticker = _TokenTicker(self.events, rid)
             held = kv.positions(caches)  # positions already in the cache
-            gen = self.host.generation(req.tokens[held:], caches, req.sampling, ticker.tick)
+            gen = self.host.generation(
+                req.tokens[held:], caches, req.sampling, ticker.tick, req.kv_format
+            )
             async with gen:
                 async for text in gen:
                     yield text
@@ -190,25 +197,32 @@ class DecodeService:
     async def _prefill(self, req: Completion) -> tuple[kv.Caches, PrefillInfo]:
         """Caches holding positions 0..k-1, k = n-1 after a remote prefill; mlx-lm prefills
         whatever the cache lacks locally. The prompt cache supplies a reused prefix first."""
-        rid, n = req.request_id, len(req.tokens) - 1
-        k, reused = await self.host.call(self.prompt_cache.lookup, req.tokens)
+        rid, n, fmt = req.request_id, len(req.tokens) - 1, req.kv_format
+        k, reused = await self.host.call(self.prompt_cache.lookup, req.tokens, fmt)
         caches = reused if reused is not None else await self.host.call(self.host.new_cache)
         new = n - k  # positions that need a prefill
         decision = choose(
-            self.mode, new, self.spec.kv_bytes_per_token, self.spec.num_layers,
+            self.mode, new, self.expect.bytes_per_token(fmt), self.spec.num_layers,
             self.local, self.peers.trusted("prefill"),
         )  # fmt: skip
         publish = self.events.publish
         if decision.where == "local":
             if self.mode == "always" and new > 0:
                 publish(RequestEvent(rid, phase="failed", detail=decision.reason))
-            publish(RequestEvent(rid, phase="prefill_start", tokens=new, where="local"))
+            publish(
+                RequestEvent(rid, phase="prefill_start", tokens=new, where="local",
+                             detail=f"kv {kv_dtype(self.expect, fmt)}")
+            )  # fmt: skip
             return caches, PrefillInfo("local", None, new)
         peer = decision.peer
         assert peer is not None
-        publish(RequestEvent(rid, phase="prefill_start", tokens=new, where=peer.address))
+        publish(
+            RequestEvent(rid, phase="prefill_start", tokens=new, where=peer.address,
+                         detail=f"kv {kv_dtype(self.expect, fmt)}")
+        )  # fmt: skip
+        call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
         try:
-            result = await self._remote(peer.address, PrefillCall(rid, req.tokens[:-1], k), caches)
+            result = await self._remote(peer.address, call, caches)
         except RemotePrefillError as e:
             await self.host.call(kv.trim_to, caches, k)
             log.warning("remote prefill failed, prefilling locally: %s", e)
@@ -227,7 +241,7 @@ class DecodeService:
         deadline = time.monotonic() + self.remote_timeout_s
         for attempt in range(1, MAX_ATTEMPTS + 1):
             left = deadline - time.monotonic()
-            timed = PrefillCall(call.request_id, call.tokens, call.start, max(1.0, left))
+            timed = replace(call, timeout_s=max(1.0, left))
             try:
                 return await self._watched(address, timed, caches)
             except RemotePrefillError as e:
@@ -270,11 +284,19 @@ class DecodeService:
             "prefill_tokens": info.tokens,
             "prefill_s": info.seconds,
             "kv_bytes": info.kv_bytes,
+            "kv_dtype": kv_dtype(self.expect, req.kv_format),
             "ttft_s": ttft_s,
             "decode_tokens": gen.tokens,
             "decode_s": gen.decode_s,
             "decode_tok_s": gen.steady_tok_s,
         }
+
+
+def kv_dtype(expect: KVShape, kv_format: KVFormat | None) -> str:
+    """How a request's KV is held: the model's dtype, or `q8/g64`-style."""
+    if kv_format is None:
+        return expect.dtype.lower()
+    return f"q{kv_format.bits}/g{kv_format.group_size}"
 
 
 class _TokenTicker:

@@ -1,0 +1,261 @@
+"""Hello v2 (issue 19): two nodes prove the cluster token to each other, bound to the channel.
+
+    caller → callee  POST /v1/hello          {"nonce": caller_nonce, "id": caller_id}
+    callee → caller  200 {"id", "fingerprint", "cert_fingerprint", "nonce": callee_nonce,
+                          "proof": hello_proof(role="callee", ...)}
+    caller → callee  POST /v1/hello/confirm  {"nonce": callee_nonce, "id": caller_id,
+                          "proof": hello_proof(role="caller", ...)}
+    callee → caller  200 {"id", "proven": true} | 401
+
+Both proofs cover both nonces, both ids, the model fingerprint and the channel: over TLS the
+certificate the caller's own handshake saw (it learns it first, then makes the hello over a
+connection pinned to it); on plain-HTTP loopback the callee's socket address, as the callee's
+socket and the caller's resolver name it. A relay presents its own certificate or sits at its
+own address, so the real node's proof does not verify for it. The caller proves only after
+the callee did, over the callee's nonce: no node signs anything for someone who has not
+proved the token, and a callee's proof names its own nonce, id and channel, so it helps
+nobody to impersonate anyone.
+
+A node with no token (loopback only, `check_bind`) proves with a fixed public key instead:
+nodes without tokens recognise each other, and one with a token never trusts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import ssl
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from nodes.auth import CONFIRM_PATH, HELLO_PATH
+from nodes.contract import Reason
+from nodes.signing import MAX_ID_CHARS, hello_proof, new_nonce, verify_hello_proof
+from nodes.tls import TLSError, aiohttp_pin, client_context, peer_fingerprint
+
+log = logging.getLogger(__name__)
+NO_TOKEN_KEY = "tandem-no-token"  # public: proves nothing but "no token here either"
+PENDING_S = 30.0  # how long a callee waits for the caller's confirm
+MAX_PENDING = 1024  # hellos awaiting a confirm; the oldest is dropped beyond this
+MAX_PROVEN = 1024
+HELLO_TIMEOUT_S = 3.0
+MIN_NONCE, MAX_NONCE = 8, 256  # characters
+
+
+class HelloError(Exception):
+    """A hello that did not prove the peer; `reason` as `/v1/cluster` shows it."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class HelloRefused(Exception):
+    """A confirm this node does not accept (401); the message says why, never the token."""
+
+
+@dataclass(frozen=True)
+class Proven:
+    """A peer that proved the token in a hello, and the channel it proved it on."""
+
+    id: str
+    fingerprint: str  # its model's
+    cert_fingerprint: str  # the TLS certificate to pin from now on; "" on plain HTTP
+
+
+def channel_address(host: str, port: int) -> str:
+    """`ip:port` (`[ip]:port` for IPv6), an IPv4-mapped address as IPv4, any zone dropped:
+    one spelling for what the callee's socket and the caller's resolver say."""
+    ip = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _key(token: str | None) -> str:
+    return token or NO_TOKEN_KEY
+
+
+@dataclass(frozen=True)
+class _Pending:
+    caller_nonce: str
+    caller_id: str
+    address: str
+    expires: float  # time.monotonic()
+
+
+class HelloResponder:
+    """The callee's side: answers hellos and checks the confirms that follow them.
+
+    It signs only inside a hello it is part of: its proof covers its own fresh nonce, id and
+    channel. Each answered hello waits `PENDING_S` for its confirm, which is used once."""
+
+    def __init__(
+        self, token: str | None, own_id: str, fingerprint: str, cert_fingerprint: str
+    ) -> None:
+        self._key = _key(token)
+        self.own_id = own_id
+        self.fingerprint = fingerprint
+        self.cert_fingerprint = cert_fingerprint  # "" when serving plain HTTP
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()  # callee nonce → hello
+        self.proven: OrderedDict[str, float] = OrderedDict()  # caller id → when (epoch s)
+
+    def __repr__(self) -> str:  # never the token
+        return f"HelloResponder(own_id={self.own_id!r}, pending={len(self._pending)})"
+
+    def _address(self, sockname: Any) -> str:
+        """The channel's address part: this socket's address on plain HTTP, "" over TLS."""
+        if self.cert_fingerprint:
+            return ""
+        if not isinstance(sockname, tuple) or len(sockname) < 2:
+            raise ValueError("cannot tell which address the hello came in on")
+        return channel_address(str(sockname[0]), int(sockname[1]))
+
+    def answer(self, body: object, sockname: Any) -> dict[str, str]:
+        """The answer to `POST /v1/hello`; ValueError on a malformed body."""
+        if not isinstance(body, dict):
+            raise ValueError("hello needs {nonce, id}")
+        nonce, caller = body.get("nonce"), body.get("id", "")
+        if not isinstance(nonce, str) or not MIN_NONCE <= len(nonce) <= MAX_NONCE:
+            raise ValueError(f"nonce must be a string of {MIN_NONCE} to {MAX_NONCE} characters")
+        if not isinstance(caller, str) or len(caller) > MAX_ID_CHARS:
+            raise ValueError(f"id must be a string of at most {MAX_ID_CHARS} characters")
+        address = self._address(sockname)
+        own_nonce = new_nonce()
+        self._expire()
+        self._pending[own_nonce] = _Pending(nonce, caller, address, time.monotonic() + PENDING_S)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+        proof = hello_proof(
+            self._key, "callee", nonce, own_nonce, caller, self.own_id, self.fingerprint,
+            self.cert_fingerprint, address,
+        )  # fmt: skip
+        return {
+            "id": self.own_id,
+            "fingerprint": self.fingerprint,
+            "cert_fingerprint": self.cert_fingerprint,
+            "nonce": own_nonce,
+            "proof": proof,
+        }
+
+    def confirm(self, body: object) -> str:
+        """Check `POST /v1/hello/confirm`; the caller's id once it proved the token.
+        ValueError on a malformed body, HelloRefused on a proof that does not verify."""
+        if not isinstance(body, dict):
+            raise ValueError("confirm needs {nonce, id, proof}")
+        nonce, caller, proof = body.get("nonce"), body.get("id"), body.get("proof")
+        if not all(isinstance(v, str) for v in (nonce, caller, proof)):
+            raise ValueError("confirm needs {nonce, id, proof}, all strings")
+        assert isinstance(nonce, str) and isinstance(caller, str)
+        self._expire()
+        hello = self._pending.pop(nonce, None)
+        if hello is None:
+            raise HelloRefused("no hello of this node's is waiting for that nonce")
+        ok = hello.caller_id == caller and verify_hello_proof(
+            self._key, "caller", hello.caller_nonce, nonce, caller, self.own_id,
+            self.fingerprint, self.cert_fingerprint, proof, address=hello.address,
+        )  # fmt: skip
+        if not ok:
+            raise HelloRefused("the caller's proof does not verify")
+        self.proven[caller] = time.time()
+        self.proven.move_to_end(caller)
+        while len(self.proven) > MAX_PROVEN:
+            self.proven.popitem(last=False)
+        log.debug("peer %s proved the token", caller)
+        return caller
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending and next(iter(self._pending.values())).expires < now:
+            self._pending.popitem(last=False)
+
+
+async def learn_certificate(host: str, port: int, timeout_s: float = HELLO_TIMEOUT_S) -> str:
+    """The fingerprint of the certificate `host:port` presents (a handshake, then close)."""
+    async with asyncio.timeout(timeout_s):
+        _, writer = await asyncio.open_connection(host, port, ssl=client_context())
+    try:
+        return peer_fingerprint(writer.get_extra_info("ssl_object"))
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await writer.wait_closed()
+
+
+async def _addresses(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(channel_address(str(i[4][0]), port) for i in infos))
+
+
+async def prove(
+    session: aiohttp.ClientSession,
+    url: str,
+    token: str | None,
+    own_id: str,
+    timeout_s: float = HELLO_TIMEOUT_S,
+) -> Proven:
+    """Run a hello with the node at `url` (http:// or https://); HelloError unless it proves
+    the token on the channel this side sees, and accepts this side's proof in turn."""
+    where = urlsplit(url)
+    if where.scheme not in ("http", "https") or not where.hostname:
+        raise HelloError("unreachable", f"{url}: not an http:// or https:// URL")
+    host, port = where.hostname, where.port or (443 if where.scheme == "https" else 80)
+    key, timeout = _key(token), aiohttp.ClientTimeout(total=timeout_s)
+    try:
+        if where.scheme == "https":
+            cert = await learn_certificate(host, port, timeout_s)
+            pin: aiohttp.Fingerprint | bool = aiohttp_pin(cert)
+            addresses = [""]
+        else:
+            cert, pin, addresses = "", True, await _addresses(host, port)
+        nonce = new_nonce()
+        async with session.post(
+            url.rstrip("/") + HELLO_PATH, json={"nonce": nonce, "id": own_id}, ssl=pin,
+            timeout=timeout,
+        ) as r:  # fmt: skip
+            if r.status != 200:
+                raise HelloError("unauthorized", f"{HELLO_PATH} answered HTTP {r.status}")
+            answer = await r.json(content_type=None)
+        if not isinstance(answer, dict) or not all(
+            isinstance(answer.get(k), str) for k in ("id", "fingerprint", "nonce", "proof")
+        ):
+            raise HelloError("bad_reply", f"{HELLO_PATH} did not answer a hello v2 object")
+        peer_id, fp, peer_nonce = answer["id"], answer["fingerprint"], answer["nonce"]
+
+        def verifies(a: str) -> bool:
+            return verify_hello_proof(
+                key, "callee", nonce, peer_nonce, own_id, peer_id, fp, cert, answer["proof"],
+                address=a,
+            )  # fmt: skip
+
+        address = next((a for a in addresses if verifies(a)), None)
+        if address is None:
+            raise HelloError(
+                "unauthorized",
+                "its hello proof does not verify: it does not hold this token, or it is not "
+                "the node at this address (a relay)",
+            )
+        proof = hello_proof(key, "caller", nonce, peer_nonce, own_id, peer_id, fp, cert, address)
+        body = {"nonce": peer_nonce, "id": own_id, "proof": proof}
+        async with session.post(
+            url.rstrip("/") + CONFIRM_PATH, json=body, ssl=pin, timeout=timeout
+        ) as r:
+            if r.status != 200:
+                raise HelloError("unauthorized", f"it refused this node's proof (HTTP {r.status})")
+    except aiohttp.ServerFingerprintMismatch:
+        raise HelloError("unauthorized", "its certificate changed during the hello") from None
+    except TLSError as e:
+        raise HelloError("bad_reply", str(e)) from None
+    except (aiohttp.ClientError, TimeoutError, OSError, ssl.SSLError) as e:
+        raise HelloError("unreachable", f"{type(e).__name__}: {e}".rstrip(": ")) from None
+    except ValueError:  # a body that is not JSON
+        raise HelloError("bad_reply", f"{HELLO_PATH} did not answer JSON") from None
+    return Proven(peer_id, fp, cert)
