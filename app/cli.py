@@ -14,11 +14,14 @@ from typing import TYPE_CHECKING
 from app.tui.command import add_tui_parser
 from nodes.contract import (
     DEFAULT_CHUNK_TOKENS,
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PORT,
     DEFAULT_PREFILL_QUEUE,
     DEFAULT_REMOTE_TIMEOUT_S,
+    KV_BITS,
+    KV_GROUP_SIZES,
 )
 from nodes.model.errors import ModelError
 from nodes.units import parse_size
@@ -182,7 +185,17 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--peer", action="append", default=[], metavar="URL")
     p.add_argument("--no-mdns", action="store_true")
     p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument(
+        "--tls", action="store_true", help="serve HTTPS on loopback too (beyond it, always)"
+    )
     p.add_argument("--remote-prefill", choices=["auto", "always", "never"], default="auto")
+    p.add_argument(
+        "--kv-bits", type=int, choices=[16, *KV_BITS], default=16,
+        help="decode: KV on the wire and in the cache (16: the model's dtype)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-group-size", type=int, choices=list(KV_GROUP_SIZES), default=DEFAULT_KV_GROUP_SIZE
+    )
     p.add_argument("--name", default="")
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
     p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
@@ -237,7 +250,11 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         queue_limit=a.queue_limit,
         max_concurrent=a.max_concurrent,
         max_queue=a.max_queue,
+        kv_bits=None if a.kv_bits == 16 else a.kv_bits,
+        kv_group_size=a.kv_group_size,
         remote_timeout_s=a.remote_timeout,
+        tls=a.tls,
+        tls_dir=config_dir() / "nodes" / str(a.port),  # one identity per node, as its id
     )
 
 
@@ -272,6 +289,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from app.bench_e2e import main as bench_e2e
 
     return bench_e2e(a.args)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from app.plan_cmd import add_plan_arguments
+
+    p = sub.add_parser("plan", help="the prefill plan for a model and budget, its predicted time")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from app.plan_cmd import PlanUsageError, run_plan
+
+    try:
+        return run_plan(a)
+    except PlanUsageError as e:
+        raise UsageError(str(e)) from None
 
 
 def _add_pair(sub: argparse._SubParsersAction) -> None:
@@ -366,6 +400,7 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_prefill,
     _add_node,
     _add_bench,
+    _add_plan,
     _add_pair,
     _add_demo,
     _add_real_model,

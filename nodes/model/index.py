@@ -121,8 +121,12 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
-def load_index(model_dir: str | Path) -> ModelIndex:
-    """Parse the spec and every shard header; check that each layer holds what its family needs."""
+def load_index(model_dir: str | Path, require_data: bool = True) -> ModelIndex:
+    """Parse the spec and every shard header; check that each layer holds what its family needs.
+
+    `require_data=False` accepts shards that hold only their header (no tensor bytes): enough
+    to plan and cost a model (`tandem plan`) without its weights on this machine.
+    """
     path = Path(model_dir)
     spec = load_spec(path)
     files = _shard_files(path)
@@ -138,7 +142,7 @@ def load_index(model_dir: str | Path) -> ModelIndex:
         except OSError as e:
             raise ModelError(f"{f}: cannot read ({e.strerror})") from None
         for name, h in entries.items():
-            if data_start + h.end > size:
+            if require_data and data_start + h.end > size:
                 raise ModelError(f"{f}: tensor {name} runs past the end of the file")
             entry = TensorEntry(name, h.dtype, h.shape, f, data_start + h.begin, h.end - h.begin)
             m = _LAYER_RE.match(name)

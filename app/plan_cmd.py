@@ -1,0 +1,353 @@
+"""`tandem plan`: the plan a prefill node would make for a model and a budget, its predicted
+prefill time and bound, and from which prompt length remote prefill beats the Mac's own —
+the router's cost model as a command (nodes/prefill/cost.py, nodes/decode/router.py).
+
+Reads only the safetensors headers: a directory of headers without data will do. Hardware
+flags describe another machine; each one left out is measured here in a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from nodes.model.index import ModelIndex, load_index
+from nodes.units import format_bytes, gbps_to_Bps, parse_size
+
+if TYPE_CHECKING:
+    from nodes.prefill.cost import Device, Hardware, Prediction
+    from nodes.prefill.plan import Plan
+
+TABLE_TOKENS = (1024, 4096, 16384)
+DEFAULT_NET_GBPS = 10.0  # assumed: a 10 GbE LAN (Gbit/s, as --link-gbps)
+# assumed: a Mac Studio class GPU (M2 Ultra: ~27 TFLOP/s fp16 peak) at about half of it in
+# mlx's prefill; its tokens/s is this over 2 FLOPs per weight
+DEFAULT_MAC_FLOPS = 13.5e12
+Seconds = Callable[[int], float]  # prompt tokens → seconds
+POSITIVE = ("tokens", "max_prompt_tokens", "pcie_gbps", "disk_gbps", "tflops", "net_gbps",
+            "mac_tok_s")  # fmt: skip
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument(
+        "--budget", default=None, help="device memory, weights and activations, e.g. 24GiB"
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length to predict")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="as the node's: activations of a prompt this long are kept free in "
+                   "--budget (cuda: 8192)")  # fmt: skip
+    hw = p.add_argument_group("hardware (another machine's; measured here when left out)")
+    hw.add_argument("--pcie-gbps", type=float, default=None, help="host→device, Gbit/s")
+    hw.add_argument("--disk-gbps", type=float, default=None, help="cold weight reads, Gbit/s")
+    hw.add_argument("--tflops", type=float, default=None, help="matmul TFLOP/s, model dtype")
+    net_help = f"to the Mac, Gbit/s (default {DEFAULT_NET_GBPS:g}, assumed)"
+    hw.add_argument("--net-gbps", type=float, default=None, help=net_help)
+    mac_help = "the Mac's own prefill tokens/s (default: assumed from its FLOP/s)"
+    hw.add_argument("--mac-tok-s", type=float, default=None, help=mac_help)
+    p.add_argument("--json", action="store_true")
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    path: str
+    layers: int
+    dtype: str  # the compute dtype (safetensors spelling)
+    bytes: int  # every tensor, embeddings and head included
+    layer_bytes: int  # the decoder layers: what a pass streams, less the resident set
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    granularity: str
+    n_slots: int
+    slot_bytes: int
+    loads_per_pass: int
+    resident_layers: list[int]
+    resident_bytes: int
+    pool_bytes: int
+    scratch_bytes: int
+    bytes_per_pass: int  # streamed through the ring each pass
+    activation_reserve_bytes: int  # kept free in the budget for a prompt of the longest
+    max_prompt_tokens: int | None  # the longest prompt the node takes (None: any)
+
+
+@dataclass(frozen=True)
+class Row:
+    tokens: int
+    predicted_wall_s: float
+    tokens_per_s: float
+    bound: str
+    remote_s: float  # prefill here + KV to the Mac (router.predict_remote_s)
+    local_s: float  # the Mac's own prefill
+    fits: bool  # within the node's longest prompt (else it answers 413)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything `tandem plan` prints (JSON: bytes, seconds, `_Bps`)."""
+
+    model: ModelSummary
+    device: str
+    budget_bytes: int
+    plan: PlanSummary
+    hardware: Hardware
+    source: dict[str, str]  # per rate: "given", "measured" (here) or "assumed"
+    tokens: int
+    fits: bool  # within the node's longest prompt (else it answers 413)
+    predicted_wall_s: float
+    disk_s: float
+    copy_s: float
+    compute_s: float
+    bound: str
+    tokens_per_s: float
+    table: list[Row]
+    break_even_tokens: int | None  # the shortest prompt remote prefill is faster for
+    break_even_limit: int  # searched up to this many tokens
+
+
+class PlanUsageError(ValueError):
+    """Bad input to `tandem plan` (app.cli turns it into its one-line exit-2 message)."""
+
+
+def run_plan(a: argparse.Namespace) -> int:
+    if not a.model.is_dir():
+        raise PlanUsageError(f"{a.model}: no such model directory")
+    for flag in POSITIVE:
+        if getattr(a, flag) is not None and not getattr(a, flag) > 0:
+            raise PlanUsageError(f"--{flag.replace('_', '-')} must be positive")
+    try:
+        budget = None if a.budget is None else parse_size(a.budget)
+    except ValueError as e:
+        raise PlanUsageError(f"--budget: {e}") from None
+    if budget is not None and budget <= 0:
+        raise PlanUsageError("--budget must be positive")
+    index = load_index(a.model, require_data=False)
+    report = make_report(index, a, budget)
+    print(json.dumps(asdict(report), indent=2) if a.json else render(report))
+    return 0
+
+
+def _device(a: argparse.Namespace) -> tuple[Device, bool]:
+    """The device to plan for, and whether it is on this machine."""
+    import torch
+
+    here = torch.cuda.is_available()
+    if a.device is None:
+        return ("cuda" if here else "cpu"), True
+    return a.device, a.device == "cpu" or here
+
+
+def _default_budget(index: ModelIndex, device: Device, here: bool, reserve: int) -> int:
+    import torch
+
+    from nodes.prefill.engine import default_budget
+
+    if not here:
+        raise PlanUsageError("--device cuda: no GPU here to size the budget from; give --budget")
+    return default_budget(index, torch.device(device), reserve)
+
+
+def _hardware(
+    index: ModelIndex, a: argparse.Namespace, device: Device, here: bool
+) -> tuple[Hardware, dict[str, str]]:
+    """Rates from the flags; each one left out measured here (`source` says which)."""
+    from nodes.prefill import cost
+
+    if not here and (a.pcie_gbps is None or a.tflops is None):
+        raise PlanUsageError("--device cuda: no GPU here to measure; give --pcie-gbps and --tflops")
+    spec, dtype = index.spec, index.dtype
+    source = {
+        "copy_Bps": "given" if a.pcie_gbps else "measured",
+        "disk_Bps": "given" if a.disk_gbps else "measured",
+        "flops": "given" if a.tflops else "measured",
+        "net_Bps": "given" if a.net_gbps else "assumed",
+        "mac_tok_s": "given" if a.mac_tok_s else "assumed",
+    }
+    if a.tflops:  # one rate for all compute; memory-bound ops taken as free beside it
+        flops, attn, elementwise, overhead = a.tflops * 1e12, None, None, 1.0
+    else:
+        flops = cost.measure_flops(device, dtype, spec.hidden_size)
+        attn = cost.measure_attention_flops(device, dtype, spec)
+        elementwise = cost.measure_elementwise_Bps(device, dtype, spec)
+        overhead = cost.measure_overhead(device, dtype, spec, flops, attn, elementwise)
+    hw = cost.Hardware(
+        device=device,
+        copy_Bps=gbps_to_Bps(a.pcie_gbps) if a.pcie_gbps else cost.measure_copy_Bps(device),
+        disk_Bps=gbps_to_Bps(a.disk_gbps) if a.disk_gbps else _disk_Bps(index, a.model, device),
+        flops=flops,
+        net_Bps=gbps_to_Bps(a.net_gbps or DEFAULT_NET_GBPS),
+        mac_tok_s=a.mac_tok_s or DEFAULT_MAC_FLOPS / (2 * _layer_params(index)),
+        attn_flops=attn,
+        elementwise_Bps=elementwise,
+        overhead=overhead,
+    )
+    return hw, source
+
+
+def _disk_Bps(index: ModelIndex, model: Path, device: Device) -> float:
+    """Read rate of the weights' file system, as the device's loader gets it."""
+    from nodes.prefill import cost
+
+    busy, nice = cost.loader_contention(device, index.dtype, index.spec)
+    try:
+        return cost.measure_disk_Bps(model, busy=busy, nice=nice)
+    except OSError as e:
+        raise PlanUsageError(f"cannot measure the disk here ({e}); give --disk-gbps") from None
+
+
+def _layer_params(index: ModelIndex) -> int:
+    """Weights one token passes through (the decoder layers), in values."""
+    spec = index.spec
+    attn = 2 * spec.hidden_size * spec.head_dim * (spec.num_heads + spec.num_kv_heads)
+    return spec.num_layers * (attn + 3 * spec.hidden_size * spec.intermediate_size)
+
+
+def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) -> Report:
+    from nodes.model.safetensors_format import ITEMSIZE
+    from nodes.prefill import cost
+
+    spec = index.spec
+    device, here = _device(a)
+    longest = cost.max_prompt_tokens(spec, device, a.max_prompt_tokens)
+    reserve = cost.activation_reserve(spec, longest, ITEMSIZE[index.dtype], device)
+    budget = budget if budget is not None else _default_budget(index, device, here, reserve)
+    plan = cost.node_plan(index, budget, reserve)  # before measuring: a bad budget fails fast
+    hw, source = _hardware(index, a, device, here)
+    main = cost.predict(plan, index, a.tokens, hw)
+    remote_s, local_s = _router(index, plan, hw)
+    limit = longest or max(spec.max_position_embeddings, *TABLE_TOKENS)  # for the break-even
+    fits = lambda n: longest is None or n <= longest  # noqa: E731  else the node answers 413
+    table = [cost.predict(plan, index, n, hw) for n in TABLE_TOKENS]
+    return Report(
+        model=_model_summary(index),
+        device=device,
+        budget_bytes=budget,
+        plan=_summary(plan, reserve, longest),
+        hardware=hw,
+        source=source,
+        tokens=a.tokens,
+        fits=fits(a.tokens),
+        predicted_wall_s=main.wall_s,
+        disk_s=main.disk_s,
+        copy_s=main.copy_s,
+        compute_s=main.compute_s,
+        bound=main.bound,
+        tokens_per_s=main.tokens_per_s,
+        table=[_row(p, remote_s, local_s, fits(p.tokens)) for p in table],
+        break_even_tokens=cost.break_even_tokens(remote_s, local_s, limit),
+        break_even_limit=limit,
+    )
+
+
+def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Seconds]:
+    """Remote and local prefill seconds by the router's own formulas: this plan's predicted
+    pass as the peer's rate and the KV over `net_Bps`; the Mac at `mac_tok_s`."""
+    from nodes.decode.router import LocalRate, predict_remote_s
+    from nodes.peers import Peer
+    from nodes.prefill import cost
+
+    spec = index.spec
+    local = LocalRate(tok_s=hw.mac_tok_s)
+
+    def remote_s(n: int) -> float:
+        wall = cost.predict(plan, index, n, hw).wall_s
+        peer = Peer(address="plan", prefill_tok_s=n / wall, link_Bps=hw.net_Bps)
+        return predict_remote_s(n, n * spec.kv_bytes_per_token, spec.num_layers, peer)
+
+    def local_s(n: int) -> float:
+        seconds = local.predict_s(n)
+        assert seconds is not None  # its rate is set
+        return seconds
+
+    return remote_s, local_s
+
+
+def _row(p: Prediction, remote_s: Seconds, local_s: Seconds, fits: bool) -> Row:
+    n = p.tokens
+    return Row(n, p.wall_s, p.tokens_per_s, p.bound, remote_s(n), local_s(n), fits)
+
+
+def _model_summary(index: ModelIndex) -> ModelSummary:
+    spec = index.spec
+    return ModelSummary(
+        name=spec.name,
+        path=str(spec.path),
+        layers=spec.num_layers,
+        dtype=index.dtype,
+        bytes=index.total_bytes,
+        layer_bytes=sum(index.layer_bytes(i) for i in range(spec.num_layers)),
+        kv_bytes_per_token=spec.kv_bytes_per_token,
+    )
+
+
+def _summary(plan: Plan, reserve: int, longest: int | None) -> PlanSummary:
+    streamed = [ld for ld in plan.loads if not ld.resident]
+    return PlanSummary(
+        granularity=plan.granularity,
+        n_slots=plan.n_slots,
+        slot_bytes=plan.slot_bytes,
+        loads_per_pass=len(streamed),
+        resident_layers=list(plan.resident_layers),
+        resident_bytes=plan.resident_bytes,
+        pool_bytes=plan.pool_bytes,
+        scratch_bytes=plan.scratch_bytes,
+        bytes_per_pass=sum(ld.weight_bytes for ld in streamed),
+        activation_reserve_bytes=reserve,
+        max_prompt_tokens=longest,
+    )
+
+
+def _GBps(Bps: float) -> str:
+    return f"{Bps / 1e9:.3g} GB/s"
+
+
+def render(r: Report) -> str:
+    """The human table."""
+    m, p, hw = r.model, r.plan, r.hardware
+    tag = {k: "" if v == "given" else f" ({v})" for k, v in r.source.items()}
+    resident = ", ".join(map(str, p.resident_layers))
+    longest = f"prompts up to {p.max_prompt_tokens} tokens" if p.max_prompt_tokens else "none"
+    link = "PCIe" if r.device == "cuda" else "memcpy"  # a CPU reads straight into its slots
+    n_resident = len(p.resident_layers)
+    lines = [
+        f"tandem plan — {m.name}: {m.layers} layers, {m.dtype}, {format_bytes(m.bytes)}; "
+        f"{r.device}, budget {format_bytes(r.budget_bytes)}",
+        f"  plan        {p.granularity} granularity: {p.n_slots} ring slots of "
+        f"{format_bytes(p.slot_bytes)}, {p.loads_per_pass} loads per pass",
+        f"  resident    {n_resident} layer{'' if n_resident == 1 else 's'}, "
+        f"{format_bytes(p.resident_bytes)}" + (f" (layers {resident})" if resident else ""),
+        f"  per pass    {format_bytes(p.bytes_per_pass)} streamed",
+        f"  activations {format_bytes(p.activation_reserve_bytes)} reserved ({longest})",
+        f"  hardware    {link} {_GBps(hw.copy_Bps)}{tag['copy_Bps']}, disk {_GBps(hw.disk_Bps)}"
+        f"{tag['disk_Bps']}, {hw.flops / 1e12:.3g} TFLOP/s{tag['flops']}",
+        f"  network     {_GBps(hw.net_Bps)}{tag['net_Bps']} to a Mac that prefills "
+        f"{hw.mac_tok_s:.0f} tok/s{tag['mac_tok_s']}",
+        f"  prefill     {r.tokens} tokens in {r.predicted_wall_s:.3g} s "
+        f"({r.tokens_per_s:.0f} tok/s), {r.bound}-bound: disk {r.disk_s:.3g} s, "
+        f"{link} {r.copy_s:.3g} s, compute {r.compute_s:.3g} s"
+        + ("" if r.fits else " — longer than the node takes (413)"),
+        "",
+        f"  {'tokens':>8} {'wall s':>9} {'tok/s':>8} {'bound':>8} {'remote s':>9} {'Mac s':>9}",
+    ]
+    lines += [
+        f"  {row.tokens:>8} {row.predicted_wall_s:>9.3g} {row.tokens_per_s:>8.0f} "
+        f"{row.bound:>8} {row.remote_s:>9.3g} {row.local_s:>9.3g}"
+        + ("" if row.fits else "  (over the longest prompt: 413)")
+        for row in r.table
+    ]
+    n = r.break_even_tokens
+    lines.append(
+        f"\n  remote      never faster than the Mac up to {r.break_even_limit} tokens"
+        if n is None
+        else f"\n  remote      faster than the Mac from {n} tokens (prefill here + KV over the"
+        " network, as the router predicts it)"
+    )
+    return "\n".join(lines)

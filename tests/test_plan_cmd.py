@@ -1,0 +1,329 @@
+"""`tandem plan` (issue 17): the prefill node's cost model as a command.
+
+A Llama-3-70B directory of safetensors headers without data (the command reads only
+headers); the ring simulator on hand-made loads; the router's break-even; a short
+calibration; and the prediction against `tandem bench prefill` on this CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from app.cli import main
+from nodes.model.errors import ModelError
+from nodes.model.index import load_index
+from nodes.prefill import cost
+from nodes.prefill.bench import bench, make_random_model
+from nodes.prefill.plan import Plan
+from tests.test_import_boundaries import TORCH, _loaded_after_import
+
+# Llama-3-70B: bf16, GQA 64/8, llama3 RoPE scaling
+L70B = {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "inter": 28672,
+        "vocab": 128256}  # fmt: skip
+GIB = 2**30
+T = TypeVar("T")
+HW_70B = ["--pcie-gbps", "200", "--tflops", "150", "--net-gbps", "10", "--mac-tok-s", "400"]
+
+
+def _layer_shapes(i: int, h: int, nq: int, nkv: int, inter: int) -> dict[str, list[int]]:
+    p, d = f"model.layers.{i}.", h // nq
+    return {
+        p + "input_layernorm.weight": [h],
+        p + "post_attention_layernorm.weight": [h],
+        p + "self_attn.q_proj.weight": [nq * d, h],
+        p + "self_attn.k_proj.weight": [nkv * d, h],
+        p + "self_attn.v_proj.weight": [nkv * d, h],
+        p + "self_attn.o_proj.weight": [h, nq * d],
+        p + "mlp.gate_proj.weight": [inter, h],
+        p + "mlp.up_proj.weight": [inter, h],
+        p + "mlp.down_proj.weight": [h, inter],
+    }
+
+
+def write_headers_only(out: Path, shards: int = 8) -> Path:
+    """A 70B model as safetensors headers (8-byte length + JSON) with no tensor data."""
+    m = L70B
+    h = m["hidden"]
+    tensors: list[dict[str, list[int]]] = [{} for _ in range(shards)]
+    tensors[0]["model.embed_tokens.weight"] = [m["vocab"], h]
+    for i in range(m["layers"]):
+        shapes = _layer_shapes(i, h, m["heads"], m["kv_heads"], m["inter"])
+        tensors[i * shards // m["layers"]].update(shapes)
+    tensors[-1] |= {"model.norm.weight": [h], "lm_head.weight": [m["vocab"], h]}
+    out.mkdir(parents=True)
+    weight_map = {}
+    for k, shard in enumerate(tensors):
+        name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for tensor, shape in shard.items():
+            nbytes = 2 * math.prod(shape)
+            header[tensor] = {"dtype": "BF16", "shape": shape,
+                              "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            offset += nbytes
+            weight_map[tensor] = name
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        (out / name).write_bytes(struct.pack("<Q", len(raw)) + raw)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": m["inter"], "num_hidden_layers": m["layers"],
+        "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],
+        "head_dim": h // m["heads"], "rms_norm_eps": 1e-5, "vocab_size": m["vocab"],
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_parameters": {**scaling, "rope_theta": 500000.0}, "rope_scaling": scaling,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def l70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_headers_only(tmp_path_factory.mktemp("plan") / "llama-3-70b")
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> dict:
+    assert main(["plan", *map(str, argv), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_70b_headers_only_is_refused_by_default_but_planned(l70b: Path) -> None:
+    assert sum(f.stat().st_size for f in l70b.iterdir()) < 1 << 20  # no tensor data at all
+    with pytest.raises(ModelError, match="runs past the end"):
+        load_index(l70b)
+    index = load_index(l70b, require_data=False)
+    assert index.total_bytes > 140e9 and index.dtype == "BF16"
+
+
+@pytest.mark.parametrize(("disk_gbps", "bound"), [("50", "disk"), ("400", "pcie")])
+def test_70b_plan_and_prediction(
+    l70b: Path, capsys: pytest.CaptureFixture[str], disk_gbps: str, bound: str
+) -> None:
+    r = plan_json(capsys, "--model", l70b, "--budget", "24GiB", "--tokens", "4096",
+                  "--device", "cuda", "--disk-gbps", disk_gbps, *HW_70B)  # fmt: skip
+    plan, hw, model = r["plan"], r["hardware"], r["model"]
+    assert r["budget_bytes"] == 24 * GIB
+    assert plan["pool_bytes"] + plan["activation_reserve_bytes"] <= 24 * GIB
+    assert plan["granularity"] in ("layer", "part", "slice") and plan["n_slots"] >= 2
+    assert plan["resident_layers"] and plan["resident_bytes"] > 10 * GIB
+    # as a CUDA node by default: activations of an 8k prompt kept free; 16k is refused
+    assert plan["max_prompt_tokens"] == 8192 and GIB < plan["activation_reserve_bytes"] < 4 * GIB
+    assert [row["fits"] for row in r["table"]] == [True, True, False] and r["fits"]
+    # every decoder-layer byte not resident streams once per pass
+    resident = sum(model["layer_bytes"] // 80 for _ in plan["resident_layers"])
+    assert plan["bytes_per_pass"] == model["layer_bytes"] - resident
+    assert plan["bytes_per_pass"] == pytest.approx(model["bytes"] - resident, rel=0.05)
+    assert hw["copy_Bps"] == 25e9 and hw["disk_Bps"] == float(disk_gbps) * 1e9 / 8
+    assert r["source"]["flops"] == "given"
+    # bound by the slower of disk and PCIe, and close to that floor
+    assert r["bound"] == bound
+    floor = plan["bytes_per_pass"] / min(hw["copy_Bps"], hw["disk_Bps"])
+    assert floor <= r["predicted_wall_s"] <= 1.15 * floor
+    assert r["compute_s"] < r["predicted_wall_s"]
+    table = r["table"]
+    assert [row["tokens"] for row in table] == [1024, 4096, 16384]
+    walls = [row["predicted_wall_s"] for row in table]
+    assert walls == sorted(walls) and walls[1] == pytest.approx(r["predicted_wall_s"])
+    rates = [row["tokens_per_s"] for row in table]
+    assert rates == sorted(rates)
+    # remote prefill pays once the Mac's own 400 tok/s takes longer than one pass here
+    n = r["break_even_tokens"]
+    assert isinstance(n, int) and 0 < n <= r["break_even_limit"]
+    assert n == pytest.approx(400 * r["predicted_wall_s"], rel=0.1)
+    for row in table:
+        assert (row["remote_s"] < row["local_s"]) == (row["tokens"] >= n)
+
+
+def test_70b_human_table(l70b: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", str(l70b), "--budget", "24GiB", "--device", "cuda",
+            "--disk-gbps", "50", *HW_70B]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "layer granularity" in out and "disk-bound" in out
+    assert "faster than the Mac from" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith("16384")]) == 1
+
+
+def test_errors_are_one_line_exit_2(l70b: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        (["--model", str(l70b.parent / "missing"), "--budget", "1GiB"], "no such model directory"),
+        (["--model", str(l70b), "--budget", "24 gigs"], "--budget: not a size"),
+        (["--model", str(l70b), "--budget", "1MiB", "--device", "cuda", *HW_70B,
+          "--disk-gbps", "50"], "leaves nothing for weights"),
+        (["--model", str(l70b), "--budget", "1MiB", "--device", "cpu", *HW_70B,
+          "--disk-gbps", "50"], "smaller than the largest tensor"),
+        (["--model", str(l70b), "--budget", "1GiB", "--tflops", "-1"], "--tflops must be"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        assert main(["plan", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("tandem plan: ") and message in err and "\n" not in err
+
+
+def test_cuda_without_a_gpu_needs_budget_and_rates(
+    l70b: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the budget and rates come from it")
+    assert main(["plan", "--model", str(l70b), "--device", "cuda", *HW_70B]) == 2
+    assert "give --budget" in capsys.readouterr().err
+    assert main(["plan", "--model", str(l70b), "--device", "cuda", "--budget", "24GiB"]) == 2
+    assert "give --pcie-gbps and --tflops" in capsys.readouterr().err
+
+
+def test_plan_command_keeps_torch_out_until_it_runs() -> None:
+    assert not _loaded_after_import("app.plan_cmd") & TORCH
+
+
+# --- the ring simulator on hand-made loads ------------------------------------------------
+
+
+def ring(n: int, read: float, compute: float, copy: float = 0.0) -> list[cost.Step]:
+    return [cost.Step(read, copy, compute, streamed=True) for _ in range(n)]
+
+
+def test_copy_bound_ring_hides_all_compute_but_the_last() -> None:
+    assert cost.simulate(ring(10, read=1.0, compute=0.1), n_slots=2) == pytest.approx(10.1)
+    cuda = ring(10, read=0.2, compute=0.1, copy=1.0)  # PCIe-bound: reads hide behind copies
+    assert cost.simulate(cuda, n_slots=3, staging=2) == pytest.approx(0.2 + 10 + 0.1)
+
+
+def test_compute_bound_ring_hides_all_reads_but_the_first() -> None:
+    assert cost.simulate(ring(10, read=0.1, compute=1.0), n_slots=3) == pytest.approx(10.1)
+    cuda = ring(10, read=0.05, compute=1.0, copy=0.05)
+    assert cost.simulate(cuda, n_slots=2, staging=2) == pytest.approx(0.1 + 10)
+
+
+def test_one_slot_ring_is_sequential() -> None:
+    assert cost.simulate(ring(5, read=1.0, compute=2.0), n_slots=1) == pytest.approx(15)
+    cuda = ring(5, read=1.0, compute=2.0, copy=0.5)
+    assert cost.simulate(cuda, n_slots=1, staging=2) == pytest.approx(5 * 2.0 + 1.5 + 4 * 0.5)
+
+
+def test_balanced_ring_overlaps_and_resident_loads_cost_no_read() -> None:
+    assert cost.simulate(ring(10, read=1.0, compute=1.0), n_slots=2) == pytest.approx(11)
+    warm = [cost.Step(9.0, 9.0, 1.0, streamed=False) for _ in range(4)]
+    assert cost.simulate(warm, n_slots=0) == pytest.approx(4)
+    # a resident layer between streamed ones gives the loader a step ahead
+    mixed = [*ring(2, 1.0, 0.5), warm[0], *ring(2, 1.0, 0.5)]
+    assert cost.simulate(mixed, n_slots=2) == pytest.approx(4.5)
+
+
+def test_break_even_is_the_first_prompt_remote_wins() -> None:
+    remote = lambda n: 5 + n / 1000  # noqa: E731  a floor, then fast
+    local = lambda n: n / 100  # noqa: E731
+    n = cost.break_even_tokens(remote, local, 1 << 17)
+    assert n == 556 and remote(n) < local(n) and remote(n - 1) >= local(n - 1)
+    assert cost.break_even_tokens(lambda n: 1 + n, lambda n: n, 1 << 17) is None
+    assert cost.break_even_tokens(lambda n: 0.0, local, 100) == 1
+
+
+def test_work_of_slices_adds_up_to_whole_layers(tiny_model) -> None:
+    index = load_index(tiny_model(arch="llama", layers=4, hidden=256, heads=4, kv_heads=2,
+                                  intermediate=512))  # fmt: skip
+    layers = sum(index.layer_bytes(i) for i in range(4))
+    whole, sliced = (
+        cost.node_plan(index, 2 * layers),
+        cost.node_plan(index, layers // 6),
+    )
+    assert whole.granularity == "resident" and sliced.granularity == "slice"
+    tokens, spec = 300, index.spec
+
+    def total(plan: Plan) -> cost.Work:
+        return sum(
+            (cost.load_work(spec, ld, tokens, 0, "cuda", 4) for ld in plan.loads), cost.Work()
+        )
+
+    params = sum(e.nbytes // 4 for i in range(4) for k, e in index.layers[i].items()
+                 if k.endswith("proj.weight"))  # fmt: skip
+    assert total(whole).matmul == total(sliced).matmul == 2 * tokens * params
+    pairs = tokens * (tokens + 1) // 2  # causal
+    assert total(whole).attention == total(sliced).attention == 4 * 64 * 4 * pairs * 4
+
+
+# --- this machine --------------------------------------------------------------------------
+
+
+def test_calibration_is_quick_and_cleans_up(tmp_path: Path, tiny_model) -> None:
+    spec = load_index(tiny_model(arch="llama", layers=2)).spec
+    t0 = time.perf_counter()
+    hw = cost.calibrate("cpu", "F32", spec, net_Bps=1e9, mac_tok_s=100, directory=tmp_path,
+                        disk_bytes=16 << 20, copy_bytes=16 << 20, seconds=0.05)  # fmt: skip
+    assert time.perf_counter() - t0 < 10
+    rates = [hw.copy_Bps, hw.disk_Bps, hw.flops, hw.attn_flops, hw.elementwise_Bps, hw.overhead]
+    assert all(r is not None and 0 < r < math.inf for r in rates)
+    assert list(tmp_path.iterdir()) == []  # the disk probe is gone
+
+
+def _busy_ticks() -> tuple[int, int]:
+    """(CPU ticks all processes spent busy, ticks this process spent), from /proc."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    with open("/proc/self/stat") as f:
+        mine = f.read().rsplit(")", 1)[1].split()
+    return sum(ticks) - ticks[3] - ticks[4], int(mine[11]) + int(mine[12])  # less idle, iowait
+
+
+def others_cores(fn: Callable[[], T]) -> tuple[T, float]:
+    """`fn()` and the cores other processes kept busy meanwhile (the box is shared)."""
+    (all0, mine0), t0 = _busy_ticks(), time.perf_counter()
+    value = fn()
+    (all1, mine1), t1 = _busy_ticks(), time.perf_counter()
+    return value, ((all1 - all0) - (mine1 - mine0)) / os.sysconf("SC_CLK_TCK") / (t1 - t0)
+
+
+@pytest.mark.slow
+def test_prediction_tracks_the_bench_on_this_cpu(tmp_path: Path) -> None:
+    """Predicted vs measured wall for three budgets (all resident, ½ and ¼ of the layers),
+    within a loose 35% (the 15% claim is measured by a script on a quiet machine). Up to
+    three tries in about 40 s: a systematic error fails every quiet one; a try during which
+    other processes kept a core busy proves nothing, and if every try was one, it skips."""
+    if not Path("/proc/stat").exists():
+        pytest.skip("needs /proc to tell a quiet machine from a busy one")
+    model = make_random_model("16x384", tmp_path / "m", "float32")
+    index = load_index(model)
+    layers = sum(index.layer_bytes(i) for i in range(index.spec.num_layers))
+    slack = 1 << 20  # for O_DIRECT alignment: whole layers stream (slices read row by row)
+    budgets = [index.total_bytes + slack, layers // 2 + slack, layers // 4 + slack]
+    plans = [cost.node_plan(index, b) for b in budgets]
+    assert [p.granularity for p in plans] == ["resident", "layer", "layer"]
+    quiet: list[list[float]] = []
+    deadline = time.perf_counter() + 40
+    for _ in range(3):
+        if time.perf_counter() > deadline:
+            break
+        hw, busy = others_cores(lambda: cost.calibrate(
+            "cpu", index.dtype, index.spec, net_Bps=1e9, mac_tok_s=100, directory=tmp_path,
+            disk_bytes=64 << 20, seconds=0.3))  # fmt: skip
+        errors = []
+        for budget, plan in zip(budgets, plans, strict=True):
+            predicted = cost.predict(plan, index, 1024, hw).wall_s
+            measured, noise = others_cores(
+                lambda b=budget: bench(model, 1024, b, device="cpu", repeat=3)["wall_s"]
+            )
+            busy = max(busy, noise)
+            errors.append(predicted / measured - 1)
+        if busy > 0.25:
+            continue
+        if all(abs(e) < 0.35 for e in errors):
+            return
+        quiet.append(errors)
+    if not quiet:
+        pytest.skip("other processes kept a core busy through every try: no timing")
+    pytest.fail(f"prediction off by more than 35% in every quiet try: {quiet}")
