@@ -111,6 +111,16 @@ class Report:
     table: list[Row]
     break_even_tokens: int | None  # the shortest prompt remote prefill is faster for
     break_even_limit: int  # searched up to this many tokens
+    kv_wire: list[KVWire]  # the prompt's KV over the network at 16, 8 and 4 bits
+
+
+@dataclass(frozen=True)
+class KVWire:
+    """The KV of `--tokens` on the wire at `bits` (16: the model's dtype; 8, 4: group 64)."""
+
+    bits: int
+    bytes_per_token: int
+    transfer_s: float  # at net_Bps
 
 
 class PlanUsageError(ValueError):
@@ -244,7 +254,22 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         table=[_row(p, remote_s, local_s, fits(p.tokens)) for p in table],
         break_even_tokens=cost.break_even_tokens(remote_s, local_s, limit),
         break_even_limit=limit,
+        kv_wire=_kv_wire(index, a.tokens, hw.net_Bps),
     )
+
+
+def _kv_wire(index: ModelIndex, tokens: int, net_Bps: float) -> list[KVWire]:
+    """The router's bytes per token at each KV format, and the prompt's transfer time."""
+    from nodes.contract import KVFormat
+    from nodes.model.safetensors_format import ITEMSIZE
+
+    spec = index.spec
+    per = {16: spec.kv_bytes_per_token}
+    for bits in (8, 4):
+        fmt = KVFormat(bits)
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim, ITEMSIZE[index.dtype])
+        per[bits] = fmt.bytes_per_token(*shape)
+    return [KVWire(b, n, tokens * n / net_Bps) for b, n in per.items()]
 
 
 def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Seconds]:
@@ -343,6 +368,11 @@ def render(r: Report) -> str:
         + ("" if row.fits else "  (over the longest prompt: 413)")
         for row in r.table
     ]
+    wire = ", ".join(
+        f"{w.bits} bits {format_bytes(w.bytes_per_token)}/token {w.transfer_s:.3g} s"
+        for w in r.kv_wire
+    )
+    lines.append(f"  KV wire     {r.tokens} tokens: {wire}")
     n = r.break_even_tokens
     lines.append(
         f"\n  remote      never faster than the Mac up to {r.break_even_limit} tokens"

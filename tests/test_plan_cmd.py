@@ -327,3 +327,35 @@ def test_prediction_tracks_the_bench_on_this_cpu(tmp_path: Path) -> None:
     if not quiet:
         pytest.skip("other processes kept a core busy through every try: no timing")
     pytest.fail(f"prediction off by more than 35% in every quiet try: {quiet}")
+
+
+def test_the_kv_on_the_wire_at_16_8_and_4_bits(
+    l70b: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 20: the plan shows the prompt's KV transfer in each format the router counts."""
+    r = plan_json(capsys, "--model", l70b, "--budget", "24GiB", "--tokens", "8192",
+                  "--device", "cuda", "--disk-gbps", "50", *HW_70B)  # fmt: skip
+    wire = {w["bits"]: w for w in r["kv_wire"]}
+    assert wire[16]["bytes_per_token"] == 327_680  # 80 layers × 8 KV heads × 128 × bf16 × K,V
+    assert wire[8]["bytes_per_token"] / wire[16]["bytes_per_token"] == pytest.approx(0.53125)
+    assert wire[4]["bytes_per_token"] / wire[16]["bytes_per_token"] == pytest.approx(0.28125)
+    net = r["hardware"]["net_Bps"]
+    assert wire[16]["transfer_s"] == pytest.approx(8192 * 327_680 / net)
+    argv = ["plan", "--model", str(l70b), "--budget", "24GiB", "--device", "cuda",
+            "--disk-gbps", "50", *HW_70B]  # fmt: skip
+    assert main(argv) == 0
+    assert "KV wire" in capsys.readouterr().out
+
+
+def test_an_8gb_card_cut_plan_runs_near_the_pcie_floor(
+    l70b: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 17 item 7: on a small card a 70B layer is cut into near-equal loads with several
+    in flight, so a pass at 4k tokens stays close to bytes / PCIe (the two-slot part plan was
+    modelled at 7.8 s against a 5.4 s floor)."""
+    r = plan_json(capsys, "--model", l70b, "--budget", "6GiB", "--tokens", "4096",
+                  "--device", "cuda", "--disk-gbps", "400", *HW_70B)  # fmt: skip
+    plan = r["plan"]
+    assert plan["granularity"] == "slice" and plan["n_slots"] >= 4
+    floor = plan["bytes_per_pass"] / r["hardware"]["copy_Bps"]
+    assert r["predicted_wall_s"] <= 1.10 * floor
