@@ -37,9 +37,9 @@ def test_bench_prefill_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> N
     assert r["bytes_streamed"] < r["model_bytes"]  # a resident layer stays loaded
     assert r["link_gbps"] > 0 and r["tokens"] == 96
     assert r["sequential_ratio"] <= r["overlap_ratio"]
-    # the loader's rate: the throttled link, not the disk (which is far faster here)
-    assert r["loader_Bps"] == pytest.approx(r["link_gbps"] * 1e9 / 8, rel=0.5)
-    assert r["disk_Bps"] > r["loader_Bps"]
+    # the loader's rate is capped by the throttled link, and its reads are part of its time
+    assert r["loader_Bps"] <= 1.05 * r["link_gbps"] * 1e9 / 8
+    assert r["disk_Bps"] >= r["loader_Bps"]
     assert r["pinned_bytes"] == 0  # no CUDA
     assert main([*args, "--cold"]) == 0
     assert "overlap" in capsys.readouterr().out
