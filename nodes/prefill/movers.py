@@ -40,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from nodes.prefill.plan import DIRECT_ALIGN, Load, Plan, direct_span
+from nodes.prefill.plan import DIRECT_ALIGN, Load, Piece, Plan, direct_span
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +143,14 @@ class HostTier:
         self._arena.close()
 
 
-def advise(fds: dict[str, int], load: Load, advice: int) -> None:
-    """posix_fadvise over the file ranges of a load's pieces."""
-    for piece in load.pieces:
-        fd = fds[str(piece.entry.file)]
-        os.posix_fadvise(fd, piece.entry.offset, piece.entry.nbytes, advice)
+def advise(
+    fds: dict[str, int], load: Load, advice: int, skip: Callable[[Piece, int], bool] | None = None
+) -> None:
+    """posix_fadvise over the file ranges of a load's pieces (those `skip` does not name)."""
+    for piece, off in zip(load.pieces, load.offsets, strict=True):
+        if skip is None or not skip(piece, off):
+            fd = fds[str(piece.entry.file)]
+            os.posix_fadvise(fd, piece.entry.offset, piece.entry.nbytes, advice)
 
 
 def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
@@ -356,10 +359,17 @@ class _Reader:
         return n
 
     def prefetch(self, load: Load, tier: HostTier | None) -> None:
-        if load.direct and self.direct:
-            return  # O_DIRECT reads skip the page cache: read-ahead there would be wasted
-        if tier is None or load.seq not in tier.members:
-            advise(self.fds, load, os.POSIX_FADV_WILLNEED)
+        """Read-ahead for the pieces that go through the page cache. O_DIRECT spans skip it
+        (a hint there would be wasted); the rest of a direct load — column slices read row
+        by row, small norms — would otherwise be one synchronous disk read per row."""
+        if tier is not None and load.seq in tier.members:
+            return
+        direct = self.direct if load.direct else {}
+
+        def by_direct(piece: Piece, off: int) -> bool:
+            return str(piece.entry.file) in direct and direct_span(piece, off) is not None
+
+        advise(self.fds, load, os.POSIX_FADV_WILLNEED, by_direct)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
