@@ -7,6 +7,7 @@ with `read_load` and compare with the tensors as safetensors stores them.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 from collections.abc import Callable, Iterator
 
@@ -200,26 +201,30 @@ def test_qk_norms_shared_when_attention_splits(index_of: Callable[[str], ModelIn
         assert {p.key for p in part.pieces} >= SHARED_ACROSS_HEAD_GROUPS
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["page_cache", "o_direct"])
+@pytest.mark.parametrize("how", ["page_cache", "o_direct", "mapped"])
 @pytest.mark.parametrize("model", ["qwen2", "qk_split", "wide"])
 @pytest.mark.parametrize("budget_name", ["largest_tensor", "half_layer", "quarter"])
 def test_loads_read_back_as_tensor_slices(
-    model: str, budget_name: str, direct: bool, index_of: Callable[[str], ModelIndex]
+    model: str, budget_name: str, how: str, index_of: Callable[[str], ModelIndex]
 ) -> None:
     """`read_load` at the plan's offsets yields exactly the row/column slices of the tensors,
-    through the page cache and through O_DIRECT spans (which also write neighbouring bytes)."""
+    through the page cache, through O_DIRECT spans (which also write neighbouring bytes), and
+    with column slices copied out of the files' mappings (what a mover does)."""
     index = index_of(model)
+    direct = how != "page_cache"
     plan = make_plan(index, BUDGETS[budget_name](index), direct=direct)
     tensors: dict[str, np.ndarray] = {}
     for f in index.files:
         tensors.update(load_file(f))
     fds = {str(f): os.open(f, os.O_RDONLY) for f in index.files}
     direct_fds = open_direct([str(f) for f in index.files]) if direct else None
+    maps = {f: mmap.mmap(fd, 0, prot=mmap.PROT_READ) for f, fd in fds.items()}
     spans = 0
     try:
         for ld in plan.loads:
             buf = aligned_empty(ld.nbytes).fill_(0xAB)
-            assert read_load(fds, ld, buf, direct_fds) == ld.weight_bytes
+            mapped = maps if how == "mapped" else None
+            assert read_load(fds, ld, buf, direct_fds, maps=mapped) == ld.weight_bytes
             pieces = zip(ld.pieces, ld.offsets, strict=True)
             spans += sum(direct_span(p, o) is not None for p, o in pieces)
             buf = buf.numpy()
@@ -232,6 +237,8 @@ def test_loads_read_back_as_tensor_slices(
                     want = want[:, piece.cols[0] : piece.cols[1]]
                 np.testing.assert_array_equal(got, want)
     finally:
+        for mapping in maps.values():
+            mapping.close()
         for fd in [*fds.values(), *(direct_fds or {}).values()]:
             os.close(fd)
     if direct and model == "wide":  # really read by O_DIRECT (this file system allows it)

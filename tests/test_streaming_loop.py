@@ -162,6 +162,36 @@ def test_weights_read_through_the_page_cache_are_dropped_after(
     assert cached <= 0.05 * total, f"{cached} of {total} pages still cached"
 
 
+def test_a_column_sliced_tensor_leaves_the_page_cache_with_its_last_slice(
+    tiny_model: MakeTiny,
+) -> None:
+    """A column slice reads a part of every page of its tensor: dropping those pages after the
+    first slice would make every later slice read the whole tensor from disk again. They stay
+    until the tensor's last slice, then go, the whole tensor."""
+    index = load_index(tiny_model(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=768))
+    plan = make_plan(index, index.layer_bytes(0) // 2, direct=True)
+    assert plan.granularity == "slice"
+    loads = [ld for ld in plan.loads if ld.layer == 1 and not ld.resident]
+    sliced = [(ld, p) for ld in loads for p in ld.pieces if p.key == "mlp.down_proj.weight"]
+    assert len(sliced) >= 2 and all(p.cols != (0, p.entry.shape[1]) for _, p in sliced)
+    entry = sliced[0][1].entry
+    reader = movers._Reader([str(f) for f in index.files], direct=False)
+    try:
+        evict = os.open(str(entry.file), os.O_RDONLY)
+        os.fsync(evict)  # just written: dirty pages are not dropped
+        os.posix_fadvise(evict, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(evict)
+        cached = []
+        for ld, _ in sliced:
+            reader.read(ld, aligned_empty(ld.nbytes), None)
+            cached.append(_cached_pages(str(entry.file), entry.offset, entry.nbytes))
+    finally:
+        reader.close()
+    pages = cached[0][1]
+    assert all(c >= pages - 2 for c, _ in cached[:-1]), cached  # all but the edge pages kept
+    assert cached[-1][0] <= 0.05 * pages, cached  # dropped with the last slice
+
+
 # ---------------------------------------------------------------- the plan
 
 

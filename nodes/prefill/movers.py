@@ -1,8 +1,10 @@
 """Movers put a load's bytes into slot memory: disk → host → device.
 
 Both movers read straight into preallocated memory with `preadv` at the safetensors offsets —
-no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap (which only moves
-the disk reads into compute time). Loads laid out for it (`Load.direct`) are read with
+no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap of the weights
+(which only moves the disk reads into compute time). A column slice, a run per row, is one
+strided copy out of the file's mapping on the loader thread, after read-ahead: a `preadv` per
+row costs more CPU than the copy itself. Loads laid out for it (`Load.direct`) are read with
 O_DIRECT, several reads in flight (`READ_THREADS`): the disk DMAs into the destination, and
 the page cache neither costs a copy nor fills with weights the cyclic access would evict
 anyway. Whatever did pass through the page cache is dropped after the read
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
+import mmap
 import os
 import time
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from nodes.prefill.plan import DIRECT_ALIGN, Load, Piece, Plan, direct_span
@@ -146,15 +151,27 @@ class HostTier:
 def advise(
     fds: dict[str, int], load: Load, advice: int, skip: Callable[[Piece, int], bool] | None = None
 ) -> None:
-    """posix_fadvise over the file ranges of a load's pieces (those `skip` does not name)."""
+    """posix_fadvise over the file range each of a load's pieces spans (not those `skip` names):
+    a row slice's own rows, a column slice's first to last row."""
     for piece, off in zip(load.pieces, load.offsets, strict=True):
         if skip is None or not skip(piece, off):
-            fd = fds[str(piece.entry.file)]
-            os.posix_fadvise(fd, piece.entry.offset, piece.entry.nbytes, advice)
+            start, n = piece.span()
+            os.posix_fadvise(fds[str(piece.entry.file)], start, n, advice)
 
 
 def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
-    advise(fds, load, os.POSIX_FADV_DONTNEED)
+    """Drop what `load` read through the page cache. A column slice shares its pages with the
+    tensor's other column slices (each row's run is a part of a page): those pages go with
+    the tensor's last slice, the whole tensor then, so each page comes from disk once."""
+    for piece in load.pieces:
+        e = piece.entry
+        if piece.cols is None or not _column_slice(piece):
+            start, n = piece.span()
+        elif piece.cols[1] == e.shape[1]:
+            start, n = e.offset, e.nbytes
+        else:
+            continue  # a later slice of this tensor reads these pages again
+        os.posix_fadvise(fds[str(e.file)], start, n, os.POSIX_FADV_DONTNEED)
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -183,12 +200,14 @@ def read_load(
     dest: torch.Tensor,
     direct_fds: dict[str, int] | None = None,
     pool: ThreadPoolExecutor | None = None,
+    maps: dict[str, mmap.mmap] | None = None,
 ) -> int:
     """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
 
     With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned,
     cut into `READ_CHUNK` reads; a file that refuses (EINVAL) drops back to the page cache for
-    good. With `pool`, the reads run in its threads, several in flight.
+    good. With `maps` (the files' mappings), a column slice is copied out of the mapping.
+    With `pool`, the reads run in its threads, several in flight.
     """
     mem = memoryview(dest.numpy()).cast("B")
     direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
@@ -198,6 +217,8 @@ def read_load(
         span = direct_span(piece, off) if direct and name in direct else None
         if span is not None:
             reads += _direct_reads(fds, direct, name, mem, span, off - span[1] + piece.nbytes, off)
+        elif maps and name in maps and _column_slice(piece):
+            reads.append(_column_read(maps[name], dest, piece, off))
         else:
             reads.append(_buffered_read(fds[name], mem, piece.segments(), off))
     if pool is None or len(reads) < 2:
@@ -217,6 +238,33 @@ def _buffered_read(
         for file_offset, n in segments:
             _pread_exact(fd, mem[pos : pos + n], file_offset)
             pos += n
+
+    return read
+
+
+def _column_slice(piece: Piece) -> bool:
+    return piece.cols is not None and piece.cols != (0, piece.entry.shape[1])
+
+
+def _column_read(
+    mapping: mmap.mmap, dest: torch.Tensor, piece: Piece, at: int
+) -> Callable[[], None]:
+    """Columns [c0, c1) of every row of a matrix, copied out of its file's mapping at once,
+    then unmapped (the pages stay in the page cache for the tensor's other column slices;
+    `drop_from_page_cache` drops them with the last). An I/O error here is a SIGBUS, as with
+    any mmap reader of safetensors."""
+    e, cols = piece.entry, piece.cols
+    assert cols is not None
+    rows, row = e.shape[0], math.prod(e.shape[1:]) * e.itemsize
+    c0, c1 = cols[0] * e.itemsize, cols[1] * e.itemsize
+    start = e.offset // mmap.PAGESIZE * mmap.PAGESIZE
+
+    def read() -> None:
+        src = np.frombuffer(mapping, np.uint8, rows * row, e.offset).reshape(rows, row)
+        dst = dest.numpy()[at : at + piece.nbytes].reshape(rows, c1 - c0)
+        np.copyto(dst, src[:, c0:c1])
+        del src
+        mapping.madvise(mmap.MADV_DONTNEED, start, e.offset + rows * row - start)
 
     return read
 
@@ -342,6 +390,11 @@ class _Reader:
 
     def __init__(self, files: list[str], direct: bool) -> None:
         self.fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        self.maps = {  # for column slices (an empty file cannot be mapped, nor hold one)
+            f: mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            for f, fd in self.fds.items()
+            if os.fstat(fd).st_size
+        }
         self.direct = open_direct(files) if direct else {}
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-read")
 
@@ -353,7 +406,7 @@ class _Reader:
     def read(self, load: Load, dest: torch.Tensor, tier: HostTier | None) -> int:
         """Read `load` into host memory `dest`; drop what went through the page cache unless
         `dest` is the host tier's (then the tier is where the bytes are kept)."""
-        n = read_load(self.fds, load, dest, self.direct, self.pool)
+        n = read_load(self.fds, load, dest, self.direct, self.pool, self.maps)
         if tier is None or load.seq not in tier.members:
             drop_from_page_cache(self.fds, load)
         return n
@@ -373,9 +426,11 @@ class _Reader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        for mapping in self.maps.values():
+            mapping.close()
         for fd in [*self.fds.values(), *self.direct.values()]:
             os.close(fd)
-        self.fds, self.direct = {}, {}
+        self.fds, self.direct, self.maps = {}, {}, {}
 
 
 class CpuMover:

@@ -69,6 +69,11 @@ class Piece:
             return [(e.offset + r0 * row_bytes, (r1 - r0) * row_bytes)]
         return [(e.offset, e.nbytes)]
 
+    def span(self) -> tuple[int, int]:
+        """(absolute file offset, byte count) from the first byte of this piece to its last."""
+        runs = self.segments()
+        return runs[0][0], runs[-1][0] + runs[-1][1] - runs[0][0]
+
 
 @dataclass(frozen=True)
 class Part:
