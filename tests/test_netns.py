@@ -23,6 +23,7 @@ from tests.discovery_support import (
     start_mdns_node,
     trusted_by,
 )
+from tests.netns_relay import RelayProcess, read_log
 from tests.nodeproc import free_port, wait_healthy
 
 pytestmark = pytest.mark.netns
@@ -269,3 +270,62 @@ def test_a_lan_peer_with_another_certificate_is_refused_until_it_proves_the_toke
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     )
     assert reply["tandem"]["prefill"] == "remote"
+
+
+def _at(node: MdnsNode, address: str) -> dict | None:
+    """`node`'s `/v1/cluster` entry for `address` (a relay and the node it relays to share
+    an id; only their addresses tell them apart)."""
+    return next((p for p in node.get("/v1/cluster")["peers"] if p["address"] == address), None)
+
+
+def test_a_lan_relay_with_its_own_certificate_is_never_trusted_and_gets_nothing(
+    lab: Lab, model: Path
+) -> None:
+    """Issue 19 across real links: the host between the prefill node's subnet and the decode
+    node's (it routes them) runs a relay that holds no token, serves HTTPS with its own
+    self-signed certificate and passes /health and the hello on to the real prefill node.
+    The decode node, told of the relay and of the real node, never trusts the relay, and the
+    relay gets neither the token nor a signature nor a proof; prefill still goes remote, to
+    the real node, through the same host."""
+    a, r, b = lab.netns("a"), lab.netns("r"), lab.netns("b")
+    lab.link(a, "10.81.1.2/24", r, "10.81.1.1/24")
+    lab.link(b, "10.81.2.2/24", r, "10.81.2.1/24")
+    _sysctl(r, "net.ipv4.ip_forward", "1")
+    _ip("-n", a, "route", "add", "default", "via", "10.81.1.1")
+    _ip("-n", b, "route", "add", "default", "via", "10.81.2.1")
+    prefill = lab.node(a, "10.81.1.2", "prefill", "--no-mdns", model=model)
+    relay = RelayProcess.start(lab.tmp, r, "10.81.2.1", free_port(), prefill.url)
+    try:
+        decode = lab.node(
+            b, "10.81.2.2", "decode", "--no-mdns", "--peer", relay.url, "--peer", prefill.url,
+            "--remote-prefill", "always", model=model,
+        )  # fmt: skip
+        health = wait_healthy(prefill)
+        wait_healthy(decode)
+        real = poll(lambda: (e := _at(decode, prefill.url)) and e["trusted"] and e, 15.0)
+        # the relay answered the real node's /health and was asked for the hello
+        poll(lambda: (e := _at(decode, relay.url)) and e["reason"] == "unauthorized", 10.0)
+        seen = []
+        t0 = time.monotonic()
+        while time.monotonic() < t0 + 4.5:  # two more health checks (every 2 s)
+            seen.append(_at(decode, relay.url))
+            time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "who relays?"}], "max_tokens": 3}
+        reply = decode.post("/v1/chat/completions", body)["tandem"]
+    finally:
+        relay.stop()
+    assert relay.url.startswith("https://") and relay.fingerprint != health["cert_fingerprint"]
+    assert seen and all(e is not None and not e["trusted"] for e in seen)
+    last = seen[-1]
+    assert last is not None and last["reason"] == "unauthorized"
+    assert last["id"] == health["id"]  # the real node's /health, relayed
+    assert last["cert_fingerprint"] == ""  # nothing pinned for it
+    assert real["cert_fingerprint"] == health["cert_fingerprint"]
+    assert reply["prefill"] == "remote" and reply["prefill_node"] == prefill.url
+    log, raw = read_log(relay.log)
+    assert "/health" in log.paths and "/v1/hello" in log.paths  # asked; its proof failed
+    log.assert_nothing_usable(TOKEN)
+    assert TOKEN not in raw  # nor in any body it got
+    assert f"peer {relay.url} not trusted" in decode.output()
+    assert TOKEN not in decode.output() and TOKEN not in prefill.output()
+    assert TOKEN not in relay.output()

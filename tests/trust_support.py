@@ -104,16 +104,16 @@ def relay(target: str, log: Log) -> web.Application:
 
 @asynccontextmanager
 async def serving(
-    app: web.Application, identity: Identity | None = None, port: int = 0
+    app: web.Application, identity: Identity | None = None, port: int = 0, host: str = "127.0.0.1"
 ) -> AsyncIterator[str]:
-    """Serve `app` on 127.0.0.1:`port` (a free one by default; TLS with `identity`); yields
-    its base URL."""
+    """Serve `app` on `host`:`port` (loopback and a free port by default; TLS with
+    `identity`); yields its base URL."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
     await runner.setup()
     tls = server_context(identity) if identity is not None else None
-    site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls, reuse_address=True)
+    site = web.TCPSite(runner, host, port, ssl_context=tls, reuse_address=True)
     await site.start()
     try:
-        yield url_for("127.0.0.1", runner.addresses[0][1], identity is not None)
+        yield url_for(host, runner.addresses[0][1], identity is not None)
     finally:
         await runner.cleanup()
