@@ -422,5 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m app.cli`: run the importable module, so that the
+    from app.cli import main as _main  # UsageError the subcommands import is the one caught
+
+    sys.exit(_main())

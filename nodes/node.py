@@ -358,7 +358,7 @@ def _decode_service(node: Node) -> DecodeService:
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, node.index.dtype)
     kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if c.kv_bits else None
     return DecodeService(
-        ModelHost(c.model), spec, expect, node.fingerprint, node.events, node.peers, c.token,
+        ModelHost(c.model), spec, expect, node.fingerprint, node.events, node.peers,
         c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,
         max_concurrent=c.max_concurrent, max_queue=c.max_queue,
         remote_timeout_s=c.remote_timeout_s, kv_format=kv_format,

@@ -76,7 +76,6 @@ class DecodeService:
         fingerprint: str,
         events: EventBus,
         peers: PeerTable,
-        token: str | None,
         mode: Mode = "auto",
         max_tokens_limit: int = 4096,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
