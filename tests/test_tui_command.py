@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,17 @@ def test_nothing_to_watch_or_a_bad_token_file_is_a_usage_error(
         a = _parse("--token-file", str(tmp_path / "missing"))
         a.func(a)
     assert launched == []
+
+
+def test_python_dash_m_prints_a_usage_error_in_one_line() -> None:
+    """`python -m app.cli` is the module `__main__`; the subcommands import `app.cli`. The
+    error they raise must still be the one caught: one line and status 2, no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "tui", "--no-mdns"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TANDEM_TOKEN": ""}, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "tandem tui: give a node with --peer URL, or allow mDNS discovery"
+    ]
