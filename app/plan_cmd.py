@@ -223,10 +223,11 @@ def _layer_params(index: ModelIndex) -> int:
 def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) -> Report:
     from nodes.model.safetensors_format import ITEMSIZE
     from nodes.prefill import cost
+    from nodes.prefill.engine import longest_prompt
 
     spec = index.spec
     device, here = _device(a)
-    longest = cost.max_prompt_tokens(spec, device, a.max_prompt_tokens)
+    longest = longest_prompt(spec, device, a.max_prompt_tokens)
     reserve = cost.activation_reserve(spec, longest, ITEMSIZE[index.dtype], device)
     budget = budget if budget is not None else _default_budget(index, device, here, reserve)
     plan = cost.node_plan(index, budget, reserve)  # before measuring: a bad budget fails fast

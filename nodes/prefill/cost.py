@@ -52,7 +52,7 @@ from nodes.prefill.blocks import (
     rms_norm,
     rope_tables,
 )
-from nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, DEFAULT_MAX_PROMPT_TOKENS
+from nodes.prefill.engine import DEFAULT_CHUNK_TOKENS
 from nodes.prefill.movers import N_STAGING, READ_CHUNK, READ_THREADS, CpuMover
 from nodes.prefill.plan import DIRECT_ALIGN, Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, lower_this_thread
@@ -129,14 +129,6 @@ class Prediction:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else math.inf
-
-
-def max_prompt_tokens(spec: ModelSpec, device: Device, asked: int | None = None) -> int | None:
-    """The longest prompt a node takes, as engine.py sets it: `asked`, else on CUDA the
-    model's context up to `DEFAULT_MAX_PROMPT_TOKENS`, else any (None: nothing reserved)."""
-    if asked is None and device == "cuda":
-        return min(spec.max_position_embeddings, DEFAULT_MAX_PROMPT_TOKENS)
-    return asked or None
 
 
 def activation_reserve(

@@ -23,6 +23,7 @@ from nodes.contract import KVFormat
 from nodes.events import EventBus, LayerEvent, LinkEvent
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
+from nodes.model.spec import ModelSpec
 from nodes.prefill.blocks import (
     LayerState,
     activation_bytes,
@@ -101,6 +102,15 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def longest_prompt(spec: ModelSpec, device: str, asked: int | None = None) -> int | None:
+    """The longest prompt a node takes, whose activations its budget reserves: `asked`, else
+    on CUDA the model's context up to `DEFAULT_MAX_PROMPT_TOKENS`, else (host memory is the
+    budget there) any: None, nothing reserved."""
+    if asked is None and device == "cuda":
+        return min(spec.max_position_embeddings, DEFAULT_MAX_PROMPT_TOKENS)
+    return asked or None
+
+
 def default_budget(index: ModelIndex, device: torch.device, reserve: int = 0) -> int:
     """80% of free device memory, or what the whole model takes resident (its weights, a
     quantized model's scratch, and `reserve` bytes of activations) when that is smaller."""
@@ -136,12 +146,8 @@ class PrefillEngine:
             raise ValueError("chunk_tokens must be at least 1")
         self.chunk_tokens = chunk_tokens
         self.events = events or EventBus()
-        # the budget holds the activations of the longest prompt taken, then the weights: on
-        # CUDA by default a prompt of up to DEFAULT_MAX_PROMPT_TOKENS; elsewhere (host memory
-        # is the budget there) only when asked for
-        if max_prompt_tokens is None and self.device.type == "cuda":
-            max_prompt_tokens = min(self.spec.max_position_embeddings, DEFAULT_MAX_PROMPT_TOKENS)
-        self.max_prompt_tokens = max_prompt_tokens or None
+        # the budget holds the activations of the longest prompt taken, then the weights
+        self.max_prompt_tokens = longest_prompt(self.spec, self.device.type, max_prompt_tokens)
         self.activation_reserve = self._activations(self.max_prompt_tokens or 0, 0)
         self.budget = (
             budget
