@@ -23,10 +23,13 @@ SPIN_S = 1.1e-3  # the last stretch of a wait, slept precisely (the loop waits t
 
 
 async def _wait_until(t: float) -> None:
-    """Return at perf_counter() ≈ t: the loop's timer for the bulk, time.sleep for the rest."""
+    """Return at perf_counter() ≈ t: the loop's timer for the bulk, time.sleep for the rest.
+
+    It always yields to the loop first: a frame is many pieces, and a sender that never
+    yields while it paces one holds up everything else on the loop for the whole frame — the
+    device thread's hand-over of the next layer included, which then waits for the link."""
     left = t - time.perf_counter()
-    if left > SPIN_S:
-        await asyncio.sleep(left - SPIN_S)
+    await asyncio.sleep(max(0.0, left - SPIN_S))
     left = t - time.perf_counter()
     if left > 0:
         time.sleep(left)

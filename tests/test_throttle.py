@@ -1,7 +1,8 @@
 """`--net-gbps`: the paced sender holds a body to the emulated link's rate, within the body too.
 
 The sender runs on its own thread and event loop (`paced_server`), as it does in the prefill
-node's process: its precise waits block its own loop, never the receiver's."""
+node's process: its precise waits block its own loop, never the receiver's, and between
+pieces it lets the rest of its own loop run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import aiohttp
 
 from app.bench_e2e import paced_server
+from nodes.throttle import PacedSender
 
 
 async def _timed_get(url: str, size: int) -> tuple[float, float, bytes]:
@@ -54,3 +56,41 @@ def test_unthrottled_is_a_plain_write() -> None:
     body = b"x" * 100_000
     total, _, got = _transfer(None, body)
     assert got == body and total < 1.0
+
+
+class _Sink:
+    """Stands in for the response: `write` returns at once, as aiohttp's does while the
+    socket takes the bytes (it never yields to the loop then)."""
+
+    def __init__(self) -> None:
+        self.got = bytearray()
+
+    async def write(self, data: bytes | memoryview) -> None:
+        self.got += data
+
+
+def test_pacing_a_frame_lets_the_rest_of_the_loop_run() -> None:
+    """The prefill node's loop also takes the device thread's next layer while a frame goes
+    out: a sender that paces without yielding holds the next layer's hand-over (and so the
+    compute) until the frame is done, and the link idles for a layer's compute every frame."""
+
+    async def run() -> tuple[int, bytes, float]:
+        sink, ticks = _Sink(), 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        await PacedSender(0.08).send(sink, bytes(range(256)) * 4000)  # type: ignore[arg-type]
+        seconds = time.perf_counter() - t0
+        ticker.cancel()
+        return ticks, bytes(sink.got), seconds
+
+    ticks, got, seconds = asyncio.run(run())  # 1 MB at 10 MB/s: 0.1 s, 100 pieces
+    assert got == bytes(range(256)) * 4000 and seconds >= 0.09
+    assert ticks >= 0.5 * seconds / 0.005, (ticks, seconds)
