@@ -27,6 +27,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from nodes.contract import KVFormat
 from nodes.decode import kv
+from nodes.decode.first_step import FirstStep
 from nodes.decode.openai_api import Sampling
 from nodes.model.errors import ModelError
 
@@ -103,6 +104,11 @@ class ModelHost:
     def new_cache(self) -> kv.Caches:
         return kv.new_caches(self.model)
 
+    def first_step(self, token: int, caches: kv.Caches) -> FirstStep | None:
+        """The last prompt token's pass, to run a layer at a time as `caches` fill (None
+        where the model's structure is not one `FirstStep` knows)."""
+        return FirstStep.for_model(self.model, token, caches)
+
     def generation(
         self,
         prompt: Sequence[int],
@@ -110,10 +116,11 @@ class ModelHost:
         params: Sampling,
         on_token: Callable[[int], None] | None = None,
         kv_format: KVFormat | None = None,
+        first: FirstStep | None = None,
     ) -> GenerationStream:
         """`async with host.generation(...) as gen: async for text in gen: ...`, then
         `gen.result`: `generate` on the mlx thread, its text pieces as they come."""
-        return GenerationStream(self, prompt, caches, params, on_token, kv_format)
+        return GenerationStream(self, prompt, caches, params, on_token, kv_format, first)
 
     def measure_prefill(self, count: int) -> float:
         """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
@@ -137,12 +144,14 @@ class ModelHost:
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[int], None] | None = None,
         kv_format: KVFormat | None = None,
+        first: FirstStep | None = None,
     ) -> Generation:
         """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1).
 
-        After a remote prefill `prompt` is just `[t_{n-1}]`. Token for token and text for
-        text this is mlx-lm's own `stream_generate`, except that the first token is handed
-        out as soon as it is sampled: mlx-lm's pipelined loop computes token 2 before it
+        After a remote prefill `prompt` is just `[t_{n-1}]`, or empty with `first`: that
+        token's pass already ran, a layer at a time as the cache filled. Token for token and
+        text for text this is mlx-lm's own `stream_generate`, except that the first token is
+        handed out as soon as it is sampled: mlx-lm's pipelined loop computes token 2 before it
         yields token 1, which on a CPU stream puts a whole decode step into time to first
         token.
         """
@@ -156,7 +165,9 @@ class ModelHost:
         t0 = time.perf_counter()
         pending = ""  # text held back while it could still be the start of a stop string
         hold = max((len(s) for s in params.stop), default=0)
-        tokens = self._tokens(mx.array(list(prompt)), cache, sampler, params.max_tokens, kv_format)
+        tokens = self._tokens(
+            mx.array(list(prompt)), cache, sampler, params.max_tokens, kv_format, first
+        )
         for token in tokens:
             if cancel.is_set():
                 raise Cancelled
@@ -201,6 +212,7 @@ class ModelHost:
         sampler: Callable[..., mx.array],
         max_tokens: int,
         kv_format: KVFormat | None = None,
+        first: FirstStep | None = None,
     ) -> Iterator[int]:
         """mlx-lm's `generate_step`, op for op: the prompt in 2048-token steps, then one token
         per step, each step queued (`async_eval`) before the previous token is handed out.
@@ -209,20 +221,25 @@ class ModelHost:
         token 2 first, and where `async_eval` does the work on the spot (mlx's CPU backend)
         that puts a whole decode step into time to first token."""
 
-        def step(tokens: mx.array) -> mx.array:
-            logits = self.model(tokens[None], cache=cache)[:, -1, :]
+        def sample(logits: mx.array) -> mx.array:
             kv.quantize_when_due(cache, kv_format)  # after the call, as mlx-lm does
             return sampler(logits - mx.logsumexp(logits, keepdims=True))
 
+        def step(tokens: mx.array) -> mx.array:
+            return sample(self.model(tokens[None], cache=cache)[:, -1, :])
+
         with mx.stream(generation_stream):
-            while prompt.size > 1:
-                n = min(PREFILL_STEP, prompt.size - 1)
-                self.model(prompt[:n][None], cache=cache)
-                kv.quantize_when_due(cache, kv_format)
-                kv.evaluate(cache)
-                prompt = prompt[n:]
-                mx.clear_cache()
-            y = step(prompt)
+            if first is not None:  # the last prompt token's pass ran as the cache filled
+                y = sample(first.logits())
+            else:
+                while prompt.size > 1:
+                    n = min(PREFILL_STEP, prompt.size - 1)
+                    self.model(prompt[:n][None], cache=cache)
+                    kv.quantize_when_due(cache, kv_format)
+                    kv.evaluate(cache)
+                    prompt = prompt[n:]
+                    mx.clear_cache()
+                y = step(prompt)
         yield int(y.item())
         if max_tokens < 2:
             return
@@ -273,11 +290,13 @@ class GenerationStream:
         params: Sampling,
         on_token: Callable[[int], None] | None,
         kv_format: KVFormat | None = None,
+        first: FirstStep | None = None,
     ) -> None:
         self._host = host
         self._args = (list(prompt), caches, params)
         self._on_token = on_token
         self._kv_format = kv_format
+        self._first = first
         self.cancel = threading.Event()
         self._texts: asyncio.Queue[object] = asyncio.Queue()
         self._job: asyncio.Future[Generation] | None = None
@@ -294,7 +313,14 @@ class GenerationStream:
             try:
                 prompt, caches, params = self._args
                 return self._host.generate(
-                    prompt, caches, params, self.cancel, put, self._on_token, self._kv_format
+                    prompt,
+                    caches,
+                    params,
+                    self.cancel,
+                    put,
+                    self._on_token,
+                    self._kv_format,
+                    self._first,
                 )
             finally:
                 put(_END)

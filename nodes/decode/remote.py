@@ -8,7 +8,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from nodes.contract import KVFormat
@@ -120,10 +120,16 @@ class RemotePrefill:
         self.buffers = buffers or BufferPool()
 
     async def __call__(
-        self, url: str, call: PrefillCall, caches: kv.Caches, events: EventBus | None = None
+        self,
+        url: str,
+        call: PrefillCall,
+        caches: kv.Caches,
+        events: EventBus | None = None,
+        on_layer: Callable[[int], None] | None = None,
     ) -> RemoteResult:
         """Fill `caches` from the prefill node at `url`; RemotePrefillError on any failure
-        (the caches may then hold a partial prefix: `kv.trim_to` them)."""
+        (the caches may then hold a partial prefix: `kv.trim_to` them). `on_layer(i)` runs on
+        the mlx thread right after layer i is in its cache."""
         events = events or self.events
         body = {
             "proto": PROTO,
@@ -145,7 +151,7 @@ class RemotePrefill:
             raise RemotePrefillError(str(e)) from None
         t0 = time.perf_counter()
         reader = FrameReader(alloc=self.buffers.take)
-        assembler = _Assembler(self, caches, events, call)
+        assembler = _Assembler(self, caches, events, call, on_layer)
         clock = _FrameClock(events, call.request_id)
         try:
             async with (
@@ -216,9 +222,15 @@ class _Assembler:
     back-pressure on the connection)."""
 
     def __init__(
-        self, client: RemotePrefill, caches: kv.Caches, events: EventBus, call: PrefillCall
+        self,
+        client: RemotePrefill,
+        caches: kv.Caches,
+        events: EventBus,
+        call: PrefillCall,
+        on_layer: Callable[[int], None] | None = None,
     ) -> None:
         self.client, self.caches, self.events, self.call = client, caches, events, call
+        self.on_layer = on_layer
         self.queue: asyncio.Queue[LayerFrame | None] = asyncio.Queue(maxsize=4)
         self.task: asyncio.Task[None] | None = None
         self.builder: kv.CacheBuilder | None = None
@@ -244,13 +256,19 @@ class _Assembler:
         assert self.builder is not None
         host = self.client.host
         while (frame := await self.queue.get()) is not None:
-            await host.call(self.builder.add, frame)
+            await host.call(self._add, frame)
             self.client.buffers.give(frame.payload)  # copied into the cache: the buffer is free
             received = LayerEvent(
                 self.call.request_id, layer=frame.layer, state="received",
                 bytes=len(frame.payload),
             )  # fmt: skip
             self.events.publish(received)
+
+    def _add(self, frame: LayerFrame) -> None:
+        assert self.builder is not None
+        self.builder.add(frame)
+        if self.on_layer is not None:
+            self.on_layer(frame.layer)
 
     async def finish(self) -> None:
         """Wait until every received layer is in its cache."""

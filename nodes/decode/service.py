@@ -29,6 +29,7 @@ from nodes.contract import (
     KVFormat,
 )
 from nodes.decode import kv
+from nodes.decode.first_step import FirstStep
 from nodes.decode.host import Cancelled, Generation, ModelHost
 from nodes.decode.kv import KVShape
 from nodes.decode.openai_api import ApiError, Completion
@@ -55,6 +56,7 @@ class PrefillInfo:
     tokens: int = 0
     seconds: float = 0.0
     kv_bytes: int = 0
+    first: FirstStep | None = None  # the last prompt token's pass, already run
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ class DecodeService:
             ticker = _TokenTicker(self.events, rid)
             held = kv.positions(caches)  # positions already in the cache
             gen = self.host.generation(
-                req.tokens[held:], caches, req.sampling, ticker.tick, req.kv_format
+                req.tokens[held:], caches, req.sampling, ticker.tick, req.kv_format, info.first
             )
             async with gen:
                 async for text in gen:
@@ -221,7 +223,7 @@ class DecodeService:
         )  # fmt: skip
         call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
         try:
-            result = await self._remote(peer.address, call, caches)
+            result, first = await self._remote(peer.address, call, caches, req.tokens[-1])
         except RemotePrefillError as e:
             await self.host.call(kv.trim_to, caches, k)
             log.warning("remote prefill failed, prefilling locally: %s", e)
@@ -231,18 +233,26 @@ class DecodeService:
         rate = result.prefill_tok_s if result.seconds > 2 * (peer.prefill_floor_s or 0) else None
         self.peers.update_rates(peer.address, rate, result.link_Bps, result.seconds)
         publish(RequestEvent(rid, phase="prefill_done", tokens=new, where=peer.address))
-        return caches, PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
+        info = PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
+        if first is not None and first.complete:
+            info.first = first
+        elif first is not None:  # not every layer ran: the last token goes through whole
+            await self.host.call(kv.trim_to, caches, n)
+        return caches, info
 
-    async def _remote(self, address: str, call: PrefillCall, caches: kv.Caches) -> RemoteResult:
+    async def _remote(
+        self, address: str, call: PrefillCall, caches: kv.Caches, last: int
+    ) -> tuple[RemoteResult, FirstStep | None]:
         """The remote prefill, asked again (after its Retry-After, with jitter) while the node
         is busy, at most MAX_ATTEMPTS times within the timeout; given up the moment the peer
-        table stops trusting the node."""
+        table stops trusting the node. With it, the pass of the prompt's `last` token, a layer
+        at a time as the layers land (None where the model does not allow it)."""
         deadline = time.monotonic() + self.remote_timeout_s
         for attempt in range(1, MAX_ATTEMPTS + 1):
             left = deadline - time.monotonic()
             timed = replace(call, timeout_s=max(1.0, left))
             try:
-                return await self._watched(address, timed, caches)
+                return await self._watched(address, timed, caches, last)
             except RemotePrefillError as e:
                 wait = e.retry_after
                 if wait is None or attempt == MAX_ATTEMPTS:
@@ -255,9 +265,15 @@ class DecodeService:
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _watched(self, address: str, call: PrefillCall, caches: kv.Caches) -> RemoteResult:
+    async def _watched(
+        self, address: str, call: PrefillCall, caches: kv.Caches, last: int
+    ) -> tuple[RemoteResult, FirstStep | None]:
         """`self.remote(...)`, abandoned as soon as the peer is no longer trusted."""
-        task = asyncio.create_task(self.remote(address, call, caches), name="remote-prefill")
+        first = await self.host.call(self.host.first_step, last, caches)
+        on_layer = first.advance if first is not None else None
+        task = asyncio.create_task(
+            self.remote(address, call, caches, on_layer=on_layer), name="remote-prefill"
+        )
         try:
             while not task.done():
                 peer = self.peers.peers.get(address)
@@ -267,7 +283,7 @@ class DecodeService:
                     reason = peer.reason if peer is not None else "gone"
                     raise RemotePrefillError(f"{address} is no longer trusted ({reason})")
                 await asyncio.wait({task}, timeout=WATCH_S)
-            return task.result()
+            return task.result(), first
         finally:
             if not task.done():
                 task.cancel()
