@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from nodes.tls import load_or_create
+from tests.nodeproc import stop_process
 from tests.trust_support import Log, relay, serving
 
 READY = "relaying "
@@ -110,14 +111,7 @@ class RelayProcess:
         raise TimeoutError(f"relay not listening within {timeout} s:\n{out.read_text()}")
 
     def stop(self, timeout: float = 5.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout=timeout)
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")

@@ -60,14 +60,7 @@ class NodeProc:
             return json.loads(r.read())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -145,3 +138,17 @@ def remote_pair(
             decode.stop()
     finally:
         prefill.stop()
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 10.0
+) -> int:
+    """Signal `proc` (if it still runs), wait up to `timeout`, then kill it; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

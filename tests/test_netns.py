@@ -93,6 +93,17 @@ class Lab:
             _ip("-n", ns, "addr", "add", addr, "dev", dev, *(["nodad"] if ":" in addr else []))
             _ip("-n", ns, "link", "set", dev, "up")
 
+    def routed(self, net: str) -> tuple[str, str, str]:
+        """Namespaces a and b on subnets `net`.1.0/24 and `net`.2.0/24 (each at .2), and r
+        routing between them (.1 on both): (a, r, b)."""
+        a, r, b = self.netns("a"), self.netns("r"), self.netns("b")
+        self.link(a, f"{net}.1.2/24", r, f"{net}.1.1/24")
+        self.link(b, f"{net}.2.2/24", r, f"{net}.2.1/24")
+        _sysctl(r, "net.ipv4.ip_forward", "1")
+        _ip("-n", a, "route", "add", "default", "via", f"{net}.1.1")
+        _ip("-n", b, "route", "add", "default", "via", f"{net}.2.1")
+        return a, r, b
+
     def node(
         self,
         ns: str,
@@ -176,12 +187,7 @@ def test_nodes_in_two_namespaces_discover_each_other_and_prefill_remotely(
 
 def test_routed_subnets_block_mdns_the_node_hints_and_peer_works(lab: Lab, model: Path) -> None:
     """Multicast stays on its link: across a router, nodes only meet through --peer."""
-    a, r, b = lab.netns("a"), lab.netns("r"), lab.netns("b")
-    lab.link(a, "10.78.1.2/24", r, "10.78.1.1/24")
-    lab.link(b, "10.78.2.2/24", r, "10.78.2.1/24")
-    _sysctl(r, "net.ipv4.ip_forward", "1")
-    _ip("-n", a, "route", "add", "default", "via", "10.78.1.1")
-    _ip("-n", b, "route", "add", "default", "via", "10.78.2.1")
+    a, _, b = lab.routed("10.78")
     prefill = lab.node(a, "10.78.1.2", "prefill", "--name", "gpu", model=model)
     decode = lab.node(
         b, "10.78.2.2", "decode", "--name", "mac", "--peer", prefill.url,
@@ -287,12 +293,7 @@ def test_a_lan_relay_with_its_own_certificate_is_never_trusted_and_gets_nothing(
     The decode node, told of the relay and of the real node, never trusts the relay, and the
     relay gets neither the token nor a signature nor a proof; prefill still goes remote, to
     the real node, through the same host."""
-    a, r, b = lab.netns("a"), lab.netns("r"), lab.netns("b")
-    lab.link(a, "10.81.1.2/24", r, "10.81.1.1/24")
-    lab.link(b, "10.81.2.2/24", r, "10.81.2.1/24")
-    _sysctl(r, "net.ipv4.ip_forward", "1")
-    _ip("-n", a, "route", "add", "default", "via", "10.81.1.1")
-    _ip("-n", b, "route", "add", "default", "via", "10.81.2.1")
+    a, r, b = lab.routed("10.81")
     prefill = lab.node(a, "10.81.1.2", "prefill", "--no-mdns", model=model)
     relay = RelayProcess.start(lab.tmp, r, "10.81.2.1", free_port(), prefill.url)
     try:
