@@ -291,3 +291,16 @@ def test_resident_set_spreads_evenly_and_fits() -> None:
     assert _resident_set([10] * 4, 1000) == {0, 1, 2}  # never every layer: one streams
     # uneven sizes: an even spread that does not fit gives way to a smaller one
     assert _resident_set([10, 10, 30, 10], 30) == {0}
+
+
+@pytest.mark.parametrize("model", ["qwen2", "qk_split", "wide"])
+def test_a_pieces_span_runs_from_its_first_segment_to_its_last(
+    model: str, index_of: Callable[[str], ModelIndex]
+) -> None:
+    index = index_of(model)
+    pieces = [p for ld in make_plan(index, BUDGETS["quarter"](index), direct=True).loads
+              for p in ld.pieces]  # fmt: skip
+    assert any(p.cols is not None and p.cols != (0, p.entry.shape[1]) for p in pieces)
+    for piece in pieces:
+        runs = piece.segments()
+        assert piece.span() == (runs[0][0], runs[-1][0] + runs[-1][1] - runs[0][0])

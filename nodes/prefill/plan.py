@@ -70,9 +70,19 @@ class Piece:
         return [(e.offset, e.nbytes)]
 
     def span(self) -> tuple[int, int]:
-        """(absolute file offset, byte count) from the first byte of this piece to its last."""
-        runs = self.segments()
-        return runs[0][0], runs[-1][0] + runs[-1][1] - runs[0][0]
+        """(absolute file offset, byte count) from the first byte of this piece to its last:
+        `segments()`'s first start to its last end, without a list of a run per row (the
+        loader asks this of every piece it reads ahead and drops)."""
+        e, item = self.entry, self.entry.itemsize
+        row_bytes = math.prod(e.shape[1:]) * item
+        if self.cols is not None and self.cols != (0, e.shape[1]):
+            c0, c1 = self.cols
+            start = e.offset + c0 * item
+            return start, (e.shape[0] - 1) * row_bytes + (c1 - c0) * item
+        if self.rows is not None:
+            r0, r1 = self.rows
+            return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
+        return e.offset, e.nbytes
 
 
 @dataclass(frozen=True)
