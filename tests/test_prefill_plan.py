@@ -1,13 +1,12 @@
 """The streaming plan: which bytes form each load, in what order, into which slots.
 
-Checked from the outside: reconstruct file coverage from `Piece.segments()`, read loads back
+Checked from the outside: reconstruct file coverage from `Piece.span()`, read loads back
 with `read_load` and compare with the tensors as safetensors stores them.
 """
 
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 from collections.abc import Callable, Iterator
 
@@ -17,8 +16,9 @@ from safetensors.numpy import load_file
 
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
+from nodes.model.spec import ModelSpec
 from nodes.prefill.movers import aligned_empty, open_direct, read_load
-from nodes.prefill.plan import ALIGN, Load, Plan, direct_span, make_plan
+from nodes.prefill.plan import ALIGN, Load, Part, Plan, direct_span, make_plan
 from tests.conftest import MakeTiny
 
 # name → MakeModelArgs fields. "qk_split" has as many KV heads as query heads and a small MLP,
@@ -130,6 +130,37 @@ def test_every_load_fits_and_pool_within_budget(planned: tuple[ModelIndex, Plan,
         assert ends[-1] <= ld.nbytes
 
 
+# each op of a layer: a whole part, or its cut form (first part kind, then its output rows)
+CUT_FORMS = {"attn": ("qkv", "o"), "mlp": ("gate_up", "down")}
+
+
+def _check_op_order(spec: ModelSpec, parts: list[Part]) -> None:
+    """Attention before the MLP; each op whole, or cut into consecutive ranges covering all
+    of its rows: KV heads, then o_proj's output rows; intermediate rows, then down_proj's."""
+    ops = [p.op for p in parts]
+    n_attn = sum(op in ("attn", "qkv", "o") for op in ops)
+    assert all(op in ("attn", "qkv", "o") for op in ops[:n_attn])
+    full = {"attn": spec.num_kv_heads, "qkv": spec.num_kv_heads, "o": spec.hidden_size,
+            "mlp": spec.intermediate_size, "gate_up": spec.intermediate_size,
+            "down": spec.hidden_size}  # fmt: skip
+    for whole, (head, rows) in CUT_FORMS.items():
+        if whole in ops:
+            assert [p.op for p in parts if p.op in (whole, head, rows)] == [whole]
+            kinds = [whole]
+        else:
+            mine = [p.op for p in parts if p.op in (head, rows)]
+            assert mine == sorted(mine, key=[head, rows].index) and set(mine) == {head, rows}
+            kinds = [head, rows]
+        for kind in kinds:
+            ranges = [(p.lo, p.hi) for p in parts if p.op == kind]
+            assert ranges[0][0] == 0 and ranges[-1][1] == full[kind]
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+            firsts = [p.first for p in parts if p.op == kind]
+            lasts = [p.last for p in parts if p.op == kind]
+            assert firsts == [True] + [False] * (len(ranges) - 1)
+            assert lasts == [False] * (len(ranges) - 1) + [True]
+
+
 def test_loads_in_layer_order(planned: tuple[ModelIndex, Plan, int]) -> None:
     index, plan, _ = planned
     spec = index.spec
@@ -143,17 +174,7 @@ def test_loads_in_layer_order(planned: tuple[ModelIndex, Plan, int]) -> None:
         assert [ld.last_of_layer for ld in mine] == [False] * (len(mine) - 1) + [True]
         assert {ld.resident for ld in mine} == {i in plan.resident_layers}
         parts = [part for ld in mine for part in ld.parts]
-        ops = [part.op for part in parts]
-        assert ops == sorted(ops)  # attention before MLP ("attn" < "mlp")
-        attn = [(p.lo, p.hi) for p in parts if p.op == "attn"]
-        mlp = [(p.lo, p.hi) for p in parts if p.op == "mlp"]
-        # consecutive ranges covering all KV heads / all intermediate columns
-        assert attn[0][0] == 0 and attn[-1][1] == spec.num_kv_heads
-        assert mlp[0][0] == 0 and mlp[-1][1] == spec.intermediate_size
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(attn))
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(mlp))
-        assert [p.first for p in parts if p.op == "attn"] == [True] + [False] * (len(attn) - 1)
-        assert [p.first for p in parts if p.op == "mlp"] == [True] + [False] * (len(mlp) - 1)
+        _check_op_order(spec, parts)
     # resident layers start at layer 0 (compute starts while the ring fills) and are spread
     # evenly, so each one lets the loader get ahead instead of idling at the start
     r, n = plan.resident_layers, spec.num_layers
@@ -164,7 +185,7 @@ SHARED_ACROSS_HEAD_GROUPS = {"self_attn.q_norm.weight", "self_attn.k_norm.weight
 
 
 def test_every_layer_byte_covered_exactly_once(planned: tuple[ModelIndex, Plan, int]) -> None:
-    """Rebuild per-file byte coverage from the pieces' segments.
+    """Rebuild per-file byte coverage from the pieces' spans.
 
     q/k norms act on every head, so each attention head group holds its own copy of them.
     """
@@ -172,15 +193,13 @@ def test_every_layer_byte_covered_exactly_once(planned: tuple[ModelIndex, Plan, 
     coverage = {str(f): np.zeros(os.path.getsize(f), dtype=np.int32) for f in index.files}
     for ld in plan.loads:
         for piece in ld.pieces:
-            covered = 0
-            for offset, n in piece.segments():
-                coverage[str(piece.entry.file)][offset : offset + n] += 1
-                covered += n
-            assert covered == piece.nbytes
+            offset, n = piece.span()
+            coverage[str(piece.entry.file)][offset : offset + n] += 1
+            assert n == piece.nbytes
     expected_total = 0
     for i, tensors in enumerate(index.layers):
         attn_groups = sum(
-            1 for ld in plan.loads for p in ld.parts if p.layer == i and p.op == "attn"
+            1 for ld in plan.loads for p in ld.parts if p.layer == i and p.op in ("attn", "qkv")
         )
         for key, e in tensors.items():
             want = attn_groups if key in SHARED_ACROSS_HEAD_GROUPS else 1
@@ -195,21 +214,20 @@ def test_qk_norms_shared_when_attention_splits(index_of: Callable[[str], ModelIn
     # makes sure the coverage test above really sees attention split into head groups
     index = index_of("qk_split")
     plan = make_plan(index, index.layer_bytes(0) // 2)
-    groups = [p for ld in plan.loads for p in ld.parts if p.layer == 1 and p.op == "attn"]
+    groups = [p for ld in plan.loads for p in ld.parts if p.layer == 1 and p.op == "qkv"]
     assert len(groups) > 1
     for part in groups:
         assert {p.key for p in part.pieces} >= SHARED_ACROSS_HEAD_GROUPS
 
 
-@pytest.mark.parametrize("how", ["page_cache", "o_direct", "mapped"])
+@pytest.mark.parametrize("how", ["page_cache", "o_direct"])
 @pytest.mark.parametrize("model", ["qwen2", "qk_split", "wide"])
 @pytest.mark.parametrize("budget_name", ["largest_tensor", "half_layer", "quarter"])
 def test_loads_read_back_as_tensor_slices(
     model: str, budget_name: str, how: str, index_of: Callable[[str], ModelIndex]
 ) -> None:
-    """`read_load` at the plan's offsets yields exactly the row/column slices of the tensors,
-    through the page cache, through O_DIRECT spans (which also write neighbouring bytes), and
-    with column slices copied out of the files' mappings (what a mover does)."""
+    """`read_load` at the plan's offsets yields exactly the row slices of the tensors, through
+    the page cache and through O_DIRECT spans (which also write neighbouring bytes)."""
     index = index_of(model)
     direct = how != "page_cache"
     plan = make_plan(index, BUDGETS[budget_name](index), direct=direct)
@@ -218,13 +236,11 @@ def test_loads_read_back_as_tensor_slices(
         tensors.update(load_file(f))
     fds = {str(f): os.open(f, os.O_RDONLY) for f in index.files}
     direct_fds = open_direct([str(f) for f in index.files]) if direct else None
-    maps = {f: mmap.mmap(fd, 0, prot=mmap.PROT_READ) for f, fd in fds.items()}
     spans = 0
     try:
         for ld in plan.loads:
             buf = aligned_empty(ld.nbytes).fill_(0xAB)
-            mapped = maps if how == "mapped" else None
-            assert read_load(fds, ld, buf, direct_fds, maps=mapped) == ld.weight_bytes
+            assert read_load(fds, ld, buf, direct_fds) == ld.weight_bytes
             pieces = zip(ld.pieces, ld.offsets, strict=True)
             spans += sum(direct_span(p, o) is not None for p, o in pieces)
             buf = buf.numpy()
@@ -233,12 +249,8 @@ def test_loads_read_back_as_tensor_slices(
                 want = tensors[piece.entry.name]
                 if piece.rows is not None:
                     want = want[piece.rows[0] : piece.rows[1]]
-                if piece.cols is not None:
-                    want = want[:, piece.cols[0] : piece.cols[1]]
                 np.testing.assert_array_equal(got, want)
     finally:
-        for mapping in maps.values():
-            mapping.close()
         for fd in [*fds.values(), *(direct_fds or {}).values()]:
             os.close(fd)
     if direct and model == "wide":  # really read by O_DIRECT (this file system allows it)
@@ -294,13 +306,28 @@ def test_resident_set_spreads_evenly_and_fits() -> None:
 
 
 @pytest.mark.parametrize("model", ["qwen2", "qk_split", "wide"])
-def test_a_pieces_span_runs_from_its_first_segment_to_its_last(
-    model: str, index_of: Callable[[str], ModelIndex]
+@pytest.mark.parametrize("budget_name", ["largest_tensor", "half_layer", "quarter"])
+def test_every_piece_is_one_run_of_rows(
+    model: str, budget_name: str, index_of: Callable[[str], ModelIndex]
 ) -> None:
+    """Cut ops are cut by rows only: every piece is whole rows of its tensor, one run of the
+    file, and a cut matrix's row ranges tile it."""
     index = index_of(model)
-    pieces = [p for ld in make_plan(index, BUDGETS["quarter"](index), direct=True).loads
-              for p in ld.pieces]  # fmt: skip
-    assert any(p.cols is not None and p.cols != (0, p.entry.shape[1]) for p in pieces)
-    for piece in pieces:
-        runs = piece.segments()
-        assert piece.span() == (runs[0][0], runs[-1][0] + runs[-1][1] - runs[0][0])
+    plan = make_plan(index, BUDGETS[budget_name](index), direct=True)
+    rows: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    for ld in plan.loads:
+        for piece in ld.pieces:
+            e = piece.entry
+            lo, hi = piece.rows or (0, e.shape[0])
+            row = e.nbytes // e.shape[0]
+            assert piece.span() == (e.offset + lo * row, (hi - lo) * row)
+            rows.setdefault((ld.layer, piece.key), []).append((lo, hi))
+    cut = 0
+    for (_, key), ranges in rows.items():
+        if key.endswith(("q_norm.weight", "k_norm.weight")):
+            continue  # every head group holds its own copy
+        ranges.sort()
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), key
+        cut += len(ranges) > 1 and key.endswith(("o_proj.weight", "down_proj.weight"))
+    if budget_name == "largest_tensor":
+        assert cut  # o_proj and down_proj really were cut by their rows

@@ -6,6 +6,7 @@ op's slices added into the residual once."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import mmap
 import os
@@ -26,7 +27,7 @@ from nodes.model import fingerprint
 from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
 from nodes.prefill import movers
-from nodes.prefill.blocks import LayerState, _add_residual, _finish_op
+from nodes.prefill.blocks import LayerState, out_rows_part
 from nodes.prefill.engine import PrefillEngine, PromptTooLong
 from nodes.prefill.movers import HostArena, HostTier, aligned_empty, open_direct, read_load
 from nodes.prefill.plan import DIRECT_ALIGN, RING_LOADS, make_plan
@@ -154,42 +155,11 @@ def test_weights_read_through_the_page_cache_are_dropped_after(
         if ld.resident:
             continue
         for piece in ld.pieces:
-            for off, n in piece.segments():
-                c, t = _cached_pages(str(piece.entry.file), off, n)
-                cached, total = cached + c, total + t
+            c, t = _cached_pages(str(piece.entry.file), *piece.span())
+            cached, total = cached + c, total + t
     if total == 0:
         pytest.skip("nothing streamed")
     assert cached <= 0.05 * total, f"{cached} of {total} pages still cached"
-
-
-def test_a_column_sliced_tensor_leaves_the_page_cache_with_its_last_slice(
-    tiny_model: MakeTiny,
-) -> None:
-    """A column slice reads a part of every page of its tensor: dropping those pages after the
-    first slice would make every later slice read the whole tensor from disk again. They stay
-    until the tensor's last slice, then go, the whole tensor."""
-    index = load_index(tiny_model(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=768))
-    plan = make_plan(index, index.layer_bytes(0) // 2, direct=True)
-    assert plan.granularity == "slice"
-    loads = [ld for ld in plan.loads if ld.layer == 1 and not ld.resident]
-    sliced = [(ld, p) for ld in loads for p in ld.pieces if p.key == "mlp.down_proj.weight"]
-    assert len(sliced) >= 2 and all(p.cols != (0, p.entry.shape[1]) for _, p in sliced)
-    entry = sliced[0][1].entry
-    reader = movers._Reader([str(f) for f in index.files], direct=False)
-    try:
-        evict = os.open(str(entry.file), os.O_RDONLY)
-        os.fsync(evict)  # just written: dirty pages are not dropped
-        os.posix_fadvise(evict, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(evict)
-        cached = []
-        for ld, _ in sliced:
-            reader.read(ld, aligned_empty(ld.nbytes), None)
-            cached.append(_cached_pages(str(entry.file), entry.offset, entry.nbytes))
-    finally:
-        reader.close()
-    pages = cached[0][1]
-    assert all(c >= pages - 2 for c, _ in cached[:-1]), cached  # all but the edge pages kept
-    assert cached[-1][0] <= 0.05 * pages, cached  # dropped with the last slice
 
 
 # ---------------------------------------------------------------- the plan
@@ -308,33 +278,28 @@ def _slot_of_layer(engine: PrefillEngine, layer: int) -> int | None:
 # ---------------------------------------------------------------- the residual
 
 
-def test_a_cut_op_adds_its_slices_into_the_residual_once() -> None:
-    """bf16: eight slices summed in float32 and added once give h + bf16(sum), one rounding
-    of the residual as in an uncut layer, and are closer to the exact sum than adding each
-    slice into the bf16 residual."""
+def test_a_cut_op_adds_each_residual_value_once() -> None:
+    """bf16: o_proj (or down_proj) cut into row ranges adds each residual column once, the
+    whole sum over the kept output: h + bf16(x @ W.T), one rounding, as an uncut op. Small
+    integers make every product and partial sum exact, so no BLAS blocking moves a bit."""
     g = torch.Generator().manual_seed(0)
-    h0 = torch.randn(64, 32, generator=g).to(torch.bfloat16)
-    parts = [torch.randn(64, 32, generator=g).to(torch.bfloat16) * 0.1 for _ in range(8)]
+    h0 = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    kept = torch.randint(-3, 4, (64, 96), generator=g).to(torch.bfloat16)
+    weight = torch.randint(-3, 4, (48, 96), generator=g).to(torch.bfloat16) * 2**-7
     h = h0.clone()
-    state = LayerState(torch.empty(0), torch.empty(0))
-    for i, out in enumerate(parts):
-        _add_residual(h, state, 0, out, first=i == 0, last=i == 7)
-        _finish_op(h, state, last=i == 7)
-    total = torch.stack([p.float() for p in parts]).sum(0)
-    assert torch.equal(h, h0 + total.to(torch.bfloat16))
-    assert state.acc is None
-    naive = h0.clone()
-    for out in parts:
-        naive += out
-    exact = h0.double() + torch.stack([p.double() for p in parts]).sum(0)
-    assert (h.double() - exact).abs().mean() < (naive.double() - exact).abs().mean()
-
-
-def test_an_uncut_op_adds_straight_into_the_residual() -> None:
-    h = torch.zeros(4, 4, dtype=torch.bfloat16)
-    state = LayerState(torch.empty(0), torch.empty(0))
-    _add_residual(h, state, 0, torch.ones(2, 4, dtype=torch.bfloat16), first=True, last=True)
-    assert state.acc is None and h[:2].eq(1).all() and h[2:].eq(0).all()
+    state = LayerState(torch.empty(0), torch.empty(0), out=kept)
+    bounds = [0, 10, 11, 30, 48]
+    for lo, hi in itertools.pairwise(bounds):
+        out_rows_part(h, state, weight[lo:hi], lo, hi, last=hi == 48, chunk=16)
+    exact = kept.double() @ weight.double().T
+    assert torch.equal(h, h0 + exact.to(torch.bfloat16))
+    assert state.out is None  # the last range let the kept output go
+    per_slice = h0.clone()  # what adding partial sums over input slices would give
+    for k0 in range(0, 96, 24):
+        per_slice += (kept[:, k0 : k0 + 24].double() @ weight[:, k0 : k0 + 24].double().T).to(
+            torch.bfloat16
+        )
+    assert not torch.equal(per_slice, h)
 
 
 def test_engine_threads_are_not_left_behind(index: ModelIndex) -> None:

@@ -1,8 +1,10 @@
 """Transformer block math in torch, matching mlx-lm's Llama / Mistral / Qwen2 / Qwen3.
 
-The block is computed in *parts* so a layer can be streamed in pieces: attention over a range
-of KV heads adds its o_proj slice into the residual, the MLP over a range of intermediate
-columns adds its down_proj slice. A whole layer is simply every part in one load.
+The block is computed in *parts* so a layer can be streamed in pieces (plan.py's `Part`): a
+whole op in one part adds its output into the residual; a cut one is cut by the rows of its
+matrices: attention over a range of KV heads writes those heads' output, o_proj's rows then
+add their columns of the residual; gate/up rows write their columns of the activation,
+down_proj's rows add theirs. Each residual value takes one addition, as in an uncut layer.
 Activations are bounded by `chunk` tokens: attention queries and the MLP run in token chunks.
 Shapes: T = new tokens, S = start + T (keys), H = hidden, D = head_dim.
 """
@@ -74,27 +76,7 @@ class LayerState:
     k: torch.Tensor  # [1, n_kv, S, D]: prefix keys then this request's (post-RoPE)
     v: torch.Tensor  # [1, n_kv, S, D]
     x_norm: torch.Tensor | None = None  # [T, H]: the current op's normalised input
-    acc: torch.Tensor | None = None  # [T, H] float32: a sliced op's output, summed over parts
-
-
-def _add_residual(
-    h: torch.Tensor, state: LayerState, c0: int, out: torch.Tensor, first: bool, last: bool
-) -> None:
-    """Add an op's output for tokens c0.. into the residual h. An op cut in parts sums them in
-    float32 and adds once, from its last part (`finish_op`): the residual then takes one
-    rounding per op, as in an uncut layer, not one per slice."""
-    if (first and last) or h.dtype == torch.float32:
-        h[c0 : c0 + out.shape[0]] += out
-        return
-    if state.acc is None:
-        state.acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    state.acc[c0 : c0 + out.shape[0]] += out
-
-
-def _finish_op(h: torch.Tensor, state: LayerState, last: bool) -> None:
-    if last and state.acc is not None:
-        h += state.acc.to(h.dtype)
-        state.acc = None
+    out: torch.Tensor | None = None  # a cut op's kept output: [T, nq·D] heads' or [T, I] act
 
 
 def attention_part(
@@ -105,16 +87,20 @@ def attention_part(
     kv_lo: int,
     kv_hi: int,
     first: bool,
-    last: bool,
     start: int,
     rope: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
+    with_o: bool = True,
 ) -> None:
-    """Attention over KV heads [kv_lo, kv_hi): writes their K/V, adds their o_proj slice to h."""
+    """Attention over KV heads [kv_lo, kv_hi): writes their K/V; `with_o` (all heads, o_proj
+    among w) adds o_proj of the output into h, else keeps the heads' output in `state.out`
+    for the o parts (`out_rows_part`)."""
     T, D = h.shape[0], spec.head_dim
     rep = spec.num_heads // spec.num_kv_heads
     if first:
         state.x_norm = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
+        if not with_o:
+            state.out = torch.empty(T, spec.num_heads * D, dtype=h.dtype, device=h.device)
     x = state.x_norm
     assert x is not None
     nq, nkv = (kv_hi - kv_lo) * rep, kv_hi - kv_lo
@@ -136,7 +122,6 @@ def attention_part(
     state.v[0, kv_lo:kv_hi, start:] = v
     keys = state.k[:, kv_lo:kv_hi]  # [1, nkv, S, D]
     values = state.v[:, kv_lo:kv_hi]
-    wo = w["self_attn.o_proj.weight"]  # [H, nq*D]; the last weight asked for (see dequant)
     # CUDA: all queries at once (flash / memory-efficient kernels keep attention memory
     # linear); elsewhere query chunks bound the score matrix.
     q_chunk = T if h.device.type == "cuda" else chunk
@@ -158,8 +143,11 @@ def attention_part(
             **causal,  # type: ignore[arg-type]
         )  # [1, nq, c, D]
         out = out[0].transpose(0, 1).reshape(c1 - c0, nq * D)
-        _add_residual(h, state, c0, F.linear(out, wo), first, last)
-    _finish_op(h, state, last)
+        if with_o:  # o_proj: the last weight asked for (see dequant)
+            h[c0:c1] += F.linear(out, w["self_attn.o_proj.weight"])
+        else:
+            assert state.out is not None
+            state.out[c0:c1, kv_lo * rep * D : kv_hi * rep * D] = out
 
 
 def mlp_part(
@@ -168,21 +156,47 @@ def mlp_part(
     state: LayerState,
     w: Mapping[str, torch.Tensor],
     first: bool,
-    last: bool,
     chunk: int,
+    lo: int = 0,
+    hi: int | None = None,
+    with_down: bool = True,
 ) -> None:
-    """SwiGLU over a range of intermediate columns, added to h in token chunks."""
+    """SwiGLU over intermediate features [lo, hi), in token chunks: `with_down` (all of them,
+    down_proj among w) adds down_proj of the activation into h, else keeps the activation's
+    columns in `state.out` for the down parts (`out_rows_part`)."""
     if first:
         state.x_norm = rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
+        if not with_down:
+            T, inter = h.shape[0], spec.intermediate_size
+            state.out = torch.empty(T, inter, dtype=h.dtype, device=h.device)
     x = state.x_norm
     assert x is not None
+    hi = spec.intermediate_size if hi is None else hi
     for c0 in range(0, h.shape[0], chunk):
         xc = x[c0 : c0 + chunk]  # [c, H]
         # each weight asked for right before its use: a quantized one may share its scratch
         gate = F.silu(F.linear(xc, w["mlp.gate_proj.weight"]))
-        act = gate * F.linear(xc, w["mlp.up_proj.weight"])  # [c, cols]
-        _add_residual(h, state, c0, F.linear(act, w["mlp.down_proj.weight"]), first, last)
-    _finish_op(h, state, last)
+        act = gate * F.linear(xc, w["mlp.up_proj.weight"])  # [c, hi - lo]
+        if with_down:
+            h[c0 : c0 + chunk] += F.linear(act, w["mlp.down_proj.weight"])
+        else:
+            assert state.out is not None
+            state.out[c0 : c0 + chunk, lo:hi] = act
+
+
+def out_rows_part(
+    h: torch.Tensor, state: LayerState, weight: torch.Tensor, lo: int, hi: int, last: bool,
+    chunk: int,
+) -> None:  # fmt: skip
+    """Rows [lo, hi) of a cut op's output matrix (o_proj or down_proj, `weight` [hi - lo, K])
+    over the output its earlier parts kept [T, K]: adds residual columns [lo, hi), in token
+    chunks. The last one lets the kept output go."""
+    kept = state.out
+    assert kept is not None
+    for c0 in range(0, h.shape[0], chunk):
+        h[c0 : c0 + chunk, lo:hi] += F.linear(kept[c0 : c0 + chunk], weight)
+    if last:
+        state.out = None
 
 
 CUDA_SLACK = (1.25, 256 << 20)  # ×, + bytes: cuBLAS workspaces, allocator rounding, rope tables
@@ -205,8 +219,7 @@ def activation_bytes(
     c = min(chunk, T)
     kv = 2 * nkv * S * D * itemsize  # the layer's K/V
     base = 2 * T * H * itemsize + kv + 2 * T * D * 4  # h, x_norm, K/V, rope tables (fp32)
-    if itemsize < 4:
-        base += T * H * 4  # a sliced op's float32 sum
+    base += T * max(nq * D, spec.intermediate_size) * itemsize  # a cut op's kept output
     qkv = T * (nq + 2 * nkv) * D * itemsize
     rope = 3 * c * nq * D * 4  # float32 copies of one chunk of q
     if fused_attention:

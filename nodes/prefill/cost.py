@@ -167,32 +167,48 @@ def attention_pairs(tokens: int, start: int, device: Device, chunk: int) -> int:
 
 
 def attention_work(
-    spec: ModelSpec, nkv: int, tokens: int, pairs: int, first: bool, itemsize: int
-) -> Work:
-    """Attention over `nkv` KV heads for `tokens` positions (`pairs`: `attention_pairs`)."""
+    spec: ModelSpec, nkv: int, tokens: int, pairs: int, first: bool, itemsize: int,
+    with_o: bool = True,
+) -> Work:  # fmt: skip
+    """Attention over `nkv` KV heads for `tokens` positions (`pairs`: `attention_pairs`);
+    `with_o`: o_proj too, else the heads' output is kept for the o parts."""
     H, D, T = spec.hidden_size, spec.head_dim, tokens
     nq = nkv * (spec.num_heads // spec.num_kv_heads)
-    matmul = 2.0 * T * H * D * (2 * nq + 2 * nkv)  # q, o: nq heads; k, v: nkv heads
+    matmul = 2.0 * T * H * D * ((2 if with_o else 1) * nq + 2 * nkv)  # q, o: nq; k, v: nkv
     attention = 4.0 * D * nq * pairs  # q·k and p·v: 2·D FLOPs each per pair
-    # input norm (first part), RoPE of q and k, the residual add
-    elementwise = (T * H if first else 0) + T * (nq + nkv) * D + T * H
+    # input norm (first part), RoPE of q and k, the residual add (or the output kept)
+    elementwise = (T * H if first else 0) + T * (nq + nkv) * D + (T * H if with_o else T * nq * D)
     return Work(matmul, attention, float(elementwise * itemsize))
 
 
-def mlp_work(spec: ModelSpec, cols: int, tokens: int, first: bool, itemsize: int) -> Work:
-    """The MLP over `cols` intermediate columns for `tokens` positions."""
+def mlp_work(
+    spec: ModelSpec, cols: int, tokens: int, first: bool, itemsize: int, with_down: bool = True
+) -> Work:
+    """The MLP over `cols` intermediate features for `tokens` positions; `with_down`:
+    down_proj too, else the activation is kept for the down parts."""
     H, T = spec.hidden_size, tokens
-    matmul = 2.0 * T * H * cols * 3  # gate, up: [T,H]x[H,c]; down: [T,c]x[c,H]
-    elementwise = (T * H if first else 0) + T * cols + T * H  # norm, SwiGLU, residual add
+    matmul = 2.0 * T * H * cols * (3 if with_down else 2)  # gate, up, down: [T,H]x[H,c]
+    kept = T * H if with_down else T * cols  # the residual add, or the activation kept
+    elementwise = (T * H if first else 0) + T * cols + kept  # norm, SwiGLU
     return Work(matmul, 0.0, float(elementwise * itemsize))
+
+
+def out_rows_work(inner: int, rows: int, tokens: int, itemsize: int) -> Work:
+    """`rows` rows of o_proj or down_proj (`inner` input features) over the kept output,
+    added into `rows` residual columns."""
+    return Work(2.0 * tokens * inner * rows, 0.0, float(tokens * rows * itemsize))
 
 
 def part_work(spec: ModelSpec, part: Part, tokens: int, pairs: int, itemsize: int) -> Work:
     """What one part computes over `tokens` positions (`pairs`: `attention_pairs`)."""
     width = part.hi - part.lo
-    if part.op == "mlp":
-        return mlp_work(spec, width, tokens, part.first, itemsize)
-    return attention_work(spec, width, tokens, pairs, part.first, itemsize)
+    if part.op in ("mlp", "gate_up"):
+        return mlp_work(spec, width, tokens, part.first, itemsize, part.op == "mlp")
+    if part.op == "o":
+        return out_rows_work(spec.num_heads * spec.head_dim, width, tokens, itemsize)
+    if part.op == "down":
+        return out_rows_work(spec.intermediate_size, width, tokens, itemsize)
+    return attention_work(spec, width, tokens, pairs, part.first, itemsize, part.op == "attn")
 
 
 def load_work(
@@ -447,9 +463,9 @@ def measure_overhead(
         h = h0.clone()
         state = LayerState(torch.empty(kv, device=dev, dtype=tdtype),
                            torch.empty(kv, device=dev, dtype=tdtype))  # fmt: skip
-        attention_part(spec, h, state, w, kv_lo=0, kv_hi=1, first=True, last=True, start=0,
-                       rope=rope, chunk=chunk)  # fmt: skip
-        mlp_part(spec, h, state, w, first=True, last=True, chunk=chunk)
+        attention_part(spec, h, state, w, kv_lo=0, kv_hi=1, first=True, start=0, rope=rope,
+                       chunk=chunk)  # fmt: skip
+        mlp_part(spec, h, state, w, first=True, chunk=chunk, hi=cols)
 
     pairs = attention_pairs(T, 0, device, chunk)
     work = attention_work(spec, 1, T, pairs, True, itemsize) + mlp_work(

@@ -30,6 +30,7 @@ from nodes.prefill.blocks import (
     attention_part,
     inv_freq,
     mlp_part,
+    out_rows_part,
     rope_tables,
 )
 from nodes.prefill.dequant import DequantizedWeights, dequantize
@@ -369,15 +370,42 @@ class PrefillEngine:
         start: int,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
+        spec, chunk = self.spec, self.chunk_tokens
         for part in load.parts:
             w = self._dequantized(part, part_weights(views, part.op, part.lo))
-            if part.op == "attn":
+            if part.op in ("attn", "qkv"):
                 attention_part(
-                    self.spec, h, state, w, part.lo, part.hi, part.first, part.last, start,
-                    rope, self.chunk_tokens,
+                    spec, h, state, w, part.lo, part.hi, part.first, start, rope, chunk,
+                    with_o=part.op == "attn",
                 )  # fmt: skip
+            elif part.op in ("mlp", "gate_up"):
+                mlp_part(spec, h, state, w, part.first, chunk, part.lo, part.hi,
+                         with_down=part.op == "mlp")  # fmt: skip
             else:
-                mlp_part(self.spec, h, state, w, part.first, part.last, self.chunk_tokens)
+                self._out_rows(part, part_weights(views, part.op, part.lo), h, state)
+
+    def _out_rows(
+        self, part: Part, w: dict[str, torch.Tensor], h: torch.Tensor, state: LayerState
+    ) -> None:
+        """An "o" or "down" part. A quantized matrix is dequantized a block of rows at a time,
+        as many as the scratch holds (the plan sizes it for the other parts' matrices): each
+        block adds its own residual columns."""
+        module = "self_attn.o_proj" if part.op == "o" else "mlp.down_proj"
+        weight, chunk = w[f"{module}.weight"], self.chunk_tokens
+        quant = self.index.quant(part.layer, module)
+        if quant is None:
+            out_rows_part(h, state, weight, part.lo, part.hi, part.last, chunk)
+            return
+        scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]
+        rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
+        row_bytes = cols * torch.finfo(self.dtype).bits // 8
+        block = max(1, self._scratch.numel() // row_bytes)
+        for a in range(0, rows, block):
+            b = min(rows, a + block)
+            dest = self._scratch[: (b - a) * row_bytes].view(self.dtype).view(b - a, cols)
+            wq = dequantize(weight[a:b], scales[a:b], biases[a:b], quant, self.dtype, out=dest)
+            last = part.last and b == rows
+            out_rows_part(h, state, wq, part.lo + a, part.lo + b, last, chunk)
 
     def _dequantized(self, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The part's weights, each quantized matrix dequantized into the scratch on use."""

@@ -2,9 +2,8 @@
 
 Both movers read straight into preallocated memory with `preadv` at the safetensors offsets —
 no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap of the weights
-(which only moves the disk reads into compute time). A column slice, a run per row, is one
-strided copy out of the file's mapping on the loader thread, after read-ahead: a `preadv` per
-row costs more CPU than the copy itself. Loads laid out for it (`Load.direct`) are read with
+(which only moves the disk reads into compute time). Every piece is one run of its file (the
+plan cuts matrices by rows only). Loads laid out for it (`Load.direct`) are read with
 O_DIRECT, several reads in flight (`READ_THREADS`): the disk DMAs into the destination, and
 the page cache neither costs a copy nor fills with weights the cyclic access would evict
 anyway. Whatever did pass through the page cache is dropped after the read
@@ -26,15 +25,13 @@ failure mid-request) and keeps what it took.
 
 fastsafetensors and runai-model-streamer were considered for the CUDA reader: both allocate
 their own device tensors per file or per tensor, which does not fit a fixed slot pool with
-row/column slices. Plain `preadv` into pinned staging keeps the pool the only device memory.
+row slices. Plain `preadv` into pinned staging keeps the pool the only device memory.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import math
-import mmap
 import os
 import time
 from collections.abc import Callable
@@ -42,12 +39,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from nodes.prefill.plan import DIRECT_ALIGN, Load, Piece, Plan, direct_span
 
 log = logging.getLogger(__name__)
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 READ_THREADS = 4  # reads in flight per load: NVMe wants a queue, one preadv at a time is not one
 READ_CHUNK = 8 << 20  # bytes: O_DIRECT spans are cut into reads of at most this
@@ -151,8 +148,7 @@ class HostTier:
 def advise(
     fds: dict[str, int], load: Load, advice: int, skip: Callable[[Piece, int], bool] | None = None
 ) -> None:
-    """posix_fadvise over the file range each of a load's pieces spans (not those `skip` names):
-    a row slice's own rows, a column slice's first to last row."""
+    """posix_fadvise over the file range of each of a load's pieces (not those `skip` names)."""
     for piece, off in zip(load.pieces, load.offsets, strict=True):
         if skip is None or not skip(piece, off):
             start, n = piece.span()
@@ -160,18 +156,15 @@ def advise(
 
 
 def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
-    """Drop what `load` read through the page cache. A column slice shares its pages with the
-    tensor's other column slices (each row's run is a part of a page): those pages go with
-    the tensor's last slice, the whole tensor then, so each page comes from disk once."""
+    """Drop what `load` read through the page cache: every page its pieces touch. The kernel
+    drops only the pages a range covers whole, and a row range of a cut matrix mostly ends
+    inside a page it shares with the next range (which, if still to come, reads that one page
+    again)."""
     for piece in load.pieces:
-        e = piece.entry
-        if piece.cols is None or not _column_slice(piece):
-            start, n = piece.span()
-        elif piece.cols[1] == e.shape[1]:
-            start, n = e.offset, e.nbytes
-        else:
-            continue  # a later slice of this tensor reads these pages again
-        os.posix_fadvise(fds[str(e.file)], start, n, os.POSIX_FADV_DONTNEED)
+        start, n = piece.span()
+        lo = start // PAGE * PAGE
+        hi = -(-(start + n) // PAGE) * PAGE
+        os.posix_fadvise(fds[str(piece.entry.file)], lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
@@ -200,14 +193,12 @@ def read_load(
     dest: torch.Tensor,
     direct_fds: dict[str, int] | None = None,
     pool: ThreadPoolExecutor | None = None,
-    maps: dict[str, mmap.mmap] | None = None,
 ) -> int:
     """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
 
     With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned,
     cut into `READ_CHUNK` reads; a file that refuses (EINVAL) drops back to the page cache for
-    good. With `maps` (the files' mappings), a column slice is copied out of the mapping.
-    With `pool`, the reads run in its threads, several in flight.
+    good. With `pool`, the reads run in its threads, several in flight.
     """
     mem = memoryview(dest.numpy()).cast("B")
     direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
@@ -217,10 +208,8 @@ def read_load(
         span = direct_span(piece, off) if direct and name in direct else None
         if span is not None:
             reads += _direct_reads(fds, direct, name, mem, span, off - span[1] + piece.nbytes, off)
-        elif maps and name in maps and _column_slice(piece):
-            reads.append(_column_read(maps[name], dest, piece, off))
         else:
-            reads.append(_buffered_read(fds[name], mem, piece.segments(), off))
+            reads.append(_buffered_read(fds[name], mem, *piece.span(), off))
     if pool is None or len(reads) < 2:
         for read in reads:
             read()
@@ -231,40 +220,10 @@ def read_load(
 
 
 def _buffered_read(
-    fd: int, mem: memoryview, segments: list[tuple[int, int]], at: int
+    fd: int, mem: memoryview, file_offset: int, n: int, at: int
 ) -> Callable[[], None]:
     def read() -> None:
-        pos = at
-        for file_offset, n in segments:
-            _pread_exact(fd, mem[pos : pos + n], file_offset)
-            pos += n
-
-    return read
-
-
-def _column_slice(piece: Piece) -> bool:
-    return piece.cols is not None and piece.cols != (0, piece.entry.shape[1])
-
-
-def _column_read(
-    mapping: mmap.mmap, dest: torch.Tensor, piece: Piece, at: int
-) -> Callable[[], None]:
-    """Columns [c0, c1) of every row of a matrix, copied out of its file's mapping at once,
-    then unmapped (the pages stay in the page cache for the tensor's other column slices;
-    `drop_from_page_cache` drops them with the last). An I/O error here is a SIGBUS, as with
-    any mmap reader of safetensors."""
-    e, cols = piece.entry, piece.cols
-    assert cols is not None
-    rows, row = e.shape[0], math.prod(e.shape[1:]) * e.itemsize
-    c0, c1 = cols[0] * e.itemsize, cols[1] * e.itemsize
-    start = e.offset // mmap.PAGESIZE * mmap.PAGESIZE
-
-    def read() -> None:
-        src = np.frombuffer(mapping, np.uint8, rows * row, e.offset).reshape(rows, row)
-        dst = dest.numpy()[at : at + piece.nbytes].reshape(rows, c1 - c0)
-        np.copyto(dst, src[:, c0:c1])
-        del src
-        mapping.madvise(mmap.MADV_DONTNEED, start, e.offset + rows * row - start)
+        _pread_exact(fd, mem[at : at + n], file_offset)
 
     return read
 
@@ -390,11 +349,10 @@ class _Reader:
 
     def __init__(self, files: list[str], direct: bool) -> None:
         self.fds = {f: os.open(f, os.O_RDONLY) for f in files}
-        self.maps = {  # for column slices (an empty file cannot be mapped, nor hold one)
-            f: mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-            for f, fd in self.fds.items()
-            if os.fstat(fd).st_size
-        }
+        for fd in self.fds.values():  # no readahead of its own: `prefetch` asks for exactly
+            # what comes next, while the kernel's would read on through a tensor's rows that
+            # an earlier load took and dropped, and they would stay cached
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.direct = open_direct(files) if direct else {}
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-read")
 
@@ -406,15 +364,16 @@ class _Reader:
     def read(self, load: Load, dest: torch.Tensor, tier: HostTier | None) -> int:
         """Read `load` into host memory `dest`; drop what went through the page cache unless
         `dest` is the host tier's (then the tier is where the bytes are kept)."""
-        n = read_load(self.fds, load, dest, self.direct, self.pool, self.maps)
+        n = read_load(self.fds, load, dest, self.direct, self.pool)
         if tier is None or load.seq not in tier.members:
             drop_from_page_cache(self.fds, load)
         return n
 
     def prefetch(self, load: Load, tier: HostTier | None) -> None:
         """Read-ahead for the pieces that go through the page cache. O_DIRECT spans skip it
-        (a hint there would be wasted); the rest of a direct load — column slices read row
-        by row, small norms — would otherwise be one synchronous disk read per row."""
+        (a hint there would be wasted); the rest — small norms, every piece where O_DIRECT
+        is refused — would otherwise wait on a synchronous disk read each (the descriptors
+        have no kernel readahead, `_Reader`)."""
         if tier is not None and load.seq in tier.members:
             return
         direct = self.direct if load.direct else {}
@@ -426,11 +385,9 @@ class _Reader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        for mapping in self.maps.values():
-            mapping.close()
         for fd in [*self.fds.values(), *self.direct.values()]:
             os.close(fd)
-        self.fds, self.direct, self.maps = {}, {}, {}
+        self.fds, self.direct = {}, {}
 
 
 class CpuMover:

@@ -2,9 +2,13 @@
 into which slots, and which layers stay resident.
 
 A *load* is what one slot holds at a time: a whole layer, or one part of it (attention or
-MLP), or a slice of a part when even parts do not fit. Slices split attention by KV-head
-groups (q/k/v rows, o columns) and the MLP by intermediate columns (gate/up rows, down
-columns), so each slice computes independently and adds into the residual stream.
+MLP), or a slice of a part when even parts do not fit. A cut op is sliced by the rows of its
+matrices only: attention into KV-head groups (q/k/v rows) that write their heads' output,
+then o_proj's rows (output features) that add their columns of the residual; the MLP into
+intermediate rows of gate/up that write the activation, then down_proj's rows. Every piece is
+then one run of its file, read by O_DIRECT (a column slice was a strided copy out of the page
+cache, on the loader's critical path), and every residual value takes one rounding, as in
+an uncut layer.
 
 The access is cyclic (layer 0..L-1, then again), so the policy is a ring of slots fed in order
 plus a fixed resident set — never LRU, which evicts exactly the layer needed next.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,66 +40,54 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class Piece:
-    """A tensor, or a row or column range of a 2-D tensor, as it lands in slot memory."""
+    """A tensor, or a row range of it, as it lands in slot memory: one run of its file."""
 
     key: str  # short name, e.g. "self_attn.q_proj.weight"
     entry: TensorEntry
     rows: tuple[int, int] | None = None
-    cols: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.entry.shape)
         if self.rows is not None:
             shape[0] = self.rows[1] - self.rows[0]
-        if self.cols is not None:
-            shape[1] = self.cols[1] - self.cols[0]
         return tuple(shape)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.entry.itemsize
 
-    def segments(self) -> list[tuple[int, int]]:
-        """(absolute file offset, byte count) runs that make up this piece, in order."""
-        e, item = self.entry, self.entry.itemsize
-        row_bytes = math.prod(e.shape[1:]) * item
-        if self.cols is not None and self.cols != (0, e.shape[1]):
-            c0, c1 = self.cols  # one run per row: [rows, c0:c1] of a row-major matrix
-            return [
-                (e.offset + r * row_bytes + c0 * item, (c1 - c0) * item) for r in range(e.shape[0])
-            ]
-        if self.rows is not None:
-            r0, r1 = self.rows
-            return [(e.offset + r0 * row_bytes, (r1 - r0) * row_bytes)]
-        return [(e.offset, e.nbytes)]
-
     def span(self) -> tuple[int, int]:
-        """(absolute file offset, byte count) from the first byte of this piece to its last:
-        `segments()`'s first start to its last end, without a list of a run per row (the
-        loader asks this of every piece it reads ahead and drops)."""
-        e, item = self.entry, self.entry.itemsize
-        row_bytes = math.prod(e.shape[1:]) * item
-        if self.cols is not None and self.cols != (0, e.shape[1]):
-            c0, c1 = self.cols
-            start = e.offset + c0 * item
-            return start, (e.shape[0] - 1) * row_bytes + (c1 - c0) * item
-        if self.rows is not None:
-            r0, r1 = self.rows
-            return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
-        return e.offset, e.nbytes
+        """(absolute file offset, byte count) of this piece in its file."""
+        e = self.entry
+        if self.rows is None:
+            return e.offset, e.nbytes
+        row_bytes = math.prod(e.shape[1:]) * e.itemsize
+        r0, r1 = self.rows
+        return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
+
+
+Op = Literal["attn", "qkv", "o", "mlp", "gate_up", "down"]
 
 
 @dataclass(frozen=True)
 class Part:
-    """One compute step: attention over KV heads [lo, hi) or the MLP over columns [lo, hi)."""
+    """One compute step over rows [lo, hi) of its op:
+
+    - "attn": the whole attention, o_proj included (lo, hi: all KV heads);
+    - "qkv": attention over KV heads [lo, hi), its heads' output kept for "o";
+    - "o": o_proj's rows (output features) [lo, hi), added into those residual columns;
+    - "mlp": the whole MLP (lo, hi: all intermediate features);
+    - "gate_up": gate/up rows [lo, hi), the activation kept for "down";
+    - "down": down_proj's rows [lo, hi), added into those residual columns.
+    """
 
     layer: int
-    op: Literal["attn", "mlp"]
+    op: Op
     lo: int
     hi: int
-    first: bool  # first part of this op in the layer: it computes the op's input norm
-    last: bool  # last part of this op: it adds the op's summed output into the residual
+    first: bool  # first part of this op in the layer ("qkv", "gate_up": computes the norm)
+    last: bool  # last part of this op ("o", "down": the kept output is done with)
     pieces: tuple[Piece, ...]
 
 
@@ -157,42 +150,30 @@ class Plan:
 
 
 def _matrix(
-    index: ModelIndex,
-    i: int,
-    module: str,
-    rows: tuple[int, int] | None = None,
-    cols: tuple[int, int] | None = None,
+    index: ModelIndex, i: int, module: str, rows: tuple[int, int] | None = None
 ) -> list[Piece]:
-    """The pieces holding rows/cols of layer i's `module` weight: the float matrix, or its
-    packed words, scales and biases (a column range in values maps to words and groups)."""
+    """The pieces holding rows of layer i's `module` weight: the float matrix, or its packed
+    words, scales and biases (a quantized matrix's rows are whole rows of all three)."""
     t, quant = index.layers[i], index.quant(i, module)
     if quant is None:
-        return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows, cols=cols)]
-    words = groups = None
-    if cols is not None:
-        assert cols[0] % quant.group_size == 0 and cols[1] % quant.group_size == 0
-        words = (quant.packed_cols(cols[0]), quant.packed_cols(cols[1]))
-        groups = (quant.groups(cols[0]), quant.groups(cols[1]))
+        return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows)]
     return [
-        Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows, cols=words),
-        Piece(f"{module}.scales", t[f"{module}.scales"], rows=rows, cols=groups),
-        Piece(f"{module}.biases", t[f"{module}.biases"], rows=rows, cols=groups),
+        Piece(f"{module}.{name}", t[f"{module}.{name}"], rows=rows)
+        for name in ("weight", "scales", "biases")
     ]
 
 
-def _cuts_groups(index: ModelIndex, i: int, module: str, bounds: list[int]) -> bool:
-    """Whether column `bounds` of layer i's `module` cut only between whole groups."""
-    quant = index.quant(i, module)
-    return quant is None or all(b % quant.group_size == 0 for b in bounds)
+def _bounds(total: int, n: int) -> list[int]:
+    """Cuts of [0, total) into about n even ranges (fewer when n > total)."""
+    return sorted({round(g * total / n) for g in range(n + 1)})
 
 
-def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part] | None:
-    """Attention in `groups` KV-head groups; None where those cut o_proj's scale groups."""
+def _attn(index: ModelIndex, i: int, groups: int, with_o: bool) -> list[Part]:
+    """Attention in `groups` KV-head groups: one "attn" part holding o_proj too (`with_o`,
+    groups == 1), else "qkv" parts."""
     spec, t = index.spec, index.layers[i]
     rep, hd = spec.num_heads // spec.num_kv_heads, spec.head_dim
-    bounds = [round(g * spec.num_kv_heads / groups) for g in range(groups + 1)]
-    if not _cuts_groups(index, i, "self_attn.o_proj", [b * rep * hd for b in bounds]):
-        return None
+    bounds = _bounds(spec.num_kv_heads, groups)
     parts = []
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         q_rows, kv_rows = (lo * rep * hd, hi * rep * hd), (lo * hd, hi * hd)
@@ -201,7 +182,6 @@ def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part] | None:
             *_matrix(index, i, "self_attn.q_proj", rows=q_rows),
             *_matrix(index, i, "self_attn.k_proj", rows=kv_rows),
             *_matrix(index, i, "self_attn.v_proj", rows=kv_rows),
-            *_matrix(index, i, "self_attn.o_proj", cols=q_rows),
         ]
         if spec.attention_bias:
             pieces += [
@@ -214,35 +194,48 @@ def _attn_parts(index: ModelIndex, i: int, groups: int) -> list[Part] | None:
                 Piece("self_attn.q_norm.weight", t["self_attn.q_norm.weight"]),
                 Piece("self_attn.k_norm.weight", t["self_attn.k_norm.weight"]),
             ]
-        parts.append(Part(i, "attn", lo, hi, g == 0, g == groups - 1, tuple(pieces)))
+        if with_o:
+            pieces += _matrix(index, i, "self_attn.o_proj")
+        last = g == len(bounds) - 2
+        parts.append(Part(i, "attn" if with_o else "qkv", lo, hi, g == 0, last, tuple(pieces)))
     return parts
 
 
-def _mlp_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
-    """The MLP in about `groups` column ranges, cut between down_proj's scale groups."""
-    t, inter = index.layers[i], index.spec.intermediate_size
-    quant = index.quant(i, "mlp.down_proj")
-    unit = quant.group_size if quant is not None else 1
-    units = inter // unit
-    bounds = sorted({round(g * units / groups) * unit for g in range(groups + 1)} | {inter})
+def _mlp(index: ModelIndex, i: int, groups: int, with_down: bool) -> list[Part]:
+    """The MLP in `groups` intermediate row ranges: one "mlp" part holding down_proj
+    (`with_down`, groups == 1), else "gate_up" parts."""
+    t = index.layers[i]
+    bounds = _bounds(index.spec.intermediate_size, groups)
     parts = []
-    last = len(bounds) - 2
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        pieces = [Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])]
-        pieces = pieces if g == 0 else []
+        norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
+        pieces = [norm] if g == 0 else []
         pieces += [
             *_matrix(index, i, "mlp.gate_proj", rows=(lo, hi)),
             *_matrix(index, i, "mlp.up_proj", rows=(lo, hi)),
-            *_matrix(index, i, "mlp.down_proj", cols=(lo, hi)),
         ]
-        parts.append(Part(i, "mlp", lo, hi, g == 0, g == last, tuple(pieces)))
+        if with_down:
+            pieces += _matrix(index, i, "mlp.down_proj")
+        last = g == len(bounds) - 2
+        parts.append(
+            Part(i, "mlp" if with_down else "gate_up", lo, hi, g == 0, last, tuple(pieces))
+        )
+    return parts
+
+
+def _out_rows(index: ModelIndex, i: int, op: Literal["o", "down"], groups: int) -> list[Part]:
+    """o_proj's or down_proj's output rows (the residual's columns) in `groups` ranges."""
+    module = "self_attn.o_proj" if op == "o" else "mlp.down_proj"
+    bounds = _bounds(index.spec.hidden_size, groups)
+    parts = []
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        pieces = tuple(_matrix(index, i, module, rows=(lo, hi)))
+        parts.append(Part(i, op, lo, hi, g == 0, g == len(bounds) - 2, pieces))
     return parts
 
 
 def _whole(index: ModelIndex, i: int) -> list[Part]:
-    attn = _attn_parts(index, i, 1)
-    assert attn is not None  # one group cuts nothing
-    return attn + _mlp_parts(index, i, 1)
+    return _attn(index, i, 1, with_o=True) + _mlp(index, i, 1, with_down=True)
 
 
 def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]:
@@ -263,11 +256,9 @@ def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
 
 def _direct_ok(piece: Piece) -> bool:
     """Whether a direct layout gives `piece` an O_DIRECT span of its own."""
-    segments = piece.segments()
     return (
-        len(segments) == 1
-        and piece.nbytes >= DIRECT_MIN
-        and segments[0][0] % piece.entry.itemsize == 0  # typed views stay valid
+        piece.nbytes >= DIRECT_MIN
+        and piece.span()[0] % piece.entry.itemsize == 0  # typed views stay valid
     )
 
 
@@ -276,7 +267,7 @@ def direct_span(piece: Piece, offset: int) -> tuple[int, int, int] | None:
     `offset` in a `DIRECT_ALIGN`-aligned slot of a `direct` load, or None."""
     if not _direct_ok(piece):
         return None
-    file_offset, n = piece.segments()[0]
+    file_offset, n = piece.span()
     head = file_offset % DIRECT_ALIGN
     if (offset - head) % DIRECT_ALIGN:
         return None
@@ -286,16 +277,16 @@ def direct_span(piece: Piece, offset: int) -> tuple[int, int, int] | None:
 def _layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
     """Each piece's offset in slot memory, and the bytes the slot needs.
 
-    Pieces start `ALIGN`-aligned. With `direct`, a piece that is one run of the file sits at
-    its file offset modulo `DIRECT_ALIGN`, inside a span of whole aligned blocks of its own:
-    the disk then DMAs it straight into the slot (O_DIRECT), no copy through the page cache,
-    which on a CPU prefill is CPU time taken from compute. Under 8 KiB per piece of at least
-    `DIRECT_MIN` bytes; smaller ones are read as before.
+    Pieces start `ALIGN`-aligned. With `direct`, a piece sits at its file offset modulo
+    `DIRECT_ALIGN`, inside a span of whole aligned blocks of its own: the disk then DMAs it
+    straight into the slot (O_DIRECT), no copy through the page cache, which on a CPU prefill
+    is CPU time taken from compute. Under 8 KiB per piece of at least `DIRECT_MIN` bytes;
+    smaller ones are read as before.
     """
     offsets, cursor = [], 0
     for piece in pieces:
         if direct and _direct_ok(piece):
-            file_offset, n = piece.segments()[0]
+            file_offset, n = piece.span()
             head = file_offset % DIRECT_ALIGN
             start = _round_up(cursor, DIRECT_ALIGN)
             offsets.append(start + head)
@@ -314,31 +305,36 @@ def _size(parts: list[Part] | tuple[Part, ...], direct: bool) -> int:
 def _layer_groups(
     index: ModelIndex, i: int, max_bytes: int, direct: bool
 ) -> list[list[Part]] | None:
-    """The coarsest split of layer i whose every load fits `max_bytes`; None if none does."""
+    """The coarsest split of layer i whose every load fits `max_bytes`; None if none does.
+    An op that fits one load stays whole; a cut one takes the fewest row ranges that fit."""
     whole = _whole(index, i)
     if _size(whole, direct) <= max_bytes:
         return [whole]
     spec = index.spec
-    attn = None
-    for g in range(1, spec.num_kv_heads + 1):
-        parts = _attn_parts(index, i, g)
-        if parts is not None and all(_size([p], direct) <= max_bytes for p in parts):
-            attn = parts
-            break
-    if attn is None:
+
+    def fewest(make: Callable[[int], list[Part]], limit: int) -> list[Part] | None:
+        start = max(1, _size(make(1), direct) // max_bytes)
+        for g in range(start, limit + 1):
+            parts = make(g)
+            if all(_size([p], direct) <= max_bytes for p in parts):
+                return parts
         return None
-    mlp_bytes = _size(_mlp_parts(index, i, 1), direct)
-    mlp = None
-    for g in range(max(1, mlp_bytes // max_bytes), spec.intermediate_size + 1):
-        parts = _mlp_parts(index, i, g)
-        if all(_size([p], direct) <= max_bytes for p in parts):
-            mlp = parts
-            break
-        if len(parts) < g:  # cut at every scale group already: no finer split exists
-            break
-    if mlp is None:
-        return None
-    return [[p] for p in attn] + [[p] for p in mlp]
+
+    attn = _attn(index, i, 1, with_o=True)
+    if _size(attn, direct) > max_bytes:
+        qkv = fewest(lambda g: _attn(index, i, g, with_o=False), spec.num_kv_heads)
+        o = fewest(lambda g: _out_rows(index, i, "o", g), spec.hidden_size)
+        if qkv is None or o is None:
+            return None
+        attn = qkv + o
+    mlp = _mlp(index, i, 1, with_down=True)
+    if _size(mlp, direct) > max_bytes:
+        gate_up = fewest(lambda g: _mlp(index, i, g, with_down=False), spec.intermediate_size)
+        down = fewest(lambda g: _out_rows(index, i, "down", g), spec.hidden_size)
+        if gate_up is None or down is None:
+            return None
+        mlp = gate_up + down
+    return [[p] for p in attn + mlp]
 
 
 def _loads(
@@ -394,7 +390,14 @@ def _scratch(
     parts = [part for layer in groups for g in layer for part in g]
     if whole_parts:
         return max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
-    return max((max(dequantized_sizes(index, p, itemsize), default=0) for p in parts), default=0)
+    # o_proj's and down_proj's rows are dequantized in blocks of what the scratch holds
+    # (engine): they need one row, and get the room the other parts' matrices need anyway
+    sizes = [
+        s if p.op not in ("o", "down") else s // (p.hi - p.lo)
+        for p in parts
+        for s in dequantized_sizes(index, p, itemsize)
+    ]
+    return max(sizes, default=0)
 
 
 def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int = 0) -> Plan:
