@@ -320,20 +320,21 @@ def _layer_groups(
                 return parts
         return None
 
-    attn = _attn(index, i, 1, with_o=True)
-    if _size(attn, direct) > max_bytes:
-        qkv = fewest(lambda g: _attn(index, i, g, with_o=False), spec.num_kv_heads)
-        o = fewest(lambda g: _out_rows(index, i, "o", g), spec.hidden_size)
-        if qkv is None or o is None:
-            return None
-        attn = qkv + o
-    mlp = _mlp(index, i, 1, with_down=True)
-    if _size(mlp, direct) > max_bytes:
-        gate_up = fewest(lambda g: _mlp(index, i, g, with_down=False), spec.intermediate_size)
-        down = fewest(lambda g: _out_rows(index, i, "down", g), spec.hidden_size)
-        if gate_up is None or down is None:
-            return None
-        mlp = gate_up + down
+    def op(whole: list[Part], cut: Callable[[int], list[Part]], limit: int,
+           out: Literal["o", "down"]) -> list[Part] | None:  # fmt: skip
+        """The op whole if it fits, else cut: its first matrices, then its output rows."""
+        if _size(whole, direct) <= max_bytes:
+            return whole
+        first = fewest(cut, limit)
+        rows = fewest(lambda g: _out_rows(index, i, out, g), spec.hidden_size)
+        return first + rows if first is not None and rows is not None else None
+
+    attn = op(_attn(index, i, 1, with_o=True), lambda g: _attn(index, i, g, with_o=False),
+              spec.num_kv_heads, "o")  # fmt: skip
+    mlp = op(_mlp(index, i, 1, with_down=True), lambda g: _mlp(index, i, g, with_down=False),
+             spec.intermediate_size, "down")  # fmt: skip
+    if attn is None or mlp is None:
+        return None
     return [[p] for p in attn + mlp]
 
 
