@@ -23,13 +23,14 @@ from nodes.model.errors import ModelError
 from nodes.model.index import load_index
 from nodes.prefill import cost
 from nodes.prefill.bench import bench, make_random_model
-from nodes.prefill.plan import Plan
+from nodes.prefill.plan import Plan, make_plan
 from tests.test_import_boundaries import TORCH, _loaded_after_import
 
 # Llama-3-70B: bf16, GQA 64/8, llama3 RoPE scaling
 L70B = {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "inter": 28672,
         "vocab": 128256}  # fmt: skip
 GIB = 2**30
+QUANT_GROUP = 64
 T = TypeVar("T")
 HW_70B = ["--pcie-gbps", "200", "--tflops", "150", "--net-gbps", "10", "--mac-tok-s", "400"]
 
@@ -49,9 +50,22 @@ def _layer_shapes(i: int, h: int, nq: int, nkv: int, inter: int) -> dict[str, li
     }
 
 
-def write_headers_only(out: Path, shards: int = 8) -> Path:
-    """A 70B model as safetensors headers (8-byte length + JSON) with no tensor data."""
-    m = L70B
+def _stored(name: str, shape: list[int], bits: int | None) -> dict[str, tuple[str, list[int]]]:
+    """A tensor as safetensors stores it: bf16, or an MLX-quantized matrix's three parts."""
+    if bits is None or len(shape) == 1:
+        return {name: ("BF16", shape)}
+    module, (rows, cols) = name.removesuffix(".weight"), shape
+    groups = [rows, cols // QUANT_GROUP]
+    return {name: ("U32", [rows, cols * bits // 32]), f"{module}.scales": ("BF16", groups),
+            f"{module}.biases": ("BF16", groups)}  # fmt: skip
+
+
+def write_headers_only(
+    out: Path, shards: int = 8, kv_heads: int | None = None, bits: int | None = None
+) -> Path:
+    """A 70B model as safetensors headers (8-byte length + JSON) with no tensor data; with
+    `bits`, MLX-quantized in groups of QUANT_GROUP; `kv_heads` other than Llama's 8."""
+    m = {**L70B, "kv_heads": kv_heads or L70B["kv_heads"]}
     h = m["hidden"]
     tensors: list[dict[str, list[int]]] = [{} for _ in range(shards)]
     tensors[0]["model.embed_tokens.weight"] = [m["vocab"], h]
@@ -63,14 +77,15 @@ def write_headers_only(out: Path, shards: int = 8) -> Path:
     weight_map = {}
     for k, shard in enumerate(tensors):
         name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        header: dict[str, object] = {"__metadata__": {"format": "pt" if bits is None else "mlx"}}
         offset = 0
         for tensor, shape in shard.items():
-            nbytes = 2 * math.prod(shape)
-            header[tensor] = {"dtype": "BF16", "shape": shape,
-                              "data_offsets": [offset, offset + nbytes]}  # fmt: skip
-            offset += nbytes
-            weight_map[tensor] = name
+            for stored, (dtype, dims) in _stored(tensor, shape, bits).items():
+                nbytes = (4 if dtype == "U32" else 2) * math.prod(dims)
+                header[stored] = {"dtype": dtype, "shape": dims,
+                                  "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+                offset += nbytes
+                weight_map[stored] = name
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)
         (out / name).write_bytes(struct.pack("<Q", len(raw)) + raw)
@@ -87,6 +102,8 @@ def write_headers_only(out: Path, shards: int = 8) -> Path:
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
         "eos_token_id": 128001,
     }  # fmt: skip
+    if bits is not None:
+        config["quantization"] = {"group_size": QUANT_GROUP, "bits": bits, "mode": "affine"}
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -94,6 +111,25 @@ def write_headers_only(out: Path, shards: int = 8) -> Path:
 @pytest.fixture(scope="module")
 def l70b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_headers_only(tmp_path_factory.mktemp("plan") / "llama-3-70b")
+
+
+@pytest.mark.parametrize(("kv_heads", "bits", "budgets_mib"),
+                         [(8, None, (2048, 6144, 24576)), (8, 4, (113, 300, 3072)),
+                          (1, 4, (180, 360))])  # fmt: skip
+def test_70b_shapes_plan_quickly_down_to_small_budgets(
+    kv_heads: int, bits: int | None, budgets_mib: tuple[int, ...], tmp_path: Path
+) -> None:
+    """A hang guard, not a benchmark: cutting a 70B layer's 28672 MLP rows must not try
+    range counts one by one (with one KV head, or 4 bits, a plan took minutes). Each plan
+    here takes well under a second; the bound only catches a search gone quadratic."""
+    index = load_index(write_headers_only(tmp_path / "m", kv_heads=kv_heads, bits=bits),
+                       require_data=False)  # fmt: skip
+    for mib in budgets_mib:
+        t0 = time.perf_counter()
+        plan = make_plan(index, mib << 20, direct=True)
+        assert time.perf_counter() - t0 < 10, f"{mib} MiB"
+        assert plan.device_bytes <= mib << 20
+        assert all(ld.nbytes <= plan.slot_bytes for ld in plan.loads if not ld.resident)
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> dict:

@@ -160,6 +160,21 @@ def test_the_plan_streams_packed_bytes_and_counts_the_scratch(q4: Path, tiny_mod
         make_plan(index, index.layer_bytes(0) // 40)
 
 
+@pytest.mark.parametrize("bits", [2, 5, 8])
+def test_tight_budgets_plan_with_the_scratch_counted(bits: int, tiny_model: MakeTiny) -> None:
+    """Regression: cutting o_proj and down_proj by rows grew the slices' dequantized
+    matrices, and budgets that planned before failed ("cannot hold one slice"); the planner
+    now tries slice sizes in small steps."""
+    shape = {**SHAPE, "layers": 2, "intermediate": 256, "shards": 1}
+    model = tiny_model(**shape, quantize=bits, group_size=64)
+    index = load_index(model)
+    first = {2: 43000, 5: 55000, 8: 61000}[bits]  # planned before the row cut, in each range
+    for budget in range(first, first + 6001, 1500):
+        for direct in (False, True):
+            plan = make_plan(index, budget, direct=direct)
+            assert plan.device_bytes <= budget
+
+
 def _tokens(tmp: Path, n: int, seed: int = 3) -> Path:
     path = tmp / f"tokens-{n}.json"
     path.write_text(json.dumps(np.random.default_rng(seed).integers(0, 512, n).tolist()))
