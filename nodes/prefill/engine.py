@@ -372,17 +372,19 @@ class PrefillEngine:
     ) -> None:
         spec, chunk = self.spec, self.chunk_tokens
         for part in load.parts:
-            w = self._dequantized(part, part_weights(views, part.op, part.lo))
+            raw = part_weights(views, part.op, part.lo)
+            if part.op in ("o", "down"):
+                self._out_rows(part, raw, h, state)
+                continue
+            w = self._dequantized(part, raw)
             if part.op in ("attn", "qkv"):
                 attention_part(
                     spec, h, state, w, part.lo, part.hi, part.first, start, rope, chunk,
                     with_o=part.op == "attn",
                 )  # fmt: skip
-            elif part.op in ("mlp", "gate_up"):
+            else:
                 mlp_part(spec, h, state, w, part.first, chunk, part.lo, part.hi,
                          with_down=part.op == "mlp")  # fmt: skip
-            else:
-                self._out_rows(part, part_weights(views, part.op, part.lo), h, state)
 
     def _out_rows(
         self, part: Part, w: dict[str, torch.Tensor], h: torch.Tensor, state: LayerState

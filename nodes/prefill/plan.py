@@ -318,10 +318,10 @@ def _layer_groups(
         From the estimate up, each try scaled by how far its largest part overshot (at least
         5% more ranges): a few dozen tries of O(ranges) each, even for 28672 rows. An
         average row (or head) that does not fit ends it at once."""
-        one = make(1)
-        if _size(one, direct) / limit > max_bytes:
+        size = _size(make(1), direct)
+        if size / limit > max_bytes:
             return None
-        g = max(1, _size(one, direct) // max_bytes)
+        g = max(1, size // max_bytes)
         while True:
             parts = make(g)
             worst = max(_size([p], direct) for p in parts)
