@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nodes.prefill.kv_quant import quantize
+from nodes.prefill.kv_quant import quantize, quantize_all
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
@@ -213,3 +213,26 @@ def test_refuses_what_it_cannot_pack(
 ) -> None:
     with pytest.raises(ValueError):
         quantize(torch.zeros(shape, dtype=dtype), group, bits)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "gpu"])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_layers_k_and_v_together_are_each_quantized_alone(bits: int, kernel: str) -> None:
+    # the scales' ops run once for both; the values must not see the other tensor's groups
+    gen = torch.Generator().manual_seed(bits)
+    k = torch.randn(1, 2, 40, 128, generator=gen).to(torch.bfloat16) * 30
+    v = torch.randn(1, 2, 40, 128, generator=gen).to(torch.bfloat16)
+    v[0, 1, :7] = -2.0  # constant groups in the second tensor only
+    both = quantize_all((k, v), 64, bits, kernel=kernel)
+    for x, got in zip((k, v), both, strict=True):
+        for ours, alone in zip(got, quantize(x, 64, bits, kernel=kernel), strict=True):
+            assert ours.shape == alone.shape
+            assert np.array_equal(_torch_bits(ours), _torch_bits(alone))
+    _assert_like_mlx(v, 64, bits)
+
+
+def test_tensors_quantized_together_share_dtype_and_width() -> None:
+    with pytest.raises(ValueError):
+        quantize_all((torch.zeros(2, 64), torch.zeros(2, 128)), 64, 8)
+    with pytest.raises(ValueError):
+        quantize_all((torch.zeros(2, 64), torch.zeros(2, 64, dtype=torch.float16)), 64, 8)

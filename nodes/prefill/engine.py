@@ -34,7 +34,7 @@ from nodes.prefill.blocks import (
     rope_tables,
 )
 from nodes.prefill.dequant import DequantizedWeights, dequantize
-from nodes.prefill.kv_quant import quantize
+from nodes.prefill.kv_quant import quantize_all
 from nodes.prefill.movers import FillTimes, HostArena, HostTier, Mover, make_mover
 from nodes.prefill.plan import Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
@@ -480,10 +480,8 @@ def quantized_parts(
 ) -> dict[str, torch.Tensor]:
     """K and V [1, n_kv, count, D] quantized where they are (`Header.tensors` names)."""
     out: dict[str, torch.Tensor] = {}
-    for name, x in (("k", k), ("v", v)):
-        words, scales, biases = quantize(
-            x, kv_format.group_size, kv_format.bits, kernel=kv_format.kernel
-        )
+    both = quantize_all((k, v), kv_format.group_size, kv_format.bits, kernel=kv_format.kernel)
+    for name, (words, scales, biases) in zip(("k", "v"), both, strict=True):
         out[name], out[f"{name}_scales"], out[f"{name}_biases"] = words, scales, biases
     return out
 

@@ -17,14 +17,17 @@ negative gets `max = 0`) and round halves away from zero (`round`). The tests ch
 against mlx itself; "gpu" only against those two rules, for want of a Metal device.
 
 Plain torch ops, the same on CPU and CUDA, vectorized over all groups: the values widened
-once, a min and a max reduction, a few ops on the [N, groups, 1] scales, then four
-elementwise passes over the values in place and one to pack them. Divisions are always
-tensor by tensor: CUDA turns a division by a Python (CPU) scalar into a multiplication by
-its reciprocal, which rounds differently.
+once, a min and a max reduction, a few ops on the [N, groups, 1] scales (run once for a
+layer's K and V together: on a CPU they cost about as much as the passes over the values),
+then four elementwise passes over the values in place, one narrowing to bytes, and for 4 and
+2 bits a shift-and-or over the bytes to pack them. Divisions are always tensor by tensor:
+CUDA turns a division by a Python (CPU) scalar into a multiplication by its reciprocal,
+which rounds differently.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -32,6 +35,7 @@ import torch
 KV_BITS = (2, 4, 8)  # bit widths that pack whole values into bytes
 GROUP_SIZES = (32, 64, 128)
 EPS = 1e-7  # mlx's floor on the magnitude of a scale (compared as a float32)
+MAGIC = float(1 << 23)  # 2**23: adding it to v in [0, 2**23) leaves round(v) in the low bits
 
 Kernel = Literal["cpu", "gpu"]
 
@@ -44,53 +48,92 @@ def _round(v: torch.Tensor, kernel: Kernel) -> torch.Tensor:
     return t.add_(torch.where((v - t).abs_() >= 0.5, v.sign(), 0.0))
 
 
-def quantize(
-    x: torch.Tensor, group_size: int, bits: int, *, kernel: Kernel = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # words, scales, biases
+
+
+def quantize(x: torch.Tensor, group_size: int, bits: int, *, kernel: Kernel = "cpu") -> Quantized:
     """`mx.quantize(x, group_size, bits)` (affine) of x [..., D] (float32, float16 or
     bfloat16, D a multiple of group_size): packed words [..., D·bits/32] uint32, scales and
     biases [..., D/group_size] in x's dtype. For finite inputs."""
+    return quantize_all((x,), group_size, bits, kernel=kernel)[0]
+
+
+def quantize_all(
+    xs: Sequence[torch.Tensor], group_size: int, bits: int, *, kernel: Kernel = "cpu"
+) -> list[Quantized]:
+    """`quantize` of each x (of one dtype and device; a layer's K and V), the few ops on the
+    groups' scales run once for all: on a CPU they cost about as much as the values' passes."""
+    _check(xs, group_size, bits)
+    n_bins = (1 << bits) - 1
+    # each [N, G, gs] float32, widened exactly, a copy of its own (worked in place); the
+    # values' passes stay apart, each x's values fitting a core's cache where a join would not
+    gs = [
+        x.reshape(-1, x.shape[-1] // group_size, group_size).to(torch.float32, copy=True)
+        for x in xs
+    ]
+    # [ΣN, G, 1]; amin and amax apart: aminmax over a short last axis is several times slower
+    w_min = torch.cat([g.amin(dim=-1, keepdim=True) for g in gs])
+    w_max = torch.cat([g.amax(dim=-1, keepdim=True) for g in gs])
+    if kernel == "gpu":
+        w_max = w_max.clamp_min_(0.0)
+    low_edge = w_min.abs() > w_max.abs()
+    edge = torch.where(low_edge, w_min, w_max)
+    step = (w_max - w_min).div_(torch.full_like(w_max, n_bins)).clamp_min_(EPS)
+    step = torch.where(low_edge, step, step.neg())  # divisors are tensors, never scalars
+    q0 = _round(edge / step, kernel)
+    at_zero = q0 == 0
+    scale = torch.where(at_zero, step, edge / q0)
+    bias = edge.masked_fill_(at_zero, 0.0)
+    # A constant group past ~3e31 overflows q0 and leaves scale ±0: its values are 0, as
+    # mlx's CPU kernel casts the NaN of 0/0; divide by 1 there instead.
+    divisor = scale.masked_fill(scale == 0, 1.0)
+    scales, biases = scale.to(xs[0].dtype), bias.to(xs[0].dtype)
+
+    out, a = [], 0
+    for x, g in zip(xs, gs, strict=True):
+        b = a + g.shape[0]
+        v = g.sub_(bias[a:b]).div_(divisor[a:b]).clamp_(0, n_bins)  # [N, G, gs] in [0, n_bins]
+        if kernel == "cpu":
+            # + 2**23 rounds half to even into the low mantissa bits: the value is the low byte
+            q = v.add_(MAGIC).view(torch.int32).to(torch.uint8)
+        else:
+            q = _round(v, kernel).to(torch.uint8)
+        *lead, d = x.shape
+        words = _pack(q.view(-1), bits).view(*lead, d * bits // 32)
+        out.append((words, scales[a:b].view(*lead, -1), biases[a:b].view(*lead, -1)))
+        a = b
+    return out
+
+
+def _check(xs: Sequence[torch.Tensor], group_size: int, bits: int) -> None:
     if bits not in KV_BITS or group_size not in GROUP_SIZES:
         raise ValueError(
             f"{bits}-bit groups of {group_size}: supported bits {KV_BITS}, group sizes "
             f"{GROUP_SIZES}"
         )
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"cannot quantize {x.dtype}; float32, float16 or bfloat16 only")
-    *lead, d = x.shape
-    if d % group_size:
-        raise ValueError(f"last axis {d} is not a multiple of the group size {group_size}")
-    groups = d // group_size
-    # [N, G, gs] float32, widened exactly, a copy of its own (the values are worked in place)
-    g = x.reshape(-1, groups, group_size).to(torch.float32, copy=True)
+    for x in xs:
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"cannot quantize {x.dtype}; float32, float16 or bfloat16 only")
+        if (x.dtype, x.device, x.shape[-1]) != (xs[0].dtype, xs[0].device, xs[0].shape[-1]):
+            raise ValueError("quantize_all takes tensors of one dtype, device and last axis")
+        if x.shape[-1] % group_size:
+            raise ValueError(
+                f"last axis {x.shape[-1]} is not a multiple of the group size {group_size}"
+            )
 
-    # [N, G, 1]; amin and amax apart: aminmax over a short last axis is several times slower
-    w_min, w_max = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
-    if kernel == "gpu":
-        w_max = w_max.clamp_min_(0.0)
-    n_bins = torch.full_like(w_max, (1 << bits) - 1)  # a tensor divisor, not a scalar
-    mask = w_min.abs() > w_max.abs()
-    scale = ((w_max - w_min) / n_bins).clamp_min_(EPS)
-    scale = torch.where(mask, scale, -scale)
-    edge = torch.where(mask, w_min, w_max)
-    q0 = _round(edge / scale, kernel)
-    at_zero = q0 == 0
-    scale = torch.where(at_zero, scale, edge / q0)
-    bias = torch.where(at_zero, 0.0, edge)
-    # A constant group past ~3e31 overflows q0 and leaves scale ±0: its values are 0, as
-    # mlx's CPU kernel casts the NaN of 0/0; divide by 1 there instead.
-    divisor = torch.where(scale == 0, 1.0, scale)
 
-    v = g.sub_(bias).div_(divisor)  # [N, G, gs] float32
-    q = _round(v, kernel).clamp_(0, (1 << bits) - 1).to(torch.uint8)
-
+def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Values q [M] uint8 (each < 2**bits) packed from the low bits up: value k of a byte at
+    bit k·bits, bytes in order, so the little-endian words hold value i at bit i·bits.
+    The 8/bits values of a byte are read as one little-endian integer (value k at bit 8k)
+    and shifted down by k·(8-bits) onto their place; what lands outside the low byte is cut
+    by narrowing it to uint8."""
     per_byte = 8 // bits
-    q = q.view(-1, groups, group_size // per_byte, per_byte)
-    packed = q[..., 0]
-    for k in range(1, per_byte):  # value k of a byte sits at bit k·bits
-        packed = packed | (q[..., k] << (k * bits))
-    # bytes in order make little-endian words: value i of a word at bit i·bits
-    words = packed.reshape(*lead, d * bits // 8).view(torch.uint32)
-    scales = scale.to(x.dtype).reshape(*lead, groups)
-    biases = bias.to(x.dtype).reshape(*lead, groups)
-    return words, scales, biases
+    if per_byte == 1:
+        return q.view(torch.uint32)
+    lanes = q.view(torch.int16 if per_byte == 2 else torch.int32)  # positive: top value < 64
+    packed = lanes >> (8 - bits)
+    packed |= lanes
+    for k in range(2, per_byte):
+        packed |= lanes >> (k * (8 - bits))
+    return packed.to(torch.uint8).view(torch.uint32)
