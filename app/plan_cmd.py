@@ -228,9 +228,10 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     spec = index.spec
     device, here = _device(a)
     longest = longest_prompt(spec, device, a.max_prompt_tokens)
-    reserve = cost.activation_reserve(spec, longest, ITEMSIZE[index.dtype], device)
-    budget = budget if budget is not None else _default_budget(index, device, here, reserve)
-    plan = cost.node_plan(index, budget, reserve)  # before measuring: a bad budget fails fast
+    whole_ops = cost.whole_ops_reserve(spec, longest, ITEMSIZE[index.dtype], device)
+    budget = budget if budget is not None else _default_budget(index, device, here, whole_ops)
+    plan = cost.node_plan(index, budget, longest, device)  # before measuring: fails fast
+    reserve = plan.reserve_bytes
     hw, source = _hardware(index, a, device, here)
     main = cost.predict(plan, index, a.tokens, hw)
     remote_s, local_s = _router(index, plan, hw)

@@ -23,6 +23,7 @@ from nodes.model.errors import ModelError
 from nodes.model.index import load_index
 from nodes.prefill import cost
 from nodes.prefill.bench import bench, make_random_model
+from nodes.prefill.engine import plan_for_prompts, prompt_activations
 from nodes.prefill.plan import Plan, make_plan
 from tests.test_import_boundaries import TORCH, _loaded_after_import
 
@@ -395,3 +396,18 @@ def test_an_8gb_card_cut_plan_runs_near_the_pcie_floor(
     assert plan["granularity"] == "slice" and plan["n_slots"] >= 4
     floor = plan["bytes_per_pass"] / r["hardware"]["copy_Bps"]
     assert r["predicted_wall_s"] <= 1.10 * floor
+
+
+def test_70b_reserves_a_cut_ops_output_only_on_a_budget_that_cuts(l70b: Path) -> None:
+    """On a 24 GiB card a 70B layer streams whole: the 8k prompt's reserve holds no
+    [8192, 28672] kept output (560 MiB with the CUDA slack), which goes to the weights; on
+    6 GiB the ops are cut, and the reserve holds it."""
+    index = load_index(l70b, require_data=False)
+    whole = prompt_activations(index.spec, 8192, 0, 512, 2, "cuda", cut_ops=False)
+    cut = prompt_activations(index.spec, 8192, 0, 512, 2, "cuda", cut_ops=True)
+    assert cut - whole > 500 * 2**20
+    roomy, tight = (plan_for_prompts(index, n * GIB, 8192, "cuda") for n in (24, 6))
+    assert not roomy.cuts_ops and roomy.reserve_bytes == whole
+    assert roomy.device_bytes + whole <= 24 * GIB
+    assert tight.cuts_ops and tight.reserve_bytes == cut
+    assert tight.device_bytes + cut <= 6 * GIB

@@ -28,7 +28,7 @@ from nodes.model.errors import ModelError
 from nodes.model.index import ModelIndex, load_index
 from nodes.prefill import movers
 from nodes.prefill.blocks import LayerState, out_rows_part
-from nodes.prefill.engine import PrefillEngine, PromptTooLong
+from nodes.prefill.engine import PrefillEngine, PromptTooLong, prompt_activations
 from nodes.prefill.movers import HostArena, HostTier, aligned_empty, open_direct, read_load
 from nodes.prefill.plan import DIRECT_ALIGN, RING_LOADS, make_plan
 from tests.conftest import MakeTiny
@@ -186,6 +186,32 @@ def test_the_activation_reserve_comes_out_of_the_weights(index: ModelIndex) -> N
     assert kept.device_bytes + reserve <= budget < plain.device_bytes + reserve
     with pytest.raises(ModelError, match="leaves nothing for weights"):
         make_plan(index, budget, reserve=budget)
+
+
+def test_the_reserve_holds_a_cut_ops_output_only_where_the_plan_cuts_one(
+    index: ModelIndex,
+) -> None:
+    """Whole ops keep no output across parts: a plan that cuts none does not reserve room
+    for one ([tokens, intermediate], 470 MiB at 8k tokens for a 70B model); one that cuts an
+    op does, and takes prompts up to the same length as the whole-op plan."""
+    spec, tokens = index.spec, 64
+    whole = prompt_activations(spec, tokens, 0, 32, 4, "cpu", cut_ops=False)
+    cut = prompt_activations(spec, tokens, 0, 32, 4, "cpu", cut_ops=True)
+    assert cut - whole == tokens * max(spec.num_heads * spec.head_dim, spec.intermediate_size) * 4
+    for budget, cuts in ((2 * model_bytes(index), False), (model_bytes(index) // 6, True)):
+        engine = PrefillEngine(
+            index, budget=budget, device="cpu", max_prompt_tokens=tokens, chunk_tokens=32
+        )
+        try:
+            assert engine.plan.cuts_ops is cuts
+            assert (
+                engine.activation_reserve == engine.plan.reserve_bytes == (cut if cuts else whole)
+            )
+            assert len(list(engine.prefill(list(range(tokens))))) == spec.num_layers
+            with pytest.raises(PromptTooLong):
+                engine.check_fits(tokens + 1)
+        finally:
+            engine.close()
 
 
 def test_a_prompt_beyond_the_reserve_is_refused_before_streaming(index: ModelIndex) -> None:

@@ -209,17 +209,20 @@ def activation_bytes(
     chunk: int,
     itemsize: int,
     fused_attention: bool = False,
+    cut_ops: bool = True,
 ) -> int:
     """Upper bound on device bytes of activations while one layer computes, for `count` new
     tokens after `start`. `fused_attention` (CUDA): all queries at once through a fused kernel
     that never holds the score matrix, the previous layer's K/V still on its way to the host,
-    and `CUDA_SLACK`; else query chunks of `chunk` with [heads, chunk, S] scores."""
+    and `CUDA_SLACK`; else query chunks of `chunk` with [heads, chunk, S] scores. `cut_ops`:
+    the plan cuts an op into row ranges, whose output is kept across its parts."""
     T, S, H, D = count, start + count, spec.hidden_size, spec.head_dim
     nq, nkv = spec.num_heads, spec.num_kv_heads
     c = min(chunk, T)
     kv = 2 * nkv * S * D * itemsize  # the layer's K/V
     base = 2 * T * H * itemsize + kv + 2 * T * D * 4  # h, x_norm, K/V, rope tables (fp32)
-    base += T * max(nq * D, spec.intermediate_size) * itemsize  # a cut op's kept output
+    if cut_ops:
+        base += T * max(nq * D, spec.intermediate_size) * itemsize  # a cut op's kept output
     qkv = T * (nq + 2 * nkv) * D * itemsize
     rope = 3 * c * nq * D * 4  # float32 copies of one chunk of q
     if fused_attention:

@@ -44,7 +44,6 @@ from nodes.model.safetensors_format import ITEMSIZE
 from nodes.model.spec import ModelSpec
 from nodes.prefill.blocks import (
     LayerState,
-    activation_bytes,
     apply_rope,
     attention_part,
     inv_freq,
@@ -52,9 +51,9 @@ from nodes.prefill.blocks import (
     rms_norm,
     rope_tables,
 )
-from nodes.prefill.engine import DEFAULT_CHUNK_TOKENS
+from nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
 from nodes.prefill.movers import N_STAGING, READ_CHUNK, READ_THREADS, CpuMover
-from nodes.prefill.plan import DIRECT_ALIGN, Load, Part, Plan, make_plan
+from nodes.prefill.plan import DIRECT_ALIGN, Load, Part, Plan
 from nodes.prefill.streamer import TORCH_DTYPES, lower_this_thread
 
 log = logging.getLogger(__name__)
@@ -131,22 +130,21 @@ class Prediction:
         return self.tokens / self.wall_s if self.wall_s > 0 else math.inf
 
 
-def activation_reserve(
+def whole_ops_reserve(
     spec: ModelSpec, tokens: int | None, itemsize: int, device: Device,
     chunk: int = DEFAULT_CHUNK_TOKENS,
 ) -> int:  # fmt: skip
-    """Bytes a node keeps free in its budget for the activations of a `tokens` prompt
-    (blocks.activation_bytes, as engine.py asks for it; 0 for None)."""
-    if not tokens:
-        return 0
-    fused = device == "cuda"
-    return activation_bytes(spec, tokens, 0, chunk, itemsize, fused_attention=fused)
+    """Bytes a node keeps free for the activations of a `tokens` prompt when it cuts no op
+    (what a resident model needs; 0 for None): engine.py's default budget adds it."""
+    return prompt_activations(spec, tokens or 0, 0, chunk, itemsize, device, cut_ops=False)
 
 
-def node_plan(index: ModelIndex, budget: int, reserve: int = 0) -> Plan:
-    """The plan a prefill node makes for `budget` bytes with `reserve` of them kept for
-    activations (engine.py: loads laid out for O_DIRECT on every device)."""
-    return make_plan(index, budget, direct=True, reserve=reserve)
+def node_plan(
+    index: ModelIndex, budget: int, tokens: int | None = None, device: Device = "cpu"
+) -> Plan:
+    """The plan a prefill node makes for `budget` bytes, room kept for the activations of a
+    `tokens` prompt (engine.plan_for_prompts)."""
+    return plan_for_prompts(index, budget, tokens, device)
 
 
 def attention_pairs(tokens: int, start: int, device: Device, chunk: int) -> int:

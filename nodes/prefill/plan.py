@@ -141,6 +141,11 @@ class Plan:
         return self.n_slots * self.slot_bytes + self.resident_bytes
 
     @property
+    def cuts_ops(self) -> bool:
+        """Whether an op is cut into row ranges (its output kept across them)."""
+        return any(part.op not in ("attn", "mlp") for ld in self.loads for part in ld.parts)
+
+    @property
     def granularity(self) -> str:
         streamed = [ld for ld in self.loads if not ld.resident]
         if not streamed:
@@ -454,7 +459,8 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     layer_bytes = [_size(w[0], direct) for w in whole]
     scratch = _scratch(index, whole, itemsize)
     if sum(layer_bytes) + scratch <= weights:
-        return Plan(_loads(whole, set(range(n)), direct), tuple(range(n)), 0, 0, budget, scratch)
+        resident = tuple(range(n))
+        return Plan(_loads(whole, set(resident), direct), resident, 0, 0, budget, scratch, reserve)
 
     quantized = index.quantized
     for ring_budget, min_slots in ((weights // 2, 2), (weights, 2), (weights, 1)):
