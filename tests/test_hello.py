@@ -394,6 +394,30 @@ async def test_the_dashboard_client_pins_what_the_hello_covered(
             assert not [p for p, h in liar.seen if "Authorization" in h]
 
 
+async def test_the_dashboard_client_proves_a_plain_http_node_before_each_stream() -> None:
+    """On plain HTTP nothing pins a node between hellos: a chat or an event stream proves the
+    node at that address first, so an impostor that took the port after the probe (here one
+    with another token) never receives the bearer."""
+    async with aiohttp.ClientSession() as s:
+        async with callee() as fake:
+            client = NodeClient(s, fake.url, TOKEN)
+            assert (await client.probe()).ok and client.proven
+            port = int(fake.url.rsplit(":", 1)[1])
+        impostor = FakeCallee(token="wrong-token-0123456789abcdef")
+        async with serving(impostor.app(), None, port):
+            with pytest.raises(NodeError) as e:
+                async for _ in client.chat([{"role": "user", "content": "hi"}]):
+                    pass
+            assert e.value.reason == "unauthorized" and not client.proven
+            with pytest.raises(NodeError) as e:
+                async for _ in client.events():
+                    pass
+            assert e.value.reason == "unauthorized"
+            assert impostor.paths() and not [p for p, h in impostor.seen if "Authorization" in h]
+        async with serving(fake.app(), None, port):  # the real node back: proved again, used
+            assert (await client.probe()).ok and client.proven
+
+
 # -- what nodes publish ---------------------------------------------------------------------
 
 

@@ -102,6 +102,7 @@ class NodeClient:
         self.token = token
         self.caller = "tui-" + secrets.token_hex(4)
         self.cert_fingerprint: str | None = None  # pinned by the last hello (https:// only)
+        self.proven = False  # the last hello verified: the token may go to this node
 
     async def probe(self) -> Probe:
         """Health, then the token proof, then the node's view of the cluster."""
@@ -124,24 +125,28 @@ class NodeClient:
         try:
             proven = await prove(self.session, self.url, self.token, self.caller)
         except HelloError as e:
-            self.cert_fingerprint = None
+            self.cert_fingerprint, self.proven = None, False
             if e.reason == "unauthorized":
                 raise NodeError("unauthorized", f"the node does not hold our token: {e}") from None
             raise NodeError(e.reason, str(e)) from None
         if proven.id != node_id:
+            self.cert_fingerprint, self.proven = None, False
             raise NodeError("unauthorized", f"the hello came from {proven.id}, not {node_id}")
-        self.cert_fingerprint = proven.cert_fingerprint or None
+        self.cert_fingerprint, self.proven = proven.cert_fingerprint or None, True
 
-    async def _ssl(self, auth: bool) -> aiohttp.Fingerprint | bool:
-        """`ssl=` for a request: an https:// node's pinned certificate once it proved the
-        token (proved first when the request carries it); unchecked for public routes."""
-        if not self.url.startswith("https://"):
-            return True
+    async def _ssl(self, auth: bool, fresh: bool = False) -> aiohttp.Fingerprint | bool:
+        """`ssl=` for a request: for one that carries the token, the node proves it first
+        (unless the last hello did; always when `fresh` on plain HTTP, where nothing pins the
+        node between hellos), and an https:// node is reached only with the certificate that
+        hello covered (pinned); public routes are not checked (the hello checks itself)."""
+        https = self.url.startswith("https://")
         if not auth:
-            return False  # /health and the hello: public, and the hello checks the certificate
-        if self.cert_fingerprint is None:
+            return not https
+        if not self.proven or (fresh and not https) or (https and self.cert_fingerprint is None):
             health = await self._get_json("/health", auth=False)
             await self._hello(str(health.get("id", "")))
+        if not https:
+            return True
         assert self.cert_fingerprint is not None
         return aiohttp_pin(self.cert_fingerprint)
 
@@ -156,11 +161,13 @@ class NodeClient:
                 method, self.url + path, headers=headers, timeout=PROBE_TIMEOUT, ssl=ssl, **kw
             ) as r:
                 if r.status == 401:
+                    self.proven = False
                     raise NodeError("unauthorized", "the node refuses our token")
                 if r.status != 200:
                     raise NodeError("bad_reply", f"{path} answered HTTP {r.status}")
                 body = await r.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self.proven = False  # whoever answers there next proves itself first
             raise NodeError("unreachable", _why(e)) from None
         except ValueError:
             raise NodeError("bad_reply", f"{path} did not answer JSON") from None
@@ -174,7 +181,7 @@ class NodeClient:
         """The node's event records (`/v1/events`), live, until the connection ends;
         `on_open` is called once the node accepted the subscription."""
         query = f"?since={since!r}" if since is not None else ""
-        ssl = await self._ssl(auth=True)
+        ssl = await self._ssl(auth=True, fresh=True)
         try:
             async with self.session.get(
                 f"{self.url}/v1/events{query}",
@@ -209,7 +216,7 @@ class NodeClient:
         body: dict[str, Any] = {"messages": messages, "stream": True, "max_tokens": max_tokens}
         if temperature is not None:
             body["temperature"] = temperature
-        ssl = await self._ssl(auth=True)
+        ssl = await self._ssl(auth=True, fresh=True)
         try:
             async with self.session.post(
                 f"{self.url}/v1/chat/completions",
