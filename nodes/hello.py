@@ -5,7 +5,7 @@
                           "proof": hello_proof(role="callee", ...)}
     caller → callee  POST /v1/hello/confirm  {"nonce": callee_nonce, "id": caller_id,
                           "proof": hello_proof(role="caller", ...)}
-    callee → caller  200 {"id", "proven": true} | 401
+    callee → caller  200 {"id", "caller", "proven": true} | 401
 
 Both proofs cover both nonces, both ids, the model fingerprint and the channel: over TLS the
 certificate the caller's own handshake saw (it learns it first, then makes the hello over a

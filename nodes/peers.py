@@ -21,7 +21,7 @@ from typing import Literal
 
 import aiohttp
 
-from nodes.contract import Health, Reason
+from nodes.contract import PROTO, Health, Reason
 from nodes.hello import HelloError, prove
 from nodes.signing import Query, sign
 from nodes.tls import aiohttp_pin
@@ -93,7 +93,9 @@ class Peer:
 class PeerTable:
     """The peers this node knows, keyed by address; a background task keeps them fresh."""
 
-    def __init__(self, own_id: str, fingerprint: str, token: str | None, proto: int = 1) -> None:
+    def __init__(
+        self, own_id: str, fingerprint: str, token: str | None, proto: int = PROTO
+    ) -> None:
         self.own_id = own_id
         self.fingerprint = fingerprint
         self.token = token

@@ -1,8 +1,11 @@
 """KV frames: the streamed body of a `/v1/prefill` response (DESIGN.md "KV frames").
 
 A frame is `u8 kind` + `u64` little-endian payload length + payload. Header, done and error
-payloads are JSON; a layer payload is a safetensors blob holding `k` and `v`, each
-`[1, n_kv_heads, count, head_dim]` in the header's dtype, metadata `{"layer": "i"}`.
+payloads are JSON; a layer payload is a safetensors blob, metadata `{"layer": "i"}`, holding
+`k` and `v`, each `[1, n_kv_heads, count, head_dim]` in the header's dtype, or, when the
+header's `kv_bits` is 8 or 4, mlx's affine quantized form (`Header.tensors`): `k` and `v` as
+packed uint32 words `[1, n_kv_heads, count, head_dim·bits/32]` and `k_scales`, `k_biases`,
+`v_scales`, `v_biases` `[1, n_kv_heads, count, head_dim/kv_group_size]` in the header's dtype.
 `FrameWriter` produces a valid stream; `FrameReader` checks one as it is read in place, each
 payload straight into a buffer of its own (`get_buffer`): the receive path copies no big
 chunk on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
@@ -249,8 +252,10 @@ def _check_header(h: Header) -> None:
         _check_uint(getattr(h, name), f"header {name}", least)
     if _check_uint(h.kv_bits, "header kv_bits") not in (0, *KV_BITS):
         raise ProtocolError(f"header kv_bits {h.kv_bits} is not one of {(0, *KV_BITS)}")
+    group = _check_uint(h.kv_group_size, "header kv_group_size")
+    if not h.kv_bits and group:
+        raise ProtocolError(f"header kv_group_size {group} for full-precision KV (kv_bits 0)")
     if h.kv_bits:
-        group = _check_uint(h.kv_group_size, "header kv_group_size")
         if group not in KV_GROUP_SIZES or h.head_dim % group:
             raise ProtocolError(
                 f"header kv_group_size {group}: not one of {KV_GROUP_SIZES} dividing "

@@ -426,6 +426,9 @@ def test_writer_enforces_order() -> None:
         FrameWriter(dataclasses.replace(H, dtype="F64"))
     with pytest.raises(ProtocolError, match="protocol version"):
         FrameWriter(dataclasses.replace(H, proto=PROTO + 1))
+    for group in ("junk", -1, 64):  # a full-precision header names no group size
+        with pytest.raises(ProtocolError, match="kv_group_size"):
+            FrameWriter(dataclasses.replace(H, kv_group_size=group))
 
 
 # --- streams ---------------------------------------------------------------------------------
