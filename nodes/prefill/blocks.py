@@ -142,12 +142,13 @@ def attention_part(
             enable_gqa=True,
             **causal,  # type: ignore[arg-type]
         )  # [1, nq, c, D]
-        out = out[0].transpose(0, 1).reshape(c1 - c0, nq * D)
+        heads = out[0].transpose(0, 1)  # [c, nq, D], a view
         if with_o:  # o_proj: the last weight asked for (see dequant)
-            h[c0:c1] += F.linear(out, w["self_attn.o_proj.weight"])
+            h[c0:c1].addmm_(heads.reshape(c1 - c0, nq * D), w["self_attn.o_proj.weight"].t())
         else:
             assert state.out is not None
-            state.out[c0:c1, kv_lo * rep * D : kv_hi * rep * D] = out
+            kept = state.out[c0:c1, kv_lo * rep * D : kv_hi * rep * D]
+            kept.view(c1 - c0, nq, D).copy_(heads)
 
 
 def mlp_part(
@@ -175,13 +176,14 @@ def mlp_part(
     for c0 in range(0, h.shape[0], chunk):
         xc = x[c0 : c0 + chunk]  # [c, H]
         # each weight asked for right before its use: a quantized one may share its scratch
-        gate = F.silu(F.linear(xc, w["mlp.gate_proj.weight"]))
-        act = gate * F.linear(xc, w["mlp.up_proj.weight"])  # [c, hi - lo]
+        gate = F.silu(F.linear(xc, w["mlp.gate_proj.weight"]), inplace=True)
+        up = F.linear(xc, w["mlp.up_proj.weight"])  # [c, hi - lo]
         if with_down:
-            h[c0 : c0 + chunk] += F.linear(act, w["mlp.down_proj.weight"])
+            act = gate.mul_(up)
+            h[c0 : c0 + chunk].addmm_(act, w["mlp.down_proj.weight"].t())
         else:
             assert state.out is not None
-            state.out[c0 : c0 + chunk, lo:hi] = act
+            torch.mul(gate, up, out=state.out[c0 : c0 + chunk, lo:hi])
 
 
 def out_rows_part(
@@ -194,7 +196,7 @@ def out_rows_part(
     kept = state.out
     assert kept is not None
     for c0 in range(0, h.shape[0], chunk):
-        h[c0 : c0 + chunk, lo:hi] += F.linear(kept[c0 : c0 + chunk], weight)
+        h[c0 : c0 + chunk, lo:hi].addmm_(kept[c0 : c0 + chunk], weight.t())
     if last:
         state.out = None
 
