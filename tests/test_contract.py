@@ -15,6 +15,7 @@ from nodes.contract import (
     SSE_END,
     BadBody,
     Health,
+    KVFormat,
     error_body,
     read_json,
     sse_decode,
@@ -135,3 +136,22 @@ def test_sampling_defaults_and_accepts() -> None:
     assert req.stream and req.request_id.startswith("chatcmpl-")
     with pytest.raises(oa.ApiError, match="context"):
         oa.completion({}, list(range(62)), s, chat=False, context=64)
+
+
+def test_a_requests_kv_format_falls_back_field_by_field() -> None:
+    q8, q4g32 = KVFormat(8), KVFormat(4, 32)
+    fmt = lambda ext, default: oa.kv_format_in({"tandem": ext}, default)  # noqa: E731
+    assert fmt({}, q8) == q8 and oa.kv_format_in({}, q8) == q8
+    assert fmt({"kv_bits": None, "kv_group_size": None}, q8) == q8  # null is unset, not 16
+    assert fmt({"kv_bits": 16}, q8) is None and fmt({"kv_bits": 0}, q4g32) is None
+    assert fmt({"kv_bits": 8}, q4g32) == KVFormat(8, 32)  # the node's group size
+    assert fmt({"kv_group_size": 128}, q4g32) == KVFormat(4, 128)  # the node's bits
+    assert fmt({"kv_bits": 4}, None) == KVFormat(4, 64)
+    for bad, default in (
+        ({"kv_group_size": 32}, None),
+        ({"kv_bits": 3}, q8),
+        ({"kv_bits": 16, "kv_group_size": 32}, q8),
+        ({"kv_bits": "8"}, None),
+    ):
+        with pytest.raises(oa.ApiError):
+            fmt(bad, default)

@@ -114,16 +114,21 @@ def kv_format_in(
     body: Mapping[str, Any], default: KVFormat | None, kernel: KVKernel = "cpu"
 ) -> KVFormat | None:
     """The request's KV format: the `tandem` extension's `kv_bits` (16 or 0: full precision)
-    and `kv_group_size`, else the node's default."""
+    and `kv_group_size`, each the node's default where it is absent or null (`kv_bits` 8
+    alone takes the node's group size; a group size alone, the node's bits)."""
     extension = body.get("tandem")
     if extension is None:
         return default
     if not isinstance(extension, dict):
         raise ApiError(400, "tandem must be an object")
-    if "kv_bits" not in extension and "kv_group_size" not in extension:
+    asked = {k: v for k in ("kv_bits", "kv_group_size") if (v := extension.get(k)) is not None}
+    if not asked:
         return default
+    if default is not None:
+        asked.setdefault("kv_bits", default.bits)
+        if asked["kv_bits"] not in (0, 16):
+            asked.setdefault("kv_group_size", default.group_size)
     try:
-        asked = {k: extension.get(k) for k in ("kv_bits", "kv_group_size")}
         return kv_format_of({**asked, "kv_kernel": kernel})
     except ValueError as e:
         raise ApiError(400, f"tandem: {e}") from None
