@@ -132,7 +132,11 @@ class NodeClient:
         if proven.id != node_id:
             self.cert_fingerprint, self.proven = None, False
             raise NodeError("unauthorized", f"the hello came from {proven.id}, not {node_id}")
-        self.cert_fingerprint, self.proven = proven.cert_fingerprint or None, True
+        self.cert_fingerprint = proven.cert_fingerprint or None
+        if self.cert_fingerprint is None and self.url.startswith("https://"):
+            self.proven = False
+            raise NodeError("bad_reply", "the hello over TLS covered no certificate to pin")
+        self.proven = True
 
     async def _ssl(self, auth: bool, fresh: bool = False) -> aiohttp.Fingerprint | bool:
         """`ssl=` for a request: for one that carries the token, the node proves it first
@@ -142,7 +146,7 @@ class NodeClient:
         https = self.url.startswith("https://")
         if not auth:
             return not https
-        if not self.proven or (fresh and not https) or (https and self.cert_fingerprint is None):
+        if not self.proven or (fresh and not https):
             health = await self._get_json("/health", auth=False)
             await self._hello(str(health.get("id", "")))
         if not https:

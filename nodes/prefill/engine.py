@@ -135,13 +135,14 @@ def plan_for_prompts(
     slot on a CPU, into pinned staging on CUDA). Planned first with what whole ops need; when
     the weights left must be cut into row ranges, again with room for the cut op's kept
     output too ([tokens, intermediate]: 470 MiB at 8k tokens for a 70B model)."""
-    itemsize = ITEMSIZE[index.dtype]
-    reserve = prompt_activations(index.spec, tokens or 0, 0, chunk, itemsize, device, False)
-    plan = make_plan(index, budget, direct=True, reserve=reserve)
-    if plan.cuts_ops and reserve:
-        reserve = prompt_activations(index.spec, tokens or 0, 0, chunk, itemsize, device, True)
-        plan = make_plan(index, budget, direct=True, reserve=reserve)
-    return plan
+
+    def plan(cut_ops: bool) -> Plan:
+        itemsize = ITEMSIZE[index.dtype]
+        reserve = prompt_activations(index.spec, tokens or 0, 0, chunk, itemsize, device, cut_ops)
+        return make_plan(index, budget, direct=True, reserve=reserve)
+
+    whole = plan(cut_ops=False)
+    return plan(cut_ops=True) if whole.cuts_ops and whole.reserve_bytes else whole
 
 
 def default_budget(index: ModelIndex, device: torch.device, reserve: int = 0) -> int:

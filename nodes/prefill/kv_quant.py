@@ -61,8 +61,8 @@ def quantize(x: torch.Tensor, group_size: int, bits: int, *, kernel: Kernel = "c
 def quantize_all(
     xs: Sequence[torch.Tensor], group_size: int, bits: int, *, kernel: Kernel = "cpu"
 ) -> list[Quantized]:
-    """`quantize` of each x (of one dtype and device; a layer's K and V), the few ops on the
-    groups' scales run once for all: on a CPU they cost about as much as the values' passes."""
+    """`quantize` of each x (of one dtype and device; a layer's K and V), the ~15 small ops on
+    the groups' scales run once for all (each costs a kernel launch, or µs of dispatch)."""
     _check(xs, group_size, bits)
     n_bins = (1 << bits) - 1
     # each [N, G, gs] float32, widened exactly, a copy of its own (worked in place); the
