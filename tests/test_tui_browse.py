@@ -11,41 +11,58 @@ from zeroconf import ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
 
 from app.tui.app import TandemApp
-from app.tui.browse import SERVICE, browse, service_url
+from app.tui.browse import SERVICE, browse
 from app.tui.messages import NodeFound
 
 
-def test_service_url_prefers_ipv4() -> None:
-    assert service_url(["fe80::1", "192.168.1.5"], 8470) == "http://192.168.1.5:8470"
-    assert service_url(["::1"], 8470) == "http://[::1]:8470"
-    assert service_url([], 8470) is None
-
-
-async def test_browse_finds_an_announced_node() -> None:
-    port = 20000 + secrets.randbelow(20000)
-    info = ServiceInfo(
+def _service(port: int, **props: str) -> ServiceInfo:
+    return ServiceInfo(
         SERVICE,
         f"tandem-test-{secrets.token_hex(4)}.{SERVICE}",
         addresses=[socket.inet_aton("127.0.0.1")],
         port=port,
-        properties={"id": "x", "roles": "prefill", "proto": "1"},
+        properties={"id": secrets.token_hex(4), "roles": "prefill", "proto": "2", **props},
     )
+
+
+async def _found_after(infos: list[ServiceInfo], want: set[str]) -> list[str]:
+    """Announce `infos` on loopback; the URLs `browse` reported once it saw all of `want`."""
     zc = AsyncZeroconf(interfaces=["127.0.0.1"])
     found: list[str] = []
     task = asyncio.create_task(browse(found.append))
     try:
-        await zc.async_register_service(info)
+        for info in infos:
+            await zc.async_register_service(info)
         for _ in range(100):
-            if f"http://127.0.0.1:{port}" in found:
+            if want <= set(found):
                 break
             await asyncio.sleep(0.1)
-        assert f"http://127.0.0.1:{port}" in found
+        return found
     finally:
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
-        await zc.async_unregister_service(info)
+        for info in infos:
+            await zc.async_unregister_service(info)
         await zc.async_close()
+
+
+async def test_browse_finds_an_announced_node() -> None:
+    port = 20000 + secrets.randbelow(20000)
+    found = await _found_after([_service(port)], {f"http://127.0.0.1:{port}"})
+    assert f"http://127.0.0.1:{port}" in found
+
+
+async def test_a_node_that_advertises_a_certificate_is_reached_over_https() -> None:
+    """A node listening beyond loopback serves TLS and says so in TXT `cert`: the dashboard
+    must dial it at https:// (http:// would only ever see a failed handshake); a record
+    whose `cert` is not a fingerprint is not a tandem node's and is dropped."""
+    tls, garbled = (20000 + secrets.randbelow(20000) for _ in range(2))
+    infos = [_service(tls, cert="ab" * 32), _service(garbled, cert="not-a-fingerprint")]
+    found = await _found_after(infos, {f"https://127.0.0.1:{tls}"})
+    assert f"https://127.0.0.1:{tls}" in found
+    assert f"http://127.0.0.1:{tls}" not in found
+    assert not [u for u in found if u.endswith(f":{garbled}")]
 
 
 async def test_a_found_node_joins_the_nodes_panel() -> None:

@@ -7,26 +7,16 @@ the dashboard's probe does before it sends the token anywhere.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Callable
 
 from zeroconf import ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+from nodes.contract import SERVICE_TYPE as SERVICE
+from nodes.discovery import read_service
+
 log = logging.getLogger(__name__)
-SERVICE = "_tandem._tcp.local."
-
-
-def service_url(addresses: list[str], port: int) -> str | None:
-    """The node's URL, IPv4 first (IPv6 in brackets)."""
-    if not addresses or not port:
-        return None
-    ordered = sorted(addresses, key=lambda a: ipaddress.ip_address(a).version)
-    host = ordered[0]
-    if ipaddress.ip_address(host).version == 6:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
 
 
 async def browse(found: Callable[[str], None]) -> None:
@@ -46,9 +36,11 @@ async def browse(found: Callable[[str], None]) -> None:
             name = await names.get()
             info = AsyncServiceInfo(SERVICE, name)
             if await info.async_request(aiozc.zeroconf, 3000):
-                url = service_url(info.parsed_addresses(), info.port or 0)
-                if url is not None:
-                    found(url)
+                # the node's own reading of its record: best address first, `https://` for
+                # a node that advertises a certificate, foreign or garbled records dropped
+                sighting = read_service(info)
+                if sighting is not None and sighting.urls:
+                    found(sighting.urls[0])
     finally:
         await browser.async_cancel()
         await aiozc.async_close()
