@@ -15,7 +15,6 @@ from pathlib import Path
 import aiohttp
 
 from app.paths import config_dir
-from app.tui.client import normalize
 from nodes.auth import new_token
 from nodes.hello import HelloError, prove
 
@@ -59,15 +58,31 @@ def pair_text(token: str, created: bool) -> str:
     )
 
 
+async def _health(s: aiohttp.ClientSession, url: str) -> tuple[str, object]:
+    """(url, its /health). `host:port` with no scheme is tried as https:// first (a node
+    beyond loopback serves TLS), then http://. The certificate is not checked here (public
+    data); the hello that follows checks it."""
+
+    async def get(u: str) -> object:
+        async with s.get(f"{u}/health", ssl=False) as r:
+            return await r.json()
+
+    if "://" in url:
+        return url, await get(url)
+    try:
+        return f"https://{url}", await get(f"https://{url}")
+    except (aiohttp.ClientError, ValueError):  # a plain-HTTP node refuses the handshake
+        return f"http://{url}", await get(f"http://{url}")
+
+
 async def check(url: str, token: str) -> tuple[bool, str]:
     """Run a hello with a node: does it hold our token, on the channel we see? Returns
     (ok, explanation); the explanation names the certificate pinned for an https:// node."""
-    url = normalize(url)
+    url = url.strip().rstrip("/")
     timeout = aiohttp.ClientTimeout(total=5)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            async with s.get(f"{url}/health", ssl=False) as r:  # public: no check needed
-                health = await r.json()  # the hello below checks the certificate
+            url, health = await _health(s, url)
             proven = await prove(s, url, token, "tandem-pair-" + secrets.token_hex(4))
     except HelloError as e:
         if e.reason == "unauthorized":

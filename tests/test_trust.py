@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from app.pair import run_check
+from app.pair import check, run_check
 from nodes.hello import HelloResponder
 from nodes.signing import SIGNATURE, sign
 from nodes.tls import load_or_create
@@ -192,6 +192,8 @@ def test_replayed_and_tampered_signed_requests_are_refused_and_pair_pins(
         # and `tandem pair --check` says which certificate it pinned
         ok, text = run_check(node.url, TOKEN)
         assert ok and f"sha256:{health['cert_fingerprint']}" in text
+        ok, text = run_check(node.url.removeprefix("https://"), TOKEN)  # host:port alone
+        assert ok and f"sha256:{health['cert_fingerprint']}" in text
         ok, text = run_check(node.url, "not-the-token-0123456789abcdef")
         assert not ok and "does NOT hold" in text
     finally:
@@ -301,6 +303,8 @@ async def test_a_restarted_peer_proves_itself_again_before_any_request(
     real = start_node(tmp_path, model, "prefill", token=TOKEN)  # for an honest /health
     try:
         health = real.get("/health", auth=False)
+        ok, text = await check(real.url.split("://")[1], TOKEN)  # host:port: plain, after https
+        assert ok and text.startswith(f"{health['name']} at {real.url} holds this token")
     finally:
         real.stop()
     honest = HonestPeer(health["model"]["fingerprint"])
