@@ -45,6 +45,41 @@ def test_bench_prefill_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> N
     assert "overlap" in capsys.readouterr().out
 
 
+def test_bench_prefill_vs_resident_runs_streamed_and_resident_in_turns(
+    tiny_model, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import statistics
+
+    from nodes.prefill import bench
+
+    model = tiny_model(arch="llama", layers=8)
+    index = load_index(model)
+    budget = sum(index.layer_bytes(i) for i in range(8)) // 4
+    runs: list[tuple[bool, float]] = []  # (streamed?, wall_s) of each overlapped run
+
+    def run(engine, tokens, **kw):
+        stats = real_run(engine, tokens, **kw)
+        if not kw:  # overlapped, computing: not a load-only or synchronous phase
+            runs.append((engine.plan.n_slots > 0, stats.wall_s))
+        return stats
+
+    real_run = bench._run
+    monkeypatch.setattr(bench, "_run", run)
+    args = ["--model", str(model), "--tokens", "64", "--budget", str(budget), "--repeat", "3"]
+    assert bench.main([*args, "--vs", "resident", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    # warm-up and 3 wall runs of the streamed engine, then the resident one's warm-up and turns
+    turns = runs[4 + 1 :]
+    assert [streamed for streamed, _ in turns] == [True, False] * 3
+    assert not runs[4][0]  # the second engine holds the whole model
+    ratios = [turns[i][1] / turns[i + 1][1] for i in range(0, 6, 2)]
+    assert r["vs_resident_ratio"] == pytest.approx(statistics.median(ratios))
+    assert r["resident_wall_s"] == pytest.approx(statistics.median(w for _, w in turns[1::2]))
+    assert bench.main(args) == 0 and "resident" not in capsys.readouterr().out
+    assert bench.main([*args, "--vs", "resident"]) == 0
+    assert "streamed / resident" in capsys.readouterr().out
+
+
 def test_bench_prefill_on_its_own_random_model(capsys: pytest.CaptureFixture[str]) -> None:
     from nodes.prefill.bench import main
 

@@ -6,7 +6,9 @@ In one run, on one prompt, after a warm-up pass (which loads the resident set):
 - `load_s`: every load streamed through the budget with compute switched off, with the
   loader's rates: `loader_Bps` (bytes / loader busy time), `disk_Bps` and `copy_Bps` (the
   host→device copy: CUDA only; on a CPU the read lands in the slot);
-- `wall_s`: the real, overlapped prefill.
+- `wall_s`: the real, overlapped prefill;
+- with `--vs resident`, `vs_resident_ratio`: streamed / all-resident wall, the two engines
+  run in turns in this one process.
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
 `sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
 the denominators on purpose: on a small CPU the loader thread slows compute, and a ratio
@@ -104,6 +106,7 @@ def bench(
     chunk_tokens: int = 512,
     host_budget: int | None = None,
     kv_bits: int = 16,
+    vs_resident: bool = False,
 ) -> dict[str, object]:
     index = load_index(model)
     fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
@@ -143,6 +146,7 @@ def bench(
 
         wall_s = _median(repeat, wall_run, before)
         last = walls[-1]
+        side_by_side = _vs_resident(engine, ids, repeat, before) if vs_resident else {}
         quantize_s = None
         if kv_bits < 16:  # the wire's quantizing, timed inside the same overlapped runs
             fmt = KVFormat(kv_bits)
@@ -182,6 +186,39 @@ def bench(
         "device": str(engine.device),
         "cold": cold,
         "repeat": repeat,
+        **side_by_side,
+    }
+
+
+def _vs_resident(
+    engine: PrefillEngine, ids: list[int], repeat: int, before: Callable[[], None]
+) -> dict[str, float]:
+    """The same prompt through `engine` and through a second engine that keeps the whole
+    model resident, run in turns (streamed, resident, streamed, ...) so that a slow spell of
+    a shared machine weighs on both: `resident_wall_s` (median) and `vs_resident_ratio`, the
+    median of each turn's streamed / resident wall."""
+    resident = PrefillEngine(
+        engine.index, device=engine.device, chunk_tokens=engine.chunk_tokens,
+        max_prompt_tokens=engine.max_prompt_tokens,
+    )  # fmt: skip
+    try:
+        if resident.plan.n_slots:
+            raise ModelError(
+                f"--vs resident: the model does not fit {engine.device} whole (a budget of"
+                f" {resident.budget} B streams it)"
+            )
+        _run(resident, ids)  # warm-up: its weights are loaded once, here
+        pairs = []
+        for _ in range(repeat):
+            before()
+            streamed = _run(engine, ids).wall_s
+            before()
+            pairs.append((streamed, _run(resident, ids).wall_s))
+    finally:
+        resident.close()
+    return {
+        "resident_wall_s": statistics.median([r for _, r in pairs]),
+        "vs_resident_ratio": statistics.median([s / r for s, r in pairs]),
     }
 
 
@@ -245,6 +282,11 @@ def table(r: dict[str, object]) -> str:
             f"  quantize    {r['quantize_s']:.3f} s  ({r['quantize_share']:.1%} of wall, "
             f"{r['kv_bits']}-bit KV for the wire)"
         )
+    if "vs_resident_ratio" in r:
+        lines.append(
+            f"  resident    {r['resident_wall_s']:.3f} s all resident; streamed / resident"
+            f" {r['vs_resident_ratio']:.3f} (turn by turn, median)"
+        )
     if "accelerate_wall_s" in r:
         lines.append(
             f"  accelerate  {r['accelerate_wall_s']:.3f} s, peak RSS "
@@ -267,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--cold", action="store_true", help="evict the page cache before each phase")
-    p.add_argument("--vs", choices=["accelerate"], default=None)
+    p.add_argument("--vs", choices=["accelerate", "resident"], default=None,
+                   help="also run the prompt through accelerate's offload, or (resident)"
+                   " through a second engine holding the whole model, turn by turn")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16,
                    help="also time quantizing K/V for the wire")  # fmt: skip
@@ -289,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = a.model or make_random_model(a.random, Path(tmp) / "model", a.dtype)
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
-                a.chunk_tokens, a.host_budget, a.kv_bits,
+                a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident",
             )  # fmt: skip
             if a.vs == "accelerate":
                 other = vs_accelerate(model, a.tokens, a.budget, a.device)
