@@ -57,6 +57,16 @@ class KVFormat:
         return 2 * layers * n_kv_heads * (words + groups)
 
 
+def check_group_size(group_size: int, head_dim: int) -> None:
+    """ValueError unless `group_size` divides `head_dim` (mx.quantize's rule on the last axis)."""
+    if head_dim % group_size:
+        fits = [g for g in KV_GROUP_SIZES if head_dim % g == 0]
+        raise ValueError(
+            f"kv_group_size {group_size} does not divide this model's head_dim {head_dim}"
+            f" (group sizes that do: {', '.join(map(str, fits)) or 'none'})"
+        )
+
+
 def kv_format_of(obj: Any) -> KVFormat | None:
     """The KV format a request asks for: `{"kv_bits", "kv_group_size", "kv_kernel"}` (absent
     or 0/None/16 bits: full precision). ValueError for anything else."""

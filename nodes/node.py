@@ -38,12 +38,14 @@ from nodes.contract import (
     BadBody,
     Health,
     KVFormat,
+    check_group_size,
     error_body,
     read_json,
 )
 from nodes.discovery import Advert, Discovery, url_for
 from nodes.events import EventBus, sse
 from nodes.hello import HelloRefused, HelloResponder
+from nodes.model.errors import ModelError
 from nodes.model.fingerprint import fingerprint
 from nodes.model.index import ModelIndex, load_index
 from nodes.peers import Peer, PeerTable
@@ -357,6 +359,11 @@ def _decode_service(node: Node) -> DecodeService:
     spec, c = node.index.spec, node.config
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, node.index.dtype)
     kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if c.kv_bits else None
+    if kv_format is not None:
+        try:
+            check_group_size(kv_format.group_size, spec.head_dim)
+        except ValueError as e:
+            raise ModelError(f"--kv-group-size: {e}") from None
     return DecodeService(
         ModelHost(c.model), spec, expect, node.fingerprint, node.events, node.peers,
         c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,

@@ -204,6 +204,13 @@ def test_a_second_turn_appends_to_the_quantized_cache(pair: Pair) -> None:
 def test_bad_kv_formats_are_400(pair: Pair) -> None:
     with pytest.raises(openai.BadRequestError, match="kv_bits"):
         _chat(pair, [{"role": "user", "content": "hi"}], 3)
+    # a supported group size that does not divide the model's head_dim (64) is the client's
+    # error, refused before any prefill (it was a 500 from the local quantizer)
+    with pytest.raises(openai.BadRequestError, match="does not divide this model's head_dim 64"):
+        pair.client().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            extra_body={"tandem": {"kv_bits": 8, "kv_group_size": 128}},
+        )  # fmt: skip
     body = {"proto": PROTO, "fingerprint": fingerprint(load_index(pair.model)), "start": 0,
             "tokens": [1, 2, 3], "kv_bits": 8, "kv_group_size": 48}  # fmt: skip
     req = urllib.request.Request(
@@ -214,6 +221,18 @@ def test_bad_kv_formats_are_400(pair: Pair) -> None:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 400
     assert json.loads(e.value.read())["error"]["code"] == "bad_kv_format"
+
+
+def test_a_node_default_group_size_that_does_not_divide_head_dim_is_refused_at_start(
+    tiny_model: MakeTiny, tmp_path: Path
+) -> None:
+    model = tiny_model(arch="llama", layers=4, hidden=64, heads=2, kv_heads=1, head_dim=64)
+    node = start_node(tmp_path, model, "decode", "--kv-bits", "8", "--kv-group-size", "128",
+                      token=TOKEN, wait=False)  # fmt: skip
+    assert node.proc.wait(60) == 2
+    out = node.output()
+    assert "--kv-group-size: kv_group_size 128 does not divide this model's head_dim 64" in out
+    assert "(group sizes that do: 32, 64)" in out and "Traceback" not in out
 
 
 def test_a_local_quantized_prefill_is_mlx_lms_too(tiny_model: MakeTiny, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.contract import KVFormat, KVKernel, error_body, kv_format_of
+from nodes.contract import KVFormat, KVKernel, check_group_size, error_body, kv_format_of
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 256
@@ -111,11 +111,13 @@ def sampling_of(body: Mapping[str, Any], max_tokens_limit: int) -> Sampling:
 
 
 def kv_format_in(
-    body: Mapping[str, Any], default: KVFormat | None, kernel: KVKernel = "cpu"
-) -> KVFormat | None:
+    body: Mapping[str, Any], default: KVFormat | None, kernel: KVKernel = "cpu",
+    head_dim: int | None = None,
+) -> KVFormat | None:  # fmt: skip
     """The request's KV format: the `tandem` extension's `kv_bits` (16 or 0: full precision)
     and `kv_group_size`, each the node's default where it is absent or null (`kv_bits` 8
-    alone takes the node's group size; a group size alone, the node's bits)."""
+    alone takes the node's group size; a group size alone, the node's bits). A group size
+    must divide the model's `head_dim` (groups run along each head's vector)."""
     extension = body.get("tandem")
     if extension is None:
         return default
@@ -129,9 +131,12 @@ def kv_format_in(
         if asked["kv_bits"] not in (0, 16):
             asked.setdefault("kv_group_size", default.group_size)
     try:
-        return kv_format_of({**asked, "kv_kernel": kernel})
+        fmt = kv_format_of({**asked, "kv_kernel": kernel})
+        if fmt is not None and head_dim is not None:
+            check_group_size(fmt.group_size, head_dim)
     except ValueError as e:
         raise ApiError(400, f"tandem: {e}") from None
+    return fmt
 
 
 def completion(

@@ -26,6 +26,7 @@ from nodes.contract import (
     PROTO,
     BadBody,
     KVFormat,
+    check_group_size,
     error_body,
     kv_format_of,
     read_json,
@@ -151,13 +152,10 @@ class PrefillService:
             raise BadRequest(413, str(e), "prompt_too_long") from None
         try:
             kv_format = kv_format_of(body)
+            if kv_format is not None:
+                check_group_size(kv_format.group_size, spec.head_dim)
         except ValueError as e:
             raise BadRequest(400, str(e), "bad_kv_format") from None
-        if kv_format is not None and spec.head_dim % kv_format.group_size:
-            raise BadRequest(
-                400, f"kv_group_size {kv_format.group_size} does not divide head_dim "
-                f"{spec.head_dim}", "bad_kv_format",
-            )  # fmt: skip
         rid = body.get("request_id")
         rid = rid if isinstance(rid, str) and rid else "prefill"
         return PrefillRequest(rid[:128], tokens, start, kv_format)
