@@ -33,7 +33,8 @@ from nodes.wire import PROTO, FrameWriter, Header
 from tests.trust_support import add_hello_routes
 
 log = logging.getLogger(__name__)
-FRAME_MODES = ("good", "count_more", "count_less", "heads", "head_dim", "f16", "nan", "inf")
+FRAME_MODES = ("good", "count_more", "count_less", "heads", "head_dim", "f16", "nan", "inf",
+               "quantized_cut")  # fmt: skip
 RETRY_MODES = {"503_zero": "0", "503_nan": "nan"}  # mode → Retry-After
 FREEZE_MODES = ("freeze", "stall")  # stop before sending anything / after header and layer 0
 MODES = (*FRAME_MODES, *RETRY_MODES, *FREEZE_MODES)
@@ -117,6 +118,9 @@ async def prefill(request: web.Request) -> web.StreamResponse:
         return resp
     await resp.prepare(request)
     h = frame_header(mode, c, rid, start, len(tokens) - start)
+    if mode == "quantized_cut":  # two well-formed quantized layers, then the line drops
+        await _quantized_cut(request, resp, h, body)
+        return resp
     writer = FrameWriter(h)
     rng = np.random.default_rng(len(tokens))
     await resp.write(writer.start())
@@ -130,6 +134,28 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             return resp
     await resp.write(writer.done())
     return resp
+
+
+async def _quantized_cut(
+    request: web.Request, resp: web.StreamResponse, h: Header, body: dict
+) -> None:
+    """Layers 0 and 1 in the asked-for quantized format (random K and V, quantized as a
+    prefill node does), then a hang-up: the decode node holds two layers it must let go."""
+    import torch
+
+    from nodes.contract import KVFormat
+    from nodes.prefill.engine import quantized_parts
+
+    h = dataclasses.replace(h, kv_bits=body["kv_bits"], kv_group_size=body["kv_group_size"])
+    writer = FrameWriter(h)
+    await resp.write(writer.start())
+    g = torch.Generator().manual_seed(h.count)
+    for layer in range(2):
+        k, v = torch.randn(h.shape, generator=g), torch.randn(h.shape, generator=g)
+        parts = quantized_parts(k, v, KVFormat(h.kv_bits, h.kv_group_size))
+        named = {n: t.contiguous().numpy().tobytes() for n, t in parts.items()}
+        await resp.write(writer.layer(layer, named.pop("k"), named.pop("v"), named))
+    request.transport.close()  # type: ignore[union-attr]
 
 
 def _freeze() -> None:

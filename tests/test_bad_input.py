@@ -10,6 +10,7 @@ node falls back to a local prefill and answers exactly what mlx-lm would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import signal
@@ -147,11 +148,13 @@ class Oracle:
         messages = [{"role": "user", "content": prompt}]
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def reference(self, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    def reference(self, prompt: str, max_tokens: int = MAX_TOKENS, **kv: int) -> str:
+        """`kv`: mlx-lm's `kv_bits` and `kv_group_size` (its cache quantized after the prompt)."""
         from mlx_lm import generate
 
         tokens = self.chat_tokens(prompt)
-        return generate(self.model, self.tokenizer, tokens, max_tokens=max_tokens)
+        quantized = {"quantized_kv_start": 0, **kv} if kv else {}
+        return generate(self.model, self.tokenizer, tokens, max_tokens=max_tokens, **quantized)
 
 
 def chat_body(prompt: str, max_tokens: int = MAX_TOKENS, **kw: Any) -> dict[str, Any]:
@@ -209,14 +212,13 @@ class BadPeer:
         wait_trusted(self.decode, timeout=30)
 
 
-@pytest.fixture(scope="module")
-def bad(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BadPeer]:
-    tmp = tmp_path_factory.mktemp("bad")
+@contextlib.contextmanager
+def bad_peer(model: Path, tmp: Path) -> Iterator[BadPeer]:
     port = free_port()
     token_file = tmp / "token"
     token_file.write_text(TOKEN)
     log = tmp / "bad-prefill.log"
-    cmd = [sys.executable, "-m", "tests.bad_prefill", "--model", str(llama)]
+    cmd = [sys.executable, "-m", "tests.bad_prefill", "--model", str(model)]
     cmd += ["--token-file", str(token_file), "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -224,7 +226,7 @@ def bad(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BadPe
     try:
         wait_healthy(fake)
         decode = start_node(
-            tmp, llama, "decode", "--peer", fake.url, "--remote-prefill", "always", token=TOKEN
+            tmp, model, "decode", "--peer", fake.url, "--remote-prefill", "always", token=TOKEN
         )
         try:
             wait_trusted(decode)
@@ -234,6 +236,12 @@ def bad(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BadPe
     finally:
         proc.send_signal(signal.SIGCONT)  # a frozen process would not see SIGTERM
         fake.stop()
+
+
+@pytest.fixture(scope="module")
+def bad(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BadPeer]:
+    with bad_peer(llama, tmp_path_factory.mktemp("bad")) as peer:
+        yield peer
 
 
 # --- 1, 2: bodies the JSON parser or the tokenizer chokes on ------------------------------
@@ -418,6 +426,34 @@ def test_bad_frames_fall_back_to_an_exact_local_prefill(
     phases = [r["phase"] for r in records if r["kind"] == "request"]
     assert "failed" in phases, phases
     assert body["tandem"]["prefill"] == "local", body["tandem"]
+
+
+def test_a_quantized_prefill_cut_off_falls_back_to_mlx_lms_own(tiny_model, tmp_path: Path) -> None:
+    """Two quantized layers land, then the prefill node hangs up: the local prefill that
+    follows runs on the caches as they were before the request (float, quantized after the
+    prompt as mlx-lm does), not on the two layers the failed stream had made quantized."""
+    model = tiny_model(arch="llama", layers=4, hidden=64, heads=2, kv_heads=1, head_dim=64)
+    oracle = Oracle(model)
+    prompt = "The keeper counted the waves, the gulls and the ships that never came back."
+    with bad_peer(model, tmp_path) as bad:
+        got, served = _cut_off(bad, prompt)
+    assert got["id"] in served and got["tandem"]["prefill"] == "local", got["tandem"]
+    assert got["tandem"]["kv_dtype"] == "q4/g32"
+    want = oracle.reference(prompt, kv_bits=4, kv_group_size=32)
+    assert want != oracle.reference(prompt)  # the 4-bit cache shows in this text
+    assert got["choices"][0]["message"]["content"] == want
+
+
+def _cut_off(bad: BadPeer, prompt: str) -> tuple[dict[str, Any], list[str]]:
+    bad.set_mode("quantized_cut")
+    try:
+        body = {**chat_body(prompt), "tandem": {"kv_bits": 4, "kv_group_size": 32}}
+        reply = post(bad.decode.url + "/v1/chat/completions", body, timeout=60)
+        served = [c["request_id"] for c in bad.prefills()]
+    finally:
+        bad.set_mode("good")
+    assert reply.status == 200, f"{reply}\n{bad.decode.output()[-3000:]}"
+    return reply.json(), served
 
 
 # --- 8: 503 with a useless Retry-After ----------------------------------------------------

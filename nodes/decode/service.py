@@ -222,10 +222,11 @@ class DecodeService:
                          detail=f"kv {kv_dtype(self.expect, fmt)}")
         )  # fmt: skip
         call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
+        before = list(caches)  # a quantized stream swaps layers' caches for quantized ones
         try:
             result, first = await self._remote(peer.address, call, caches, req.tokens[-1])
         except RemotePrefillError as e:
-            await self.host.call(kv.trim_to, caches, k)
+            await self.host.call(_restore, caches, before, k)
             log.warning("remote prefill failed, prefilling locally: %s", e)
             publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
             return caches, PrefillInfo("local", None, new)
@@ -248,6 +249,7 @@ class DecodeService:
         table stops trusting the node. With it, the pass of the prompt's `last` token, a layer
         at a time as the layers land (None where the model does not allow it)."""
         deadline = time.monotonic() + self.remote_timeout_s
+        before = list(caches)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             left = deadline - time.monotonic()
             timed = replace(call, timeout_s=max(1.0, left))
@@ -260,7 +262,7 @@ class DecodeService:
                 wait *= random.uniform(1.0, 1.5)
                 if time.monotonic() + wait >= deadline:
                     raise
-                await self.host.call(kv.trim_to, caches, call.start)
+                await self.host.call(_restore, caches, before, call.start)
                 log.info("prefill node busy, asking again in %.1f s", wait)
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -331,3 +333,12 @@ class _TokenTicker:
 
     def flush(self, total: int) -> None:
         self.events.publish(TokenEvent(self.rid, count=total))
+
+
+def _restore(caches: kv.Caches, before: kv.Caches, k: int) -> None:
+    """The caches as a failed remote prefill found them: each layer's own cache object again
+    (a quantized stream replaces a float layer's with a quantized copy, whose float original
+    is left as it was), trimmed to its first k positions. A local prefill then runs as
+    mlx-lm's would, on float K/V, quantizing after the prompt."""
+    caches[:] = before
+    kv.trim_to(caches, k)
