@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from nodes.events import LayerEvent
-from nodes.model import load_index
-from nodes.prefill.engine import PrefillEngine
+from nodes.model import ModelIndex, load_index
+from nodes.model.safetensors_format import ITEMSIZE
+from nodes.prefill.engine import PrefillEngine, prompt_activations
 
 pytestmark = pytest.mark.cuda
 
@@ -18,21 +19,32 @@ def _kv(engine: PrefillEngine, tokens: list[int]) -> list[tuple[torch.Tensor, to
     return [(layer.k.float(), layer.v.float()) for layer in engine.prefill(tokens)]
 
 
+def cuda_budget(index: ModelIndex, weights: int, tokens: int, chunk: int) -> int:
+    """`weights` bytes for weights plus, as a CUDA engine reserves for prompts of `tokens`, room
+    for their activations (all queries at once; a cut op's kept output included)."""
+    itemsize = ITEMSIZE[index.dtype]
+    return weights + prompt_activations(index.spec, tokens, 0, chunk, itemsize, "cuda", True)
+
+
 @pytest.mark.parametrize("fraction", [0.25, "half-layer"])
 def test_cuda_matches_cpu(tiny_model, fraction) -> None:
     model = tiny_model(arch="llama", layers=8, shards=2, rope_scaling="llama3")
     index = load_index(model)
     total = sum(index.layer_bytes(i) for i in range(index.spec.num_layers))
-    budget = total // 4 if fraction == 0.25 else index.layer_bytes(0) // 2
+    weights = total // 4 if fraction == 0.25 else index.layer_bytes(0) // 2
     tokens = np.random.default_rng(1).integers(0, index.spec.vocab_size, 300).tolist()
-    cpu = PrefillEngine(index, budget=budget, device="cpu", chunk_tokens=64)
-    gpu = PrefillEngine(index, budget=budget, device="cuda", chunk_tokens=64)
+    cpu = PrefillEngine(index, budget=weights, device="cpu", chunk_tokens=64)
+    # the same room for weights; the CUDA engine reserves its activations on top
+    budget = cuda_budget(index, weights, len(tokens), 64)
+    gpu = PrefillEngine(
+        index, budget=budget, device="cuda", chunk_tokens=64, max_prompt_tokens=len(tokens)
+    )
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         for (kc, vc), (kg, vg) in zip(_kv(cpu, tokens), _kv(gpu, tokens), strict=True):
             assert torch.allclose(kc, kg, atol=1e-4) and torch.allclose(vc, vg, atol=1e-4)
-        assert gpu.last_stats.peak_weight_bytes <= budget
-        assert gpu.last_stats.bytes_streamed == cpu.last_stats.bytes_streamed
+        assert gpu.last_stats.peak_weight_bytes <= budget - gpu.activation_reserve
+        assert gpu.plan.granularity == cpu.plan.granularity  # streamed the same way
     finally:
         cpu.close()
         gpu.close()
@@ -41,8 +53,11 @@ def test_cuda_matches_cpu(tiny_model, fraction) -> None:
 def test_cuda_overlap_and_memory(tiny_model) -> None:
     model = tiny_model(arch="qwen3", layers=8, shards=2, dtype="bfloat16")
     index = load_index(model)
-    budget = sum(index.layer_bytes(i) for i in range(8)) // 4
-    engine = PrefillEngine(index, budget=budget, device="cuda", link_gbps=0.05)
+    weights = sum(index.layer_bytes(i) for i in range(8)) // 4
+    budget = cuda_budget(index, weights, 200, 512)
+    engine = PrefillEngine(
+        index, budget=budget, device="cuda", link_gbps=0.05, max_prompt_tokens=200
+    )
     events: list[LayerEvent] = []
     engine.events.add_listener(lambda e: events.append(e) if isinstance(e, LayerEvent) else None)
     try:

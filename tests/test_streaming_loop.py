@@ -61,6 +61,46 @@ def test_arena_takes_exact_aligned_pieces_once() -> None:
     arena.close()
 
 
+class FakeCudart:
+    """torch.cuda.cudart()'s two calls the arena makes, recorded (no CUDA here)."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}  # pointer → bytes
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", ptr))
+        if ptr in self.registered:
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr))
+        return 0 if self.registered.pop(ptr, None) is not None else 713  # not registered
+
+
+def test_a_pinned_arena_is_unregistered_once_closed_or_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory freed while still registered with CUDA makes the next registration at that
+    address fail (712), mid-request: an arena unpins on close, and when dropped unclosed."""
+    import gc
+
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    arena = HostArena([1 << 20], pin=True)
+    assert arena.pinned_bytes == DIRECT_ALIGN * (-(-(1 << 20) // DIRECT_ALIGN))
+    arena.close()
+    arena.close()  # once
+    assert not fake.registered and [c for c, _ in fake.calls] == ["register", "unregister"]
+    dropped = HostArena([1 << 20], pin=True)
+    assert len(fake.registered) == 1
+    del dropped
+    gc.collect()
+    assert not fake.registered  # unpinned before its memory went back
+
+
 def test_host_tier_is_one_arena_of_its_members(index: ModelIndex) -> None:
     """The tier takes exactly its members' bytes up front (block-rounded, never a power of
     two), and a member's buffer is the same memory every pass."""

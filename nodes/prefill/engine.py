@@ -242,6 +242,7 @@ class PrefillEngine:
 
     def close(self) -> None:
         self.streamer.close()
+        self._handover.close()
         os.close(self._embed_fd)
 
     def check_tokens(self, tokens: Sequence[int]) -> None:
@@ -548,6 +549,9 @@ class _HostHandover:
     def quantize_seconds(self) -> float:
         return self._quantize_s
 
+    def close(self) -> None:
+        pass
+
 
 class _CudaHandover:
     """Finished layers' K/V to host memory without stalling compute: a side stream copies each
@@ -572,6 +576,7 @@ class _CudaHandover:
         nbytes = sum(sizes.values())
         if self._arena is None or not self._buffers or self._buffers[0].numel() < nbytes:
             if self._arena is not None:  # a longer prompt than any before: re-pin, once
+                self.stream.synchronize()  # no copy into the old buffers still in flight
                 self._arena.close()
             self._arena = HostArena([nbytes] * (self.LAG + 1), pin=True)
             self._buffers = deque(self._arena.take(nbytes) for _ in range(self.LAG + 1))
@@ -610,6 +615,14 @@ class _CudaHandover:
 
     def flush(self) -> list[LayerKV]:
         return self._ready(0)
+
+    def close(self) -> None:
+        """Unpin the buffers, once no copy is in flight."""
+        self.stream.synchronize()
+        self._pending.clear()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena, self._buffers = None, deque()
 
     def reset(self, kv_format: KVFormat | None = None) -> None:
         """Forget what an abandoned request left in flight; take the next request's format."""

@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class HostArena:
         self._cursor = 0
         self.nbytes = total
         self.pinned_bytes = 0
+        self._unpin: weakref.finalize | None = None
         if pin and total:
             code = int(torch.cuda.cudart().cudaHostRegister(self._mem.data_ptr(), total, 0))
             if code != 0:
@@ -86,6 +88,9 @@ class HostArena:
                     f" tier (cudaError {code}); lower --host-budget or --budget"
                 )
             self.pinned_bytes = total
+            # unregistered before the memory goes back, even for an arena never closed: freed
+            # memory left registered makes the next registration at that address fail
+            self._unpin = weakref.finalize(self, _unregister, self._mem)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """The next `nbytes` of the arena (uint8, aligned)."""
@@ -97,9 +102,16 @@ class HostArena:
         return self._mem[start : start + nbytes]
 
     def close(self) -> None:
-        if self.pinned_bytes:
-            torch.cuda.cudart().cudaHostUnregister(self._mem.data_ptr())
-            self.pinned_bytes = 0
+        """Unpin (once); the caller has made sure no copy into or out of it is in flight."""
+        if self._unpin is not None:
+            self._unpin()
+        self.pinned_bytes = 0
+
+
+def _unregister(mem: torch.Tensor) -> None:
+    code = int(torch.cuda.cudart().cudaHostUnregister(mem.data_ptr()))
+    if code != 0:
+        log.warning("cudaHostUnregister of %d B failed (cudaError %d)", mem.numel(), code)
 
 
 class HostTier:
