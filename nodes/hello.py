@@ -216,6 +216,13 @@ async def prove(
             addresses = [""]
         else:
             cert, pin, addresses = "", True, await _addresses(host, port)
+            if len(addresses) > 1:  # the proof would bind one, the requests may go to another
+                raise HelloError(
+                    "unauthorized",
+                    f"{host} resolves to {', '.join(addresses)}: over plain HTTP a node is known"
+                    f" by its one address (a relay could answer at another); use"
+                    f" http://{addresses[0]}",
+                )
         nonce = new_nonce()
         async with session.post(
             url.rstrip("/") + HELLO_PATH, json={"nonce": nonce, "id": own_id}, ssl=pin,

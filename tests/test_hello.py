@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -149,6 +150,36 @@ async def test_a_relay_to_the_real_node_is_not_trusted(
     assert relayed.paths == ["/v1/hello"]  # the caller's proof never went out
     relayed.assert_nothing_usable(TOKEN)
     assert not real.responder.proven
+
+
+async def test_a_name_with_several_addresses_is_refused_over_plain_http(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`localhost` may name 127.0.0.1 and ::1: a node proven at one of them says nothing
+    about a relay listening at the other, on the same port, where the next request may go.
+    Here the real node is at 127.0.0.1:P, a relay at 127.0.0.2:P, and a name resolves to
+    both, the relay first. Over plain HTTP a peer must be named by one address."""
+    relayed = Log()
+    async with callee() as real:
+        port = int(real.url.rsplit(":", 1)[1])
+        async with serving(relay(real.url, relayed), None, port=port, host="127.0.0.2"):
+            loop = asyncio.get_running_loop()
+            resolve = loop.getaddrinfo
+
+            async def both(host, *args, **kw):
+                if host != "twice.test":
+                    return await resolve(host, *args, **kw)
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+                        for a in ("127.0.0.2", "127.0.0.1")]  # fmt: skip
+
+            monkeypatch.setattr(loop, "getaddrinfo", both)
+            async with aiohttp.ClientSession() as s:
+                with pytest.raises(HelloError, match=r"resolves to 127\.0\.0\.2:\d+, 127") as e:
+                    await prove(s, f"http://twice.test:{port}", TOKEN, "caller-a")
+                assert e.value.reason == "unauthorized"
+                proven = await prove(s, f"http://127.0.0.1:{port}", TOKEN, "caller-a")
+                assert proven.id == CALLEE  # named by its one address, as before
+    assert relayed.paths == []  # nothing went out to the ambiguous name
 
 
 async def test_the_address_is_what_binds_a_plain_hello() -> None:
