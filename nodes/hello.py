@@ -30,6 +30,7 @@ import socket
 import ssl
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -195,6 +196,11 @@ async def _addresses(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(channel_address(str(i[4][0]), port) for i in infos))
 
 
+# one JSON request on the caller's channel: (path, body) → (HTTP status, the parsed reply);
+# ValueError for a reply that is not JSON
+Post = Callable[[str, dict[str, str]], Awaitable[tuple[int, Any]]]
+
+
 async def prove(
     session: aiohttp.ClientSession,
     url: str,
@@ -208,12 +214,12 @@ async def prove(
     if where.scheme not in ("http", "https") or not where.hostname:
         raise HelloError("unreachable", f"{url}: not an http:// or https:// URL")
     host, port = where.hostname, where.port or (443 if where.scheme == "https" else 80)
-    key, timeout = _key(token), aiohttp.ClientTimeout(total=timeout_s)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         if where.scheme == "https":
             cert = await learn_certificate(host, port, timeout_s)
             pin: aiohttp.Fingerprint | bool = aiohttp_pin(cert)
-            addresses = [""]
+            address = ""
         else:
             cert, pin, addresses = "", True, await _addresses(host, port)
             if len(addresses) > 1:  # the proof would bind one, the requests may go to another
@@ -223,46 +229,53 @@ async def prove(
                     f" by its one address (a relay could answer at another); use"
                     f" http://{addresses[0]}",
                 )
-        nonce = new_nonce()
-        async with session.post(
-            url.rstrip("/") + HELLO_PATH, json={"nonce": nonce, "id": own_id}, ssl=pin,
-            timeout=timeout,
-        ) as r:  # fmt: skip
-            if r.status != 200:
-                raise HelloError("unauthorized", f"{HELLO_PATH} answered HTTP {r.status}")
-            answer = await r.json(content_type=None)
-        if not isinstance(answer, dict) or not all(
-            isinstance(answer.get(k), str) for k in ("id", "fingerprint", "nonce", "proof")
-        ):
-            raise HelloError("bad_reply", f"{HELLO_PATH} did not answer a hello v2 object")
-        peer_id, fp, peer_nonce = answer["id"], answer["fingerprint"], answer["nonce"]
+            address = addresses[0]
 
-        def verifies(a: str) -> bool:
-            return verify_hello_proof(
-                key, "callee", nonce, peer_nonce, own_id, peer_id, fp, cert, answer["proof"],
-                address=a,
-            )  # fmt: skip
+        async def post(path: str, body: dict[str, str]) -> tuple[int, Any]:
+            async with session.post(
+                url.rstrip("/") + path, json=body, ssl=pin, timeout=timeout
+            ) as r:
+                return r.status, await r.json(content_type=None) if r.status == 200 else None
 
-        address = next((a for a in addresses if verifies(a)), None)
-        if address is None:
-            raise HelloError(
-                "unauthorized",
-                "its hello proof does not verify: it does not hold this token, or it is not "
-                "the node at this address (a relay)",
-            )
-        proof = hello_proof(key, "caller", nonce, peer_nonce, own_id, peer_id, fp, cert, address)
-        body = {"nonce": peer_nonce, "id": own_id, "proof": proof}
-        async with session.post(
-            url.rstrip("/") + CONFIRM_PATH, json=body, ssl=pin, timeout=timeout
-        ) as r:
-            if r.status != 200:
-                raise HelloError("unauthorized", f"it refused this node's proof (HTTP {r.status})")
+        return await hello_over(post, token, own_id, cert, address)
     except aiohttp.ServerFingerprintMismatch:
         raise HelloError("unauthorized", "its certificate changed during the hello") from None
     except TLSError as e:
         raise HelloError("bad_reply", str(e)) from None
     except (aiohttp.ClientError, TimeoutError, OSError, ssl.SSLError) as e:
         raise HelloError("unreachable", f"{type(e).__name__}: {e}".rstrip(": ")) from None
+
+
+async def hello_over(post: Post, token: str | None, own_id: str, cert: str, address: str) -> Proven:
+    """The hello's two requests through `post`, on a channel whose identity is `cert` (TLS:
+    the certificate this side's handshake saw) or `address` (plain HTTP: the callee's
+    `ip:port` this side is connected to); HelloError unless both proofs verify."""
+    key, nonce = _key(token), new_nonce()
+    try:
+        status, answer = await post(HELLO_PATH, {"nonce": nonce, "id": own_id})
     except ValueError:  # a body that is not JSON
         raise HelloError("bad_reply", f"{HELLO_PATH} did not answer JSON") from None
+    if status != 200:
+        raise HelloError("unauthorized", f"{HELLO_PATH} answered HTTP {status}")
+    if not isinstance(answer, dict) or not all(
+        isinstance(answer.get(k), str) for k in ("id", "fingerprint", "nonce", "proof")
+    ):
+        raise HelloError("bad_reply", f"{HELLO_PATH} did not answer a hello v2 object")
+    peer_id, fp, peer_nonce = answer["id"], answer["fingerprint"], answer["nonce"]
+    if not verify_hello_proof(
+        key, "callee", nonce, peer_nonce, own_id, peer_id, fp, cert, answer["proof"],
+        address=address,
+    ):  # fmt: skip
+        raise HelloError(
+            "unauthorized",
+            "its hello proof does not verify: it does not hold this token, or it is not "
+            "the node at this address (a relay)",
+        )
+    proof = hello_proof(key, "caller", nonce, peer_nonce, own_id, peer_id, fp, cert, address)
+    try:
+        status, _ = await post(CONFIRM_PATH, {"nonce": peer_nonce, "id": own_id, "proof": proof})
+    except ValueError:
+        status = 0
+    if status != 200:
+        raise HelloError("unauthorized", f"it refused this node's proof (HTTP {status})")
     return Proven(peer_id, fp, cert)

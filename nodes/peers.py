@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import aiohttp
 
 from nodes.contract import PROTO, Health, Reason
-from nodes.hello import HelloError, prove
+from nodes.hello import HelloError, Post, hello_over, prove
 from nodes.signing import Query, sign
 from nodes.tls import aiohttp_pin
 
@@ -183,6 +184,34 @@ class PeerTable:
             sign(self.token, method, path, query, body, self.own_id, peer.id) if self.token else {}
         )
         return Signed(headers, peer.cert_fingerprint if tls else None)
+
+    def prover(self, address: str) -> Callable[[Post, str], Awaitable[None]] | None:
+        """For a plain-HTTP peer, the hello to run on a request's own connection before the
+        request goes out on it (None over TLS, where the pinned certificate is the channel's
+        identity): between health checks another process may have taken the peer's port, and
+        only the process that proves the token on that very connection gets the request. A
+        failed proof untrusts the peer at once; UntrustedPeer."""
+        if address.startswith("https://"):
+            return None
+
+        async def on_connection(post: Post, channel: str) -> None:
+            try:
+                proven = await hello_over(post, self.token, self.own_id, "", channel)
+                peer = self.peers.get(address)
+                if peer is None or proven.id != peer.id or proven.fingerprint != self.fingerprint:
+                    raise HelloError("unauthorized", f"it proved to be {proven.id}, not the peer")
+            except HelloError as e:
+                self._untrust(address, e.reason, str(e))
+                raise UntrustedPeer(f"{address} did not prove itself here: {e}") from None
+
+        return on_connection
+
+    def _untrust(self, address: str, reason: Reason, why: str) -> None:
+        peer = self.peers.get(address)
+        if peer is not None and peer.trusted:
+            log.warning("peer %s not trusted: %s", address, why)
+            self.peers[address] = replace(peer, trusted=False, reason=reason)
+            self._wake.set()  # check it now: it proves again before anything else is sent
 
     async def check(self, address: str) -> Peer | None:
         """Health-check one peer; prove it again whenever what it was trusted for changed

@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from app.pair import check, run_check
+from nodes.auth import CONFIRM_PATH, HELLO_PATH
 from nodes.hello import HelloResponder
 from nodes.signing import SIGNATURE, sign
 from nodes.tls import load_or_create
@@ -261,6 +262,54 @@ async def test_an_impostor_in_a_dead_nodes_place_gets_nothing(tmp_path: Path, mo
     tls_entry = seen[1][-1][1]
     assert tls_entry is not None and tls_entry["reason"] == "unauthorized"
     assert tls_entry["cert_fingerprint"] == health["tls"]["cert_fingerprint"]  # pin kept
+
+
+async def test_a_request_in_the_takeover_window_goes_only_to_who_proves_on_its_connection(
+    tmp_path: Path, model: Path
+) -> None:
+    """Right after a health check, the trusted plain-HTTP peer dies and an impostor serving a
+    copy of its /health takes its port; a chat comes at once, long before the next check. The
+    remote prefill runs a hello on its own connection before the request goes out on it: the
+    impostor gets a hello it cannot answer and never the request; the peer is untrusted at
+    once and the chat is served locally."""
+    real = start_node(tmp_path, model, "prefill", token=TOKEN)  # for an honest /health
+    try:
+        health = real.get("/health", auth=False)
+    finally:
+        real.stop()
+    honest = HonestPeer(health["model"]["fingerprint"])
+    copy = {**health, "instance": honest.instance}  # exactly what the honest peer serves
+    log = Log()
+    peer = serving(honest.app(health), None)
+    url = await peer.__aenter__()
+    port = int(url.rsplit(":", 1)[1])
+    decode = start_node(
+        tmp_path, model, "decode", "--remote-prefill", "always", "--peer", url, token=TOKEN
+    )
+    try:
+        await asyncio.to_thread(
+            poll, lambda: (e := entry(decode, url)) and e["prefill_floor_s"], 20.0
+        )
+
+        def checks() -> int:  # health checks that ran to their end (plain HTTP: a hello)
+            return honest.log.paths.count(CONFIRM_PATH)
+
+        done = checks()
+        await asyncio.to_thread(poll, lambda: checks() > done, 5.0)  # the next is 2 s away
+        t0 = time.monotonic()
+        await peer.__aexit__(None, None, None)  # the peer dies
+        async with serving(impostor(copy, log), None, port):
+            reply = await asyncio.to_thread(chat, decode)
+            took = time.monotonic() - t0
+            after = entry(decode, url)
+    finally:
+        decode.stop()
+    assert took < 1.5, took  # inside the window: no health check could have seen the swap
+    assert reply["prefill"] == "local"
+    assert HELLO_PATH in log.paths  # the request's own connection asked it to prove itself
+    log.assert_nothing_usable(TOKEN)  # and it got neither the request nor a signature
+    assert after is not None and not after["trusted"] and after["reason"] == "unauthorized"
+    assert "did not prove itself here" in decode.output()
 
 
 # -- a restart ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ aiohttp's client hands a body out as a new bytes object per read, 256 KiB at mos
 is hundreds of MB of frames, parsed where they land, so the decode node reads it with
 `recv_into` straight into the frames' own buffers (`FrameReader.get_buffer`): no allocation
 and no copy per read, and the same warm pages frame after frame. This speaks just what that
-needs: one request per connection (`Connection: close`), `http://` or `https://`, and a
+needs: one request per connection (`Connection: close`; before it, optionally, the JSON
+requests of a hello on the same connection), `http://` or `https://`, and a
 response body that is chunked, sized by Content-Length, or runs to the close.
 
 `https://` is a non-blocking `ssl.SSLSocket` driven by the event loop's reader and writer
@@ -17,15 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
+from nodes.hello import Post, channel_address
 from nodes.kv_link import receiver_socket
 from nodes.tls import TLSError, check_peer, client_context
 
 READ_AHEAD = 64 * 1024  # bytes buffered for the status line, headers and chunk sizes
+MAX_JSON = 64 * 1024  # bytes of a JSON reply (`call_json`)
 MAX_LINE = 8 * 1024  # bytes in one status, header or chunk-size line
 MAX_HEADERS = 100
 # bytes one TLS read may decrypt (OpenSSL goes on through every record that has arrived):
@@ -33,6 +38,10 @@ MAX_HEADERS = 100
 TLS_READ_MAX = 2**20
 # a non-blocking socket that has nothing to give (or take) yet; for TLS, also what it needs
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+# run on a request's own connection before it is sent: (post on it, the peer's ip:port)
+Prove = Callable[[Post, str], Awaitable[None]]
 
 
 class HttpError(Exception):
@@ -267,6 +276,24 @@ class Response:
         return bytes(out[:got])
 
 
+async def call_json(conn: Connection, netloc: str, path: str, obj: object) -> tuple[int, Any]:
+    """One JSON POST on `conn`, which stays open for the next request: (status, the parsed
+    reply of a 200, else None). ValueError for a 200 that is not JSON."""
+    body = json.dumps(obj).encode()
+    head = [f"POST {path} HTTP/1.1", f"Host: {netloc}", "Content-Type: application/json",
+            f"Content-Length: {len(body)}"]  # fmt: skip
+    await conn.send("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
+    resp = await _read_head(conn)
+    if resp.headers.get("connection", "").lower() == "close" or not (
+        resp._chunked or "content-length" in resp.headers
+    ):
+        raise HttpError(f"{path}: the reply ends the connection the request must go on")
+    data = await resp.read(MAX_JSON + 1)
+    if len(data) > MAX_JSON:
+        raise HttpError(f"{path}: a reply longer than {MAX_JSON} bytes")
+    return resp.status, json.loads(data) if resp.status == 200 else None
+
+
 async def _read_head(conn: Connection) -> Response:
     status_line = await conn.read_line()
     parts = status_line.split(None, 2)
@@ -291,9 +318,12 @@ async def post(
     *,
     read_timeout_s: float,
     pin: str | None = None,
+    prove: Prove | None = None,
 ) -> AsyncIterator[Response]:
     """POST `body` (JSON) to `url`; yields the response once its head is in. An `https://`
-    URL needs `pin`, the fingerprint its certificate must have."""
+    URL needs `pin`, the fingerprint its certificate must have. `prove(post, address)` runs
+    first on the same connection (`post` sends JSON requests on it; `address` is the peer's
+    `ip:port` it is connected to): the request goes only to the process that answered it."""
     where = urlsplit(url)
     if where.scheme not in ("http", "https") or not where.hostname:
         raise HttpError(f"{url}: only http:// and https://host[:port]/path URLs are spoken here")
@@ -302,6 +332,12 @@ async def post(
     port = where.port or (443 if where.scheme == "https" else 80)
     conn = await Connection.open(where.hostname, port, read_timeout_s, pin)
     try:
+        if prove is not None:
+            peer = conn.sock.getpeername()
+            await prove(
+                lambda path, obj: call_json(conn, where.netloc, path, obj),
+                channel_address(str(peer[0]), int(peer[1])),
+            )
         head = [
             f"POST {where.path or '/'} HTTP/1.1",
             f"Host: {where.netloc}",

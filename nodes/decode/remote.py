@@ -162,6 +162,7 @@ class RemotePrefill:
                     link.headers,
                     read_timeout_s=min(60.0, call.timeout_s),
                     pin=link.pin,
+                    prove=self.peers.prover(url),
                 ) as resp,
             ):
                 if resp.status != 200:
@@ -178,6 +179,8 @@ class RemotePrefill:
                 await assembler.finish()
         except RemotePrefillError:
             raise
+        except UntrustedPeer as e:
+            raise RemotePrefillError(str(e)) from None
         except (HttpError, TimeoutError, OSError, ProtocolError, ValueError) as e:
             raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
         finally:
