@@ -590,3 +590,11 @@ def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
         service.close()
     assert device == max(base, DEVICE_NICE) and loader >= device >= base
     assert nice_here() == base  # only that thread moved
+    # on CUDA the loader (started from the device thread) is the critical path, and a thread
+    # cannot raise its priority back once lowered: the device thread is left as it is
+    gpu = PrefillService(SimpleNamespace(), "fp", EventBus())  # type: ignore[arg-type]
+    gpu._engine = SimpleNamespace(device=torch.device("cuda"), close=lambda: None)  # type: ignore[assignment]
+    try:
+        assert gpu.device_thread.submit(nice_here).result() == base
+    finally:
+        gpu.close()

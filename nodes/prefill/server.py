@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
@@ -90,10 +89,8 @@ class PrefillService:
         self.fingerprint = fingerprint
         self.events = events
         self.queue_limit = queue_limit
-        # compute (and the threads it starts) yields the CPU to this event loop: sending a
-        # finished layer is cheap and on the critical path, a CPU prefill would fill every core
         self.device_thread = concurrent.futures.ThreadPoolExecutor(
-            1, "tandem-device", initializer=functools.partial(lower_this_thread, DEVICE_NICE)
+            1, "tandem-device", initializer=self._device_thread_started
         )
         self._busy = asyncio.Semaphore(1)
         self._waiting = 0
@@ -106,6 +103,15 @@ class PrefillService:
     def prefill_tok_s(self) -> float | None:
         """Measured prefill rate over the requests served so far (tokens/s)."""
         return self.served_tokens / self.served_s if self.served_s > 0 else None
+
+    def _device_thread_started(self) -> None:
+        """On a CPU, compute (and the threads it starts) yields the CPU to this event loop:
+        sending a finished layer is cheap and on the critical path, and a CPU prefill fills
+        every core. On CUDA the loader it starts is the critical path, and a thread cannot
+        raise its priority back: nothing is lowered. (The thread starts with the first
+        request, after `start` built the engine.)"""
+        if self._engine is None or self._engine.device.type == "cpu":
+            lower_this_thread(DEVICE_NICE)
 
     async def start(self) -> PrefillEngine:
         """Build the engine (the plan, the weight pool) off the event loop."""
