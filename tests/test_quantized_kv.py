@@ -146,13 +146,14 @@ class Pair:
     def tokens(self, messages: list[dict[str, str]]) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
-    def reference(self, messages: list[dict[str, str]], bits: int) -> str:
+    def reference(self, messages: list[dict[str, str]], bits: int | None, group: int = 64) -> str:
+        """mlx-lm's greedy text, its cache quantized after the prompt (`bits` None: float)."""
         from mlx_lm import generate
 
+        kv = {"kv_bits": bits, "kv_group_size": group, "quantized_kv_start": 0} if bits else {}
         return generate(
-            self.mlx_model, self.tokenizer, self.tokens(messages), max_tokens=MAX_TOKENS,
-            kv_bits=bits, kv_group_size=64, quantized_kv_start=0,
-        )  # fmt: skip
+            self.mlx_model, self.tokenizer, self.tokens(messages), max_tokens=MAX_TOKENS, **kv
+        )
 
 
 @pytest.fixture(scope="module")
@@ -162,22 +163,70 @@ def pair(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield Pair(model, p, d)
 
 
-def _chat(pair: Pair, messages: list[dict[str, str]], bits: int):
+def _chat(pair: Pair, messages: list[dict[str, str]], bits: int, group: int | None = None):
+    fmt = {"kv_bits": bits} | ({"kv_group_size": group} if group else {})
     return pair.client().chat.completions.create(
         model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"tandem": {"kv_bits": bits}},
+        extra_body={"tandem": fmt},
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_remote_quantized_prefill_is_mlx_lms_quantized_greedy(pair: Pair, bits: int) -> None:
-    for prompt in PROMPTS:
+# the last one's greedy text shows a 4-bit cache (group 64) on the test model
+GREEDY_PROMPTS = [*PROMPTS, "What is the capital of France? Answer briefly."]
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 64), (4, 64), (4, 32), (8, 32)])
+def test_remote_quantized_prefill_is_mlx_lms_quantized_greedy(
+    pair: Pair, bits: int, group: int
+) -> None:
+    """Greedy text after a remote prefill in each format equals mlx-lm's own generation with
+    that `kv_bits` and `kv_group_size` from scratch. At 4 bits the test can tell: some prompt's
+    4-bit text differs from the float one. (8-bit KV does not move greedy text on this model:
+    the wire's 8-bit words are checked bit for bit in the next test.)"""
+    changed = []
+    for prompt in GREEDY_PROMPTS:
         messages = [{"role": "user", "content": prompt}]
-        reply = _chat(pair, messages, bits)
+        reply = _chat(pair, messages, bits, group)
         extra = reply.model_extra["tandem"]
         assert extra["prefill"] == "remote", pair.decode.output()
-        assert extra["kv_dtype"] == f"q{bits}/g64"
-        assert reply.choices[0].message.content == pair.reference(messages, bits)
+        assert extra["kv_dtype"] == f"q{bits}/g{group}"
+        want = pair.reference(messages, bits, group)
+        assert reply.choices[0].message.content == want, prompt
+        changed.append(want != pair.reference(messages, None))
+    assert any(changed) or bits == 8
+
+
+def _prefill_frames(pair: Pair, tokens: list[int], fmt: dict[str, int]) -> tuple[Header, list]:
+    """The prefill node's own frames for `tokens`, asked for directly (a client's Bearer)."""
+    body = {"proto": PROTO, "fingerprint": fingerprint(load_index(pair.model)),
+            "request_id": f"frames-{fmt}", "tokens": tokens, "start": 0, **fmt}  # fmt: skip
+    req = urllib.request.Request(
+        pair.prefill.url + "/v1/prefill", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        frames = read(r.read())
+    return frames[0], [f for f in frames if isinstance(f, LayerFrame)]
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, 64), (8, 32), (4, 64)])
+def test_the_wires_quantized_layers_are_mx_quantize_of_its_float_ones(
+    pair: Pair, bits: int, group: int
+) -> None:
+    """Over real HTTP, each quantized layer the prefill node sends holds exactly what
+    mx.quantize makes of the float K and V it sends for the same prompt."""
+    from nodes.wire import layer_parts_to_numpy
+
+    tokens = pair.tokens([{"role": "user", "content": PROMPTS[0]}])
+    fh, floats = _prefill_frames(pair, tokens, {})
+    qh, quantized = _prefill_frames(pair, tokens, {"kv_bits": bits, "kv_group_size": group})
+    assert (qh.kv_bits, qh.kv_group_size) == (bits, group) and len(floats) == len(quantized) == 4
+    for f, q in zip(floats, quantized, strict=True):
+        flt, got = layer_parts_to_numpy(f, fh), layer_parts_to_numpy(q, qh)
+        for name in ("k", "v"):
+            want = mx.quantize(mx.array(flt[name]), group_size=group, bits=bits)
+            for suffix, w in zip(("", "_scales", "_biases"), want, strict=True):
+                assert np.array_equal(got[name + suffix], np.array(w)), (f.layer, name + suffix)
 
 
 def test_a_second_turn_appends_to_the_quantized_cache(pair: Pair) -> None:
