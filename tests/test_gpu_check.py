@@ -97,6 +97,7 @@ def test_smoke_requests_attention_memory_bench(smoke: dict[str, Any]) -> None:
     assert all(run["ok"] and not run["oom"] for run in s["memory"]["runs"].values())
     assert s["small_card"]["plan"]["granularity"] != "resident" and not s["small_card"]["oom"]
     assert s["bench"]["overlap_ratio"] > 0 and s["bench"]["loader"]["cold"]["bytes_streamed"] > 0
+    assert s["bench"]["vs_resident_ratio"] > 0 and s["bench"]["ok"]
 
 
 def test_without_cuda_it_says_so_quickly(tmp_path: Path) -> None:
