@@ -228,6 +228,25 @@ def test_the_activation_reserve_comes_out_of_the_weights(index: ModelIndex) -> N
         make_plan(index, budget, reserve=budget)
 
 
+def test_attention_takes_all_queries_at_once_only_where_a_fused_kernel_runs(
+    index: ModelIndex,
+) -> None:
+    """On CUDA, half precision with a head of at most 256 goes through flash attention whole;
+    an fp32 model (or a head of 512) would fall to SDPA's MATH kernel and hold the whole
+    [heads, T, S] score matrix, so it is chunked, and reserved, as on a CPU (plus CUDA's own
+    slack and the K/V in flight to the host)."""
+    from nodes.prefill.blocks import CUDA_SLACK, fused_attention
+
+    assert fused_attention("cuda", 2, 128) and fused_attention("cuda", 2, 256)
+    assert not fused_attention("cuda", 4, 128)  # float32: no flash kernel
+    assert not fused_attention("cuda", 2, 512) and not fused_attention("cpu", 2, 128)
+    spec, tokens = index.spec, 4096  # a float32 model
+    cpu = prompt_activations(spec, tokens, 0, 512, 4, "cpu", cut_ops=False)
+    cuda = prompt_activations(spec, tokens, 0, 512, 4, "cuda", cut_ops=False)
+    in_flight = 2 * spec.num_kv_heads * tokens * spec.head_dim * 4  # the previous layer's K/V
+    assert cuda == int((cpu + in_flight) * CUDA_SLACK[0]) + CUDA_SLACK[1]
+
+
 def test_the_reserve_holds_a_cut_ops_output_only_where_the_plan_cuts_one(
     index: ModelIndex,
 ) -> None:

@@ -122,9 +122,9 @@ def attention_part(
     state.v[0, kv_lo:kv_hi, start:] = v
     keys = state.k[:, kv_lo:kv_hi]  # [1, nkv, S, D]
     values = state.v[:, kv_lo:kv_hi]
-    # CUDA: all queries at once (flash / memory-efficient kernels keep attention memory
-    # linear); elsewhere query chunks bound the score matrix.
-    q_chunk = T if h.device.type == "cuda" else chunk
+    # all queries at once where a fused kernel keeps attention memory linear; elsewhere
+    # query chunks bound the score matrix
+    q_chunk = T if fused_attention(h.device.type, h.element_size(), D) else chunk
     for c0 in range(0, T, q_chunk):
         c1 = min(T, c0 + q_chunk)
         s_end = start + c1  # keys beyond the chunk's last query are masked anyway
@@ -204,20 +204,31 @@ def out_rows_part(
 CUDA_SLACK = (1.25, 256 << 20)  # ×, + bytes: cuBLAS workspaces, allocator rounding, rope tables
 
 
+def fused_attention(device_type: str, itemsize: int, head_dim: int) -> bool:
+    """Whether attention takes all queries at once: on CUDA in half precision with a head of
+    at most 256, what flash attention takes (with GQA, and no mask but a causal bias). Else
+    SDPA may fall back to its MATH kernel, which holds the whole [heads, T, S] score matrix
+    in float32 (an fp32 model, a head of 512): queries then go in chunks, as on a CPU.
+    (A pre-Ampere card without flash attention is not caught here.)"""
+    return device_type == "cuda" and itemsize == 2 and head_dim <= 256
+
+
 def activation_bytes(
     spec: ModelSpec,
     count: int,
     start: int,
     chunk: int,
     itemsize: int,
-    fused_attention: bool = False,
+    device_type: str = "cpu",
     cut_ops: bool = True,
 ) -> int:
     """Upper bound on device bytes of activations while one layer computes, for `count` new
-    tokens after `start`. `fused_attention` (CUDA): all queries at once through a fused kernel
-    that never holds the score matrix, the previous layer's K/V still on its way to the host,
-    and `CUDA_SLACK`; else query chunks of `chunk` with [heads, chunk, S] scores. `cut_ops`:
+    tokens after `start`, as `attention_part` computes them on a `device_type` device: all
+    queries at once through a fused kernel that never holds the score matrix
+    (`fused_attention`), else query chunks of `chunk` with [heads, chunk, S] scores. On CUDA
+    also the previous layer's K/V still on its way to the host, and `CUDA_SLACK`. `cut_ops`:
     the plan cuts an op into row ranges, whose output is kept across its parts."""
+    cuda = device_type == "cuda"
     T, S, H, D = count, start + count, spec.hidden_size, spec.head_dim
     nq, nkv = spec.num_heads, spec.num_kv_heads
     c = min(chunk, T)
@@ -227,14 +238,15 @@ def activation_bytes(
         base += T * max(nq * D, spec.intermediate_size) * itemsize  # a cut op's kept output
     qkv = T * (nq + 2 * nkv) * D * itemsize
     rope = 3 * c * nq * D * 4  # float32 copies of one chunk of q
-    if fused_attention:
+    if fused_attention(device_type, itemsize, D):
         attn = qkv + max(rope, 2 * T * nq * D * itemsize + T * H * itemsize)  # out, o_proj
-        base += kv  # the previous layer's K/V until its copy to the host is done
     else:
         scores = 2 * nq * c * S * itemsize
         attn = qkv + max(rope, scores + c * (nq * D + H) * itemsize)
+    if cuda:
+        base += kv  # the previous layer's K/V until its copy to the host is done
     mlp = c * (3 * spec.intermediate_size + H) * itemsize
     total = base + max(attn, mlp)
-    if fused_attention:
+    if cuda:
         return int(total * CUDA_SLACK[0]) + CUDA_SLACK[1]
     return total

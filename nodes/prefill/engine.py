@@ -118,11 +118,11 @@ def prompt_activations(
     cut_ops: bool,
 ) -> int:  # fmt: skip
     """Device bytes of activations for `count` new tokens after `start` (0 for none), as
-    blocks.py computes them on `device` (a "cuda" one takes all queries at once)."""
+    blocks.py computes them on `device` (`blocks.fused_attention`: all queries at once)."""
     if count <= 0:
         return 0
     return activation_bytes(
-        spec, count, start, chunk, itemsize, fused_attention=device == "cuda", cut_ops=cut_ops
+        spec, count, start, chunk, itemsize, device_type=device, cut_ops=cut_ops
     )
 
 
