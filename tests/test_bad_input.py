@@ -382,11 +382,18 @@ def test_n_one_still_works(pair: Pair, oracle: Oracle) -> None:
     assert choices[0]["message"]["content"] == oracle.reference(prompt)
 
 
-@pytest.mark.parametrize("proto", [True, 1.0, "1"], ids=["true", "float", "string"])
-def test_prefill_proto_must_be_the_integer_1(pair: Pair, proto: object) -> None:
+@pytest.mark.parametrize(
+    "proto", [PROTO - 1, PROTO + 1, True, float(PROTO), str(PROTO)],
+    ids=["old", "newer", "true", "float", "string"],
+)  # fmt: skip
+def test_prefill_proto_must_be_the_integer_proto(pair: Pair, proto: object) -> None:
+    """An old-protocol peer (proto 1: no quantized KV) is refused with a reason it can read."""
     body = {"proto": proto, "fingerprint": pair.fingerprint, "request_id": "proto-check",
             "tokens": [1, 2, 3, 4], "start": 0}  # fmt: skip
-    assert_error(status_only(pair.prefill.url + "/v1/prefill", body))
+    reply = status_only(pair.prefill.url + "/v1/prefill", body)
+    assert_error(reply)
+    error = reply.json()["error"]
+    assert error["code"] == "protocol_mismatch" and f"proto must be {PROTO}" in error["message"]
 
 
 # --- 5: the prefill node enforces the model's context -------------------------------------
