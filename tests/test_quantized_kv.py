@@ -229,6 +229,35 @@ def test_the_wires_quantized_layers_are_mx_quantize_of_its_float_ones(
                 assert np.array_equal(got[name + suffix], np.array(w)), (f.layer, name + suffix)
 
 
+def test_the_prefill_nodes_prefix_cache_keeps_full_precision(pair: Pair) -> None:
+    """After an 8-bit request, a longer prompt with the same prefix reuses the prefill node's
+    prefix cache: in float its K/V still match mlx-lm's float prefill (a cache kept in 8 bits
+    would be off by ~1e-2); asked again in 8 bits from position 0, the positions that come
+    from the cache (all but the last, which is computed again, alone) are quantized there
+    into exactly mx.quantize of those float K/V."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from nodes.wire import layer_parts_to_numpy
+
+    head = pair.tokens([{"role": "user", "content": "Count the waves, keeper."}])
+    longer = [*head, 7, 11, 13]
+    q8 = {"kv_bits": 8, "kv_group_size": 64}
+    _prefill_frames(pair, head, q8)  # the prefix cache now holds `head`
+    fh, floats = _prefill_frames(pair, longer, {})
+    qh, quantized = _prefill_frames(pair, longer, q8)
+    ref = make_prompt_cache(pair.mlx_model)
+    pair.mlx_model(mx.array([longer]), cache=ref)
+    for f, q, c in zip(floats, quantized, ref, strict=True):
+        flt, got = layer_parts_to_numpy(f, fh), layer_parts_to_numpy(q, qh)
+        for name, want in (("k", c.keys), ("v", c.values)):
+            mlx_float = np.array(want[..., : len(longer), :])
+            np.testing.assert_allclose(flt[name], mlx_float, rtol=0, atol=1e-4)
+            cached = slice(0, len(longer) - 1)
+            want_q = mx.quantize(mx.array(flt[name][:, :, cached]), group_size=64, bits=8)
+            for suffix, w in zip(("", "_scales", "_biases"), want_q, strict=True):
+                assert np.array_equal(got[name + suffix][:, :, cached], np.array(w)), f.layer
+
+
 def test_a_second_turn_appends_to_the_quantized_cache(pair: Pair) -> None:
     """Turn 2 reuses turn 1's quantized cache (start = k > 0) and the prefill node's frames
     append to it. (Its reply is not mlx-lm's from-scratch one, by construction: turn 1's
