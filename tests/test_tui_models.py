@@ -84,6 +84,21 @@ def test_local_prefill_is_named_and_records_without_ids_are_ignored() -> None:
     assert model.current.timeline() is None
 
 
+def test_any_clients_request_shows_its_kv_dtype() -> None:
+    """The decode node says how each request's KV is held in its prefill_start record (for
+    the dashboard's chat and any other client alike): the pipeline's headline shows it."""
+    from app.tui.widgets.pipeline import _headline
+
+    model = PipelineModel()
+    model.apply({"kind": "request", "request_id": "api-1", "phase": "prefill_start",
+                 "where": "http://10.0.0.2:8470", "detail": "kv q8/g64"})  # fmt: skip
+    assert model.current is not None and model.current.kv_dtype == "q8/g64"
+    assert "remote prefill · KV q8/g64 · prefill start" in _headline(model.current).plain
+    model.apply({"kind": "request", "request_id": "api-2", "phase": "prefill_start",
+                 "where": "local", "detail": "kv BF16"})  # fmt: skip
+    assert "KV BF16" in _headline(model.current).plain
+
+
 def test_pipeline_keeps_only_recent_requests() -> None:
     model = PipelineModel(keep=3)
     for k in range(5):

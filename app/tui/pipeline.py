@@ -114,6 +114,7 @@ class RequestTrack:
     where: str = ""  # "remote" or "local" once a prefill started
     phase: str = ""
     prefill_node: str = ""
+    kv_dtype: str = ""  # how its KV was held, from prefill_start's "kv …" detail: "F32", "q8/g64"
     pending_send_s: float = 0.0  # from the net_out record that precedes each `sent`
 
     def layer(self, i: int) -> LayerTrack:
@@ -211,4 +212,7 @@ class PipelineModel:
         if phase == "prefill_start":
             self.current_id = rid
             req.where = "local" if where == "local" else "remote"
+            detail = str(r.get("detail") or "")
+            if detail.startswith("kv "):  # any client's request, not only the dashboard's
+                req.kv_dtype = detail[3:][:24]
         return True

@@ -79,6 +79,8 @@ class PipelineView(Widget):
 def _headline(req: RequestTrack) -> Text:
     where = {"remote": "remote prefill", "local": "local prefill"}.get(req.where, "prefill")
     text = Text(where, style="bold")
+    if req.kv_dtype:
+        text.append(f" · KV {req.kv_dtype}", style="dim")
     if req.phase:
         text.append(f" · {req.phase.replace('_', ' ')}", style="dim")
     done = sum(layer.state in ("sent", "received") for layer in req.layers.values())
