@@ -279,10 +279,7 @@ class Response:
 async def call_json(conn: Connection, netloc: str, path: str, obj: object) -> tuple[int, Any]:
     """One JSON POST on `conn`, which stays open for the next request: (status, the parsed
     reply of a 200, else None). ValueError for a 200 that is not JSON."""
-    body = json.dumps(obj).encode()
-    head = [f"POST {path} HTTP/1.1", f"Host: {netloc}", "Content-Type: application/json",
-            f"Content-Length: {len(body)}"]  # fmt: skip
-    await conn.send("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
+    await _send_post(conn, netloc, path, json.dumps(obj).encode(), {})
     resp = await _read_head(conn)
     if resp.headers.get("connection", "").lower() == "close" or not (
         resp._chunked or "content-length" in resp.headers
@@ -292,6 +289,22 @@ async def call_json(conn: Connection, netloc: str, path: str, obj: object) -> tu
     if len(data) > MAX_JSON:
         raise HttpError(f"{path}: a reply longer than {MAX_JSON} bytes")
     return resp.status, json.loads(data) if resp.status == 200 else None
+
+
+async def _send_post(
+    conn: Connection, netloc: str, path: str, body: bytes, headers: Mapping[str, str],
+    close: bool = False,
+) -> None:  # fmt: skip
+    """A JSON POST's head and body; `close`: the last request on the connection."""
+    head = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {netloc}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *(["Connection: close"] if close else []),
+        *(f"{name}: {value}" for name, value in headers.items()),
+    ]
+    await conn.send("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
 
 
 async def _read_head(conn: Connection) -> Response:
@@ -338,15 +351,7 @@ async def post(
                 lambda path, obj: call_json(conn, where.netloc, path, obj),
                 channel_address(str(peer[0]), int(peer[1])),
             )
-        head = [
-            f"POST {where.path or '/'} HTTP/1.1",
-            f"Host: {where.netloc}",
-            "Content-Type: application/json",
-            f"Content-Length: {len(body)}",
-            "Connection: close",
-            *(f"{name}: {value}" for name, value in headers.items()),
-        ]
-        await conn.send("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + body)
+        await _send_post(conn, where.netloc, where.path or "/", body, headers, close=True)
         yield await _read_head(conn)
     finally:
         conn.close()
