@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from nodes.prefill.kv_quant import quantize, quantize_all
+from nodes.prefill.kv_quant import Scratch, quantize, quantize_all
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}
@@ -236,3 +236,19 @@ def test_tensors_quantized_together_share_dtype_and_width() -> None:
         quantize_all((torch.zeros(2, 64), torch.zeros(2, 128)), 64, 8)
     with pytest.raises(ValueError):
         quantize_all((torch.zeros(2, 64), torch.zeros(2, 64, dtype=torch.float16)), 64, 8)
+
+
+def test_a_kept_scratch_gives_what_fresh_memory_does() -> None:
+    # a scratch grown by a long prompt, then reused by shorter layers (and a float32 pair):
+    # each call's results are its own, not views of working memory a later call overwrites
+    gen = torch.Generator().manual_seed(5)
+    scratch = Scratch()
+    layers = [
+        tuple(torch.randn(1, 2, n, 64, generator=gen).to(dtype) * 4 for _ in range(2))
+        for n, dtype in ((50, torch.bfloat16), (9, torch.bfloat16), (30, torch.float32))
+    ]
+    kept = [quantize_all(kv, 32, 4, scratch=scratch) for kv in layers]
+    for kv, got in zip(layers, kept, strict=True):
+        for ours, fresh in zip(got, quantize_all(kv, 32, 4), strict=True):
+            for a, b in zip(ours, fresh, strict=True):
+                assert np.array_equal(_torch_bits(a), _torch_bits(b))

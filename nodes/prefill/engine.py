@@ -35,7 +35,7 @@ from nodes.prefill.blocks import (
     rope_tables,
 )
 from nodes.prefill.dequant import DequantizedWeights, dequantize
-from nodes.prefill.kv_quant import quantize_all
+from nodes.prefill.kv_quant import Scratch, quantize_all
 from nodes.prefill.movers import FillTimes, HostArena, HostTier, Mover, make_mover
 from nodes.prefill.plan import Load, Part, Plan, make_plan
 from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
@@ -351,8 +351,7 @@ class PrefillEngine:
                 if not load.resident:
                     publish(self._layer_event(rid, load, "evicted"))
                 if load.last_of_layer and compute:
-                    assert layer_state is not None
-                    yield from self._handover.push(load.layer, layer_state, start)
+                    yield from self._handover.push()
             yield from self._handover.flush()
         stream = self.streamer.last_stats
         stats.wall_s = time.perf_counter() - t_start
@@ -413,6 +412,8 @@ class PrefillEngine:
                     spec, h, state, w, part.lo, part.hi, part.first, start, rope, chunk,
                     with_o=part.op == "attn",
                 )  # fmt: skip
+                if part.last:  # the layer's K/V are final: the MLP does not touch them
+                    self._handover.kv_done(part.layer, state, start)
             else:
                 mlp_part(spec, h, state, w, part.first, chunk, part.lo, part.hi,
                          with_down=part.op == "mlp")  # fmt: skip
@@ -507,11 +508,13 @@ class _ComputeClock:
 
 
 def quantized_parts(
-    k: torch.Tensor, v: torch.Tensor, kv_format: KVFormat
+    k: torch.Tensor, v: torch.Tensor, kv_format: KVFormat, scratch: Scratch | None = None
 ) -> dict[str, torch.Tensor]:
-    """K and V [1, n_kv, count, D] quantized where they are (`Header.tensors` names)."""
+    """K and V [1, n_kv, count, D] quantized where they are (`Header.tensors` names), widened
+    in `scratch` (kept from layer to layer by a caller that quantizes many)."""
     out: dict[str, torch.Tensor] = {}
-    both = quantize_all((k, v), kv_format.group_size, kv_format.bits, kernel=kv_format.kernel)
+    fmt = kv_format
+    both = quantize_all((k, v), fmt.group_size, fmt.bits, kernel=fmt.kernel, scratch=scratch)
     for name, (words, scales, biases) in zip(("k", "v"), both, strict=True):
         out[name], out[f"{name}_scales"], out[f"{name}_biases"] = words, scales, biases
     return out
@@ -523,28 +526,40 @@ def _int32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class _HostHandover:
-    """Finished layers' K/V, handed over at once: on a CPU they are host memory already."""
+    """Finished layers' K/V: on a CPU they are host memory already (another device's are
+    copied at once). A layer's are taken, and quantized, once its attention is done (the MLP
+    does not touch them), and handed over after the layer."""
 
     def __init__(self) -> None:
         self.kv_format: KVFormat | None = None
         self._quantize_s = 0.0
+        self._scratch = Scratch()
+        self._done: list[LayerKV] = []
 
-    def push(self, layer: int, state: LayerState, start: int) -> list[LayerKV]:
+    def kv_done(self, layer: int, state: LayerState, start: int) -> None:
         k, v = state.k[:, :, start:], state.v[:, :, start:]
         quantized = None
         if self.kv_format is not None:
             t0 = time.perf_counter()
-            parts = quantized_parts(k, v, self.kv_format)
+            parts = quantized_parts(k, v, self.kv_format, self._scratch)
             quantized = {name: t.to("cpu") for name, t in parts.items()}
             self._quantize_s += time.perf_counter() - t0
-        return [LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous(), quantized)]
+        self._done.append(
+            LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous(), quantized)
+        )
+
+    def push(self) -> list[LayerKV]:
+        """The layers whose K/V are done, once the layer is (the consumer's turn)."""
+        done, self._done = self._done, []
+        return done
 
     def flush(self) -> list[LayerKV]:
-        return []
+        return self.push()
 
     def reset(self, kv_format: KVFormat | None = None) -> None:
         self.kv_format = kv_format
         self._quantize_s = 0.0
+        self._done.clear()
 
     def quantize_seconds(self) -> float:
         return self._quantize_s
@@ -555,9 +570,10 @@ class _HostHandover:
 
 class _CudaHandover:
     """Finished layers' K/V to host memory without stalling compute: a side stream copies each
-    layer (and its quantized form), once its kernels are done, into reused pinned buffers; a
-    layer is handed over one layer later (after its copy's event), as pageable clones the
-    consumer may keep, while the GPU already computes the next one."""
+    layer's (and its quantized form), once its attention's kernels are done, into reused
+    pinned buffers, while the GPU computes its MLP; a layer is handed over one layer later
+    (after its copy's event), as pageable clones the consumer may keep, while the GPU already
+    computes the next one."""
 
     LAG = 1  # layers in flight between the GPU and the consumer
 
@@ -569,6 +585,7 @@ class _CudaHandover:
         self._buffers: deque[torch.Tensor] = deque()
         self._pending: deque[tuple[int, dict[str, torch.Tensor], torch.cuda.Event]] = deque()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._scratch = Scratch()  # used on the compute stream only
 
     def _pinned(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pinned host tensors shaped like `like`, from a ring of LAG + 1 buffers."""
@@ -589,13 +606,14 @@ class _CudaHandover:
             at += sizes[name]
         return out
 
-    def push(self, layer: int, state: LayerState, start: int) -> list[LayerKV]:
+    def kv_done(self, layer: int, state: LayerState, start: int) -> None:
         k, v = state.k[:, :, start:], state.v[:, :, start:]
         device = {"k": k, "v": v}
-        if self.kv_format is not None:  # on the compute stream, right after the layer
+        if self.kv_format is not None:  # on the compute stream, after the attention
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            device |= {f"q_{n}": t for n, t in quantized_parts(k, v, self.kv_format).items()}
+            parts = quantized_parts(k, v, self.kv_format, self._scratch)
+            device |= {f"q_{n}": t for n, t in parts.items()}
             b.record()
             self._timed.append((a, b))
         done = torch.cuda.Event()
@@ -611,6 +629,9 @@ class _CudaHandover:
         for t in (state.k, state.v, *device.values()):  # not reused before the copy ran
             t.record_stream(self.stream)
         self._pending.append((layer, host, copied))
+
+    def push(self) -> list[LayerKV]:
+        """After a layer: the layers whose copies are done, but the last LAG."""
         return self._ready(self.LAG)
 
     def flush(self) -> list[LayerKV]:

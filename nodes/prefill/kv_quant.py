@@ -17,12 +17,13 @@ negative gets `max = 0`) and round halves away from zero (`round`). The tests ch
 against mlx itself; "gpu" only against those two rules, for want of a Metal device.
 
 Plain torch ops, the same on CPU and CUDA, vectorized over all groups: the values widened
-once, a min and a max reduction, a few ops on the [N, groups, 1] scales (run once for a
-layer's K and V together: on a CPU they cost about as much as the passes over the values),
-then four elementwise passes over the values in place, one narrowing to bytes, and for 4 and
-2 bits a shift-and-or over the bytes to pack them. Divisions are always tensor by tensor:
-CUDA turns a division by a Python (CPU) scalar into a multiplication by its reciprocal,
-which rounds differently.
+once (into a `Scratch` the caller keeps from layer to layer: on a CPU, first touches of a
+fresh allocation's pages cost about as much as the quantizing), a min and a max reduction, a
+few ops on the [N, groups, 1] scales (run once for a layer's K and V together: on a CPU they
+cost about as much as the passes over the values), then four elementwise passes over the
+values in place, one narrowing to bytes, and for 4 and 2 bits a shift-and-or over the bytes
+to pack them. Divisions are always tensor by tensor: CUDA turns a division by a Python (CPU)
+scalar into a multiplication by its reciprocal, which rounds differently.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def _round(v: torch.Tensor, kernel: Kernel) -> torch.Tensor:
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # words, scales, biases
 
 
+class Scratch:
+    """Float32 working memory reused from call to call, grown to the largest asked for.
+    Callers on one device stream only (a CUDA caller's next use is queued after this one)."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, numel: int, device: torch.device) -> torch.Tensor:
+        """A float32 [numel] view of the working memory; the previous call's is overwritten."""
+        if self._buf is None or self._buf.numel() < numel or self._buf.device != device:
+            self._buf = None  # the old buffer goes before the new one is made
+            self._buf = torch.empty(numel, dtype=torch.float32, device=device)
+        return self._buf[:numel]
+
+
 def quantize(x: torch.Tensor, group_size: int, bits: int, *, kernel: Kernel = "cpu") -> Quantized:
     """`mx.quantize(x, group_size, bits)` (affine) of x [..., D] (float32, float16 or
     bfloat16, D a multiple of group_size): packed words [..., D·bits/32] uint32, scales and
@@ -59,21 +75,31 @@ def quantize(x: torch.Tensor, group_size: int, bits: int, *, kernel: Kernel = "c
 
 
 def quantize_all(
-    xs: Sequence[torch.Tensor], group_size: int, bits: int, *, kernel: Kernel = "cpu"
+    xs: Sequence[torch.Tensor],
+    group_size: int,
+    bits: int,
+    *,
+    kernel: Kernel = "cpu",
+    scratch: Scratch | None = None,
 ) -> list[Quantized]:
     """`quantize` of each x (of one dtype and device; a layer's K and V), the ~15 small ops on
-    the groups' scales run once for all (each costs a kernel launch, or µs of dispatch)."""
+    the groups' scales run once for all (each costs a kernel launch, or µs of dispatch).
+    `scratch` holds the values widened to float32 (else a fresh allocation)."""
     _check(xs, group_size, bits)
     n_bins = (1 << bits) - 1
-    # each [N, G, gs] float32, widened exactly, a copy of its own (worked in place); the
-    # values' passes stay apart, each x's values fitting a core's cache where a join would not
-    gs = [
-        x.reshape(-1, x.shape[-1] // group_size, group_size).to(torch.float32, copy=True)
-        for x in xs
-    ]
-    # [ΣN, G, 1]; amin and amax apart: aminmax over a short last axis is several times slower
-    w_min = torch.cat([g.amin(dim=-1, keepdim=True) for g in gs])
-    w_max = torch.cat([g.amax(dim=-1, keepdim=True) for g in gs])
+    work = (scratch or Scratch()).take(sum(x.numel() for x in xs), xs[0].device)
+    # each [N, G, gs] float32, widened exactly into its own stretch of `work` (then worked in
+    # place); the values' passes stay apart, each x's values fitting a core's cache where a
+    # join would not
+    gs, mins, maxes, at = [], [], [], 0
+    for x in xs:
+        g = work[at : at + x.numel()].view(-1, x.shape[-1] // group_size, group_size)
+        gs.append(g.copy_(x.reshape(g.shape)))
+        # amin and amax apart: aminmax over a short last axis is several times slower
+        mins.append(g.amin(dim=-1, keepdim=True))
+        maxes.append(g.amax(dim=-1, keepdim=True))
+        at += x.numel()
+    w_min, w_max = torch.cat(mins), torch.cat(maxes)  # [ΣN, G, 1]
     if kernel == "gpu":
         w_max = w_max.clamp_min_(0.0)
     low_edge = w_min.abs() > w_max.abs()
