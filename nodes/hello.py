@@ -29,7 +29,7 @@ import logging
 import socket
 import ssl
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 NO_TOKEN_KEY = "tandem-no-token"  # public: proves nothing but "no token here either"
 PENDING_S = 30.0  # how long a callee waits for the caller's confirm
 MAX_PENDING = 1024  # hellos awaiting a confirm; the oldest is dropped beyond this
+# of them from one caller's address: a flood of hellos drops its own, not another's
+MAX_PENDING_PER_PEER = 16
 MAX_PROVEN = 1024
 HELLO_TIMEOUT_S = 3.0
 MIN_NONCE, MAX_NONCE = 8, 256  # characters
@@ -91,6 +93,7 @@ class _Pending:
     caller_id: str
     address: str
     expires: float  # time.monotonic()
+    peer: str  # the caller's IP, as the callee's socket sees it
 
 
 class HelloResponder:
@@ -107,6 +110,7 @@ class HelloResponder:
         self.fingerprint = fingerprint
         self.cert_fingerprint = cert_fingerprint  # "" when serving plain HTTP
         self._pending: OrderedDict[str, _Pending] = OrderedDict()  # callee nonce → hello
+        self._per_peer: Counter[str] = Counter()  # of `_pending`, by the caller's IP
         self.proven: OrderedDict[str, float] = OrderedDict()  # caller id → when (epoch s)
 
     def __repr__(self) -> str:  # never the token
@@ -120,8 +124,9 @@ class HelloResponder:
             raise ValueError("cannot tell which address the hello came in on")
         return channel_address(str(sockname[0]), int(sockname[1]))
 
-    def answer(self, body: object, sockname: Any) -> dict[str, str]:
-        """The answer to `POST /v1/hello`; ValueError on a malformed body."""
+    def answer(self, body: object, sockname: Any, peer: str = "") -> dict[str, str]:
+        """The answer to `POST /v1/hello` that came in on `sockname` from the IP `peer`;
+        ValueError on a malformed body."""
         if not isinstance(body, dict):
             raise ValueError("hello needs {nonce, id}")
         nonce, caller = body.get("nonce"), body.get("id", "")
@@ -132,9 +137,13 @@ class HelloResponder:
         address = self._address(sockname)
         own_nonce = new_nonce()
         self._expire()
-        self._pending[own_nonce] = _Pending(nonce, caller, address, time.monotonic() + PENDING_S)
+        expires = time.monotonic() + PENDING_S
+        self._pending[own_nonce] = _Pending(nonce, caller, address, expires, peer)
+        self._per_peer[peer] += 1
+        if self._per_peer[peer] > MAX_PENDING_PER_PEER:
+            self._take(next(n for n, p in self._pending.items() if p.peer == peer))
         while len(self._pending) > MAX_PENDING:
-            self._pending.popitem(last=False)
+            self._take(next(iter(self._pending)))
         proof = hello_proof(
             self._key, "callee", nonce, own_nonce, caller, self.own_id, self.fingerprint,
             self.cert_fingerprint, address,
@@ -157,7 +166,7 @@ class HelloResponder:
             raise ValueError("confirm needs {nonce, id, proof}, all strings")
         assert isinstance(nonce, str) and isinstance(caller, str)
         self._expire()
-        hello = self._pending.pop(nonce, None)
+        hello = self._take(nonce) if nonce in self._pending else None
         if hello is None:
             raise HelloRefused("no hello of this node's is waiting for that nonce")
         ok = hello.caller_id == caller and verify_hello_proof(
@@ -173,10 +182,17 @@ class HelloResponder:
         log.debug("peer %s proved the token", caller)
         return caller
 
+    def _take(self, nonce: str) -> _Pending:
+        hello = self._pending.pop(nonce)
+        self._per_peer[hello.peer] -= 1
+        if not self._per_peer[hello.peer]:
+            del self._per_peer[hello.peer]
+        return hello
+
     def _expire(self) -> None:
         now = time.monotonic()
         while self._pending and next(iter(self._pending.values())).expires < now:
-            self._pending.popitem(last=False)
+            self._take(next(iter(self._pending)))
 
 
 async def learn_certificate(host: str, port: int, timeout_s: float = HELLO_TIMEOUT_S) -> str:

@@ -182,10 +182,12 @@ async def health(request: web.Request) -> web.Response:
 async def hello(request: web.Request) -> web.Response:
     """Hello v2, the callee's answer (nodes/hello.py)."""
     node = request.app[NODE]
-    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport else None
+    peername = transport.get_extra_info("peername") if transport else None
     try:
         body = read_json(await request.read())
-        answer = node.hello.answer(body, sockname)
+        answer = node.hello.answer(body, sockname, str(peername[0]) if peername else "")
     except web.HTTPRequestEntityTooLarge:
         return web.json_response(
             error_body("request body too large", "request_too_large"), status=413

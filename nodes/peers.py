@@ -105,6 +105,7 @@ class PeerTable:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # check now rather than at the next 2 s tick
+        self._gone: set[str] = set()  # trusted mDNS peers whose records said goodbye
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -122,20 +123,33 @@ class PeerTable:
 
     def remove(self, address: str) -> None:
         self.peers.pop(address.rstrip("/"), None)
+        self._gone.discard(address.rstrip("/"))
 
     def found(self, peer: Peer) -> None:
-        """Add a node found by mDNS and check it now; a static entry for the same node wins."""
+        """Add a node found by mDNS and check it now; a static entry for the same node wins.
+
+        A record is anyone's claim: it never replaces a trusted peer (what answers there and
+        proves the token says who is there), so a record naming another id at its address
+        only has it checked again."""
         if any(p.source == "static" and p.id == peer.id for p in self.peers.values()):
             return
         old = self.peers.get(peer.address)
-        if old is None or (old.source == "mdns" and old.id != peer.id):
+        if old is None or (old.source == "mdns" and old.id != peer.id and not old.trusted):
             self.peers[peer.address] = replace(peer, source="mdns")
+        self._gone.discard(peer.address)
         self._wake.set()
 
     def lost(self, address: str) -> None:
-        """Forget a node found by mDNS once it said goodbye; static peers stay."""
+        """Forget a node found by mDNS once it said goodbye; static peers stay. A trusted
+        peer's goodbye (anyone can send one) is checked first: the peer goes once it no
+        longer answers and proves, or once it is trusted at another address."""
         peer = self.peers.get(address)
-        if peer is not None and peer.source == "mdns":
+        if peer is None or peer.source != "mdns":
+            return
+        if peer.trusted:
+            self._gone.add(address)
+            self._wake.set()
+        else:
             del self.peers[address]
 
     def trusted(self, role: str) -> list[Peer]:
@@ -243,6 +257,13 @@ class PeerTable:
             for a, p in list(self.peers.items()):  # the same node, also found by mDNS
                 if p.source == "mdns" and p.id == updated.id:
                     del self.peers[a]
+        if address in self._gone and current is not None:
+            elsewhere = any(
+                a != address and p.trusted and p.id == updated.id for a, p in self.peers.items()
+            )
+            if not updated.trusted or elsewhere:
+                self._gone.discard(address)
+                self.peers.pop(address, None)
         return updated
 
     async def _health(self, address: str, pin: str | None) -> Health:
@@ -268,9 +289,6 @@ class PeerTable:
             instance=health.instance,
             last_seen=time.time(),
         )
-        if peer.source == "mdns" and peer.id and updated.id != peer.id:
-            # another process answers at the address this node advertised
-            return replace(peer, trusted=False, reason="unreachable")
         tls = peer.address.startswith("https://")
         same = peer.trusted and _identity(peer) == _identity(updated)
         if same and tls and health.cert_fingerprint == peer.cert_fingerprint:

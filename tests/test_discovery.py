@@ -135,7 +135,10 @@ class FakeNode:
         )
 
     async def hello(self, request: web.Request) -> web.Response:
-        self.responder = HelloResponder(TOKEN, self.id, self.model_fp(), "")
+        if getattr(self, "responder", None) is None or self.responder.fingerprint != (
+            self.model_fp()
+        ):  # one responder per model: concurrent hellos each find their own pending entry
+            self.responder = HelloResponder(TOKEN, self.id, self.model_fp(), "")
         sockname = request.transport.get_extra_info("sockname")  # type: ignore[union-attr]
         answer = self.responder.answer(await request.json(), sockname)
         if self.behaviour == "wrong_proof":
@@ -435,8 +438,58 @@ def test_peer_table_keeps_static_peers_over_mdns() -> None:
     table.found(Peer("http://10.0.0.6:8470", id="mac"))  # re-announced: trust state stays
     assert table.peers["http://10.0.0.6:8470"].trusted
     assert table.peers["http://10.0.0.6:8470"].source == "mdns"
-    table.lost("http://10.0.0.6:8470")
-    assert "http://10.0.0.6:8470" not in table.peers
+    table.found(Peer("http://10.0.0.7:8470", id="box"))
+    table.lost("http://10.0.0.7:8470")  # an untrusted peer's goodbye drops it at once
+    assert "http://10.0.0.7:8470" not in table.peers
+
+
+async def test_a_forged_record_or_goodbye_does_not_unseat_a_trusted_peer(fp: str) -> None:
+    # anyone on the LAN can send mDNS: a record naming another id at a trusted peer's
+    # address, or a goodbye for it, has it checked again, and it stays while it proves
+    fake = FakeNode("real", "honest", fp)
+    table = PeerTable("me", fp, TOKEN)
+    async with serving(fake.app()) as port, aiohttp.ClientSession() as s:
+        await table.start(s)
+        try:
+            url = url_for("127.0.0.1", port)
+            table.found(Peer(url, id=fake.id))
+            assert (await table.check(url)).trusted  # type: ignore[union-attr]
+            hellos = fake.paths.count("/v1/hello")
+
+            table.found(Peer(url, id="bogus"))
+            assert table.peers[url].id == fake.id and table.peers[url].trusted
+            table.lost(url)
+            assert table.peers[url].trusted  # kept until its check
+            after = await table.check(url)
+            assert after is not None and after.trusted and after.id == fake.id
+            assert url in table.peers and fake.paths.count("/v1/hello") > hellos
+        finally:
+            await table.stop()
+        # the goodbye was true: the peer no longer answers, and goes at its next check
+        table.lost(url)
+    async with aiohttp.ClientSession() as s:
+        await table.start(s)
+        try:
+            await table.check(url)
+            assert url not in table.peers
+        finally:
+            await table.stop()
+
+
+async def test_a_record_first_naming_the_wrong_id_still_finds_who_proves_there(fp: str) -> None:
+    # a forged record seen before the real one: what answers at the address and proves the
+    # token is trusted under the id it proved
+    fake = FakeNode("real", "honest", fp)
+    table = PeerTable("me", fp, TOKEN)
+    async with serving(fake.app()) as port, aiohttp.ClientSession() as s:
+        await table.start(s)
+        try:
+            url = url_for("127.0.0.1", port)
+            table.found(Peer(url, id="bogus"))
+            checked = await table.check(url)
+            assert checked is not None and checked.trusted and checked.id == fake.id
+        finally:
+            await table.stop()
 
 
 async def test_hint_suggests_peer_when_nothing_is_found(caplog: pytest.LogCaptureFixture) -> None:

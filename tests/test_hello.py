@@ -25,6 +25,7 @@ from nodes.contract import PROTO, SERVICE_TYPE, Health
 from nodes.discovery import Advert, read_service, url_for
 from nodes.hello import (
     MAX_PENDING,
+    MAX_PENDING_PER_PEER,
     HelloError,
     HelloRefused,
     HelloResponder,
@@ -236,10 +237,23 @@ def test_hello_bodies_are_checked_and_waiting_hellos_are_bounded() -> None:
     ):
         with pytest.raises(ValueError):
             r.answer(junk, ("127.0.0.1", 1))
-    first = r.answer({"nonce": "n" * 16, "id": "x"}, ("127.0.0.1", 1))["nonce"]
-    for _ in range(MAX_PENDING):
-        r.answer({"nonce": "n" * 16, "id": "x"}, ("127.0.0.1", 1))
+    first = r.answer({"nonce": "n" * 16, "id": "x"}, ("127.0.0.1", 1), "10.1.0.0")["nonce"]
+    for i in range(MAX_PENDING):  # from as many addresses
+        r.answer({"nonce": "n" * 16, "id": "x"}, ("127.0.0.1", 1), f"10.0.{i // 256}.{i % 256}")
     assert len(r._pending) == MAX_PENDING and first not in r._pending  # the oldest went
+
+
+def test_a_flood_of_hellos_from_one_address_drops_only_its_own() -> None:
+    r = HelloResponder(TOKEN, CALLEE, FP, "")
+    sock = ("127.0.0.1", 1)
+    honest = r.answer({"nonce": "h" * 32, "id": "caller"}, sock, "10.0.0.2")
+    for _ in range(2 * MAX_PENDING):
+        r.answer({"nonce": "f" * 16, "id": "x"}, sock, "10.0.0.66")
+    assert len(r._pending) == MAX_PENDING_PER_PEER + 1
+    proof = hello_proof(TOKEN, "caller", "h" * 32, honest["nonce"], "caller", CALLEE, FP, "",
+                        "127.0.0.1:1")  # fmt: skip
+    assert r.confirm({"nonce": honest["nonce"], "id": "caller", "proof": proof}) == "caller"
+    assert len(r._pending) == MAX_PENDING_PER_PEER
 
 
 # -- the auth middleware: bearer for clients, signatures for peers --------------------------
