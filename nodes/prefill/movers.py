@@ -512,7 +512,7 @@ class CudaMover:
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
         t0 = time.perf_counter()
         host, cached = self.tier.buffer(load) if self.tier else (None, False)
-        disk, k, pinned = 0, None, True
+        disk, k, pinned, waited = 0, None, True, 0.0
         if host is not None:
             staging = host  # pinned: the tier copies straight from its own buffer
             if not cached:
@@ -525,7 +525,9 @@ class CudaMover:
             staging = self._staging[k]
             previous = self._staged[k]
             if previous is not None:
+                w0 = time.perf_counter()
                 previous.synchronize()  # free once its last copy is done (a blocking wait)
+                waited = time.perf_counter() - w0  # the copy's time, not the disk's
             disk = self._reader.read(load, staging, self.tier)
         else:  # a resident load bigger than the staging: once, through pageable memory
             staging, pinned = aligned_empty(load.nbytes), False
@@ -545,7 +547,7 @@ class CudaMover:
         if k is not None:
             self._staged[k] = end
         self.throttle.wait(load.weight_bytes, t0)
-        return FillTimes(t1 - t0, 0.0, load.weight_bytes, disk)
+        return FillTimes(t1 - t0 - waited, 0.0, load.weight_bytes, disk)
 
     def prefetch(self, load: Load) -> None:
         self._reader.prefetch(load, self.tier)
