@@ -4,13 +4,17 @@ Starts a prefill node and a decode node (`--remote-prefill always`), sends one p
 exactly N tokens, and reports:
 - `ttft_remote_s` (request to first token) vs `prefill_s` (the remote prefill alone):
   `ttft_ratio` — how much the handoff adds on top of the prefill itself;
-- `kv_Bps`, the KV frames' receive rate, vs `raw_Bps`, a plain aiohttp transfer of the same
-  frames measured the same way: `kv_ratio`. Both are medians of per-frame rates, each the rate
-  at which a frame's bytes arrived after its first read (`kv_link.arrival_seconds`); both go
-  over sockets set up alike (`kv_link`), and both are taken under the same load: here both
-  nodes share one machine, and KV frames cross loopback while the prefill's compute threads
-  hold every core, so the plain transfer runs while the cluster serves one more remote
-  prefill. `raw_idle_Bps` is the plain transfer on idle cores, for reference;
+- `kv_Bps`, the KV frames' receive rate, vs `raw_Bps`, a bare transfer of the same frames
+  (an aiohttp server's stream, read as the decode node reads one, `http_stream`) measured the
+  same way: `kv_ratio`. Both are medians of per-frame rates, each the rate at which a frame's
+  bytes arrived after its first read (`kv_link.arrival_seconds`); both go over sockets set up
+  alike (`kv_link`), and both are taken under the same load: here both nodes share one
+  machine, and KV frames cross loopback while the prefill's compute threads hold every core,
+  so the bare transfer runs while the cluster serves one more remote prefill. `raw_idle_Bps`
+  is the bare transfer on idle cores, for reference. With `--tls` the KV goes over TLS, and so
+  does a second bare transfer, `raw_tls_Bps`: `kv_ratio` compares the KV with it (the same
+  encryption), and `tls_floor_ratio` = `raw_tls_Bps` / `raw_Bps` is what TLS itself leaves of
+  the plain rate on this machine (one core's decryption against a loopback memory copy);
 - `decode_tok_s` after the handoff vs `mlx_decode_tok_s`, mlx-lm's own generation at the same
   context (in a separate process: app/ never imports mlx): `decode_ratio`. Both are steady-state
   rates taken the same way (tokens after the second over the second-to-last token's time), and
@@ -41,9 +45,11 @@ import aiohttp
 from aiohttp import web
 
 from app.demo import DemoCluster, DemoError
+from nodes import tls as tls_files
 from nodes.contract import sse_record
+from nodes.decode import http_stream
 from nodes.events import LinkEvent, event_from_json
-from nodes.kv_link import arrival_seconds, receiver_socket, tune_sender
+from nodes.kv_link import arrival_seconds, tune_sender
 from nodes.throttle import PacedSender
 
 
@@ -92,10 +98,14 @@ async def _net_in(cluster: DemoCluster, request_id: str) -> tuple[list[int], lis
 
 @contextlib.contextmanager
 def paced_server(
-    bodies: Sequence[bytes], net_gbps: float | None, gap_s: float = 0.0
+    bodies: Sequence[bytes],
+    net_gbps: float | None,
+    gap_s: float = 0.0,
+    identity: tls_files.Identity | None = None,
 ) -> Iterator[str]:
-    """A plain aiohttp server that streams `bodies` through the paced sender, `gap_s` apart
-    (as KV frames come a layer's compute apart, each into an idle connection); yields its URL.
+    """An aiohttp server that streams `bodies` through the paced sender, `gap_s` apart (as KV
+    frames come a layer's compute apart, each into an idle connection), to a GET or a POST;
+    over TLS with `identity`'s certificate; yields its URL.
 
     It runs on a thread with its own event loop, as the prefill node is a process of its own:
     the sender's precise waits then hold up the sender, not the client timing it."""
@@ -117,10 +127,12 @@ def paced_server(
     async def serve() -> None:
         app = web.Application()
         app.router.add_get("/", handler)
+        app.router.add_post("/", handler)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
+        ssl = tls_files.server_context(identity) if identity else None
         try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
+            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl)
             await site.start()
             stop = asyncio.Event()
             port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -142,7 +154,7 @@ def paced_server(
         raise RuntimeError(f"paced server failed: {got}") from got
     loop, stop, port = got
     try:
-        yield f"http://127.0.0.1:{port}/"
+        yield f"{'https' if identity else 'http'}://127.0.0.1:{port}/"
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=30)
@@ -151,47 +163,63 @@ def paced_server(
 FRAME_GAP_S = 0.02  # between the plain transfer's frames: each starts on an idle connection
 
 
-async def _frame_rates(session: aiohttp.ClientSession, url: str, sizes: list[int]) -> list[float]:
-    """One plain transfer of frames of `sizes` bytes: bytes/s of each, timed as KV frames are
-    (`arrival_seconds`: from the chunk with a frame's first bytes to the one with its last)."""
+async def _frame_rates(url: str, sizes: list[int], pin: str | None = None) -> list[float]:
+    """One bare transfer of frames of `sizes` bytes: bytes/s of each, read as the decode node
+    reads its KV stream (`http_stream`, each frame into a buffer of its own size) and timed as
+    KV frames are (`arrival_seconds`: from the read with a frame's first bytes to the one with
+    its last)."""
     rates: list[float] = []
-    async with session.get(url) as r:
-        want, got, start, early = iter(sizes), 0, 0.0, 0
-        target = next(want, None)
-        async for chunk in r.content.iter_any():
-            now = time.perf_counter()
-            if not got:  # a frame's first bytes
-                start, early = now, len(chunk)
-            got += len(chunk)
-            while target is not None and got >= target:
-                seconds = arrival_seconds(target, now - start, target - early)
-                if seconds > 0:
-                    rates.append(target / seconds)
-                got -= target
-                start, early = now, got  # the next frame's first bytes came in this chunk
-                target = next(want, None)
+    buf = memoryview(bytearray(max(sizes, default=0)))
+    async with http_stream.post(url, b"{}", {}, read_timeout_s=60, pin=pin) as r:
+        for size in sizes:
+            got, start, early, now = 0, 0.0, 0, 0.0
+            while got < size:
+                n = await r.read_into(buf[got:size])
+                if not n:
+                    raise RuntimeError(f"the bare transfer ended {size - got} bytes early")
+                now = time.perf_counter()
+                if not got:  # a frame's first bytes
+                    start, early = now, n
+                got += n
+            seconds = arrival_seconds(size, now - start, size - early)
+            if seconds > 0:
+                rates.append(size / seconds)
     return rates
 
 
 async def _raw_transfer(
-    cluster: DemoCluster, sizes: list[int], net_gbps: float | None, load_prompt: list[int]
-) -> tuple[float, float]:
-    """A plain aiohttp stream of the same frames: (bytes/s while the cluster serves one more
-    remote prefill, the load the KV frames were sent under; bytes/s with idle cores)."""
-    with paced_server([bytes(n) for n in sizes], net_gbps, gap_s=FRAME_GAP_S) as url:
-        connector = aiohttp.TCPConnector(socket_factory=receiver_socket)  # as the decode node's
-        async with aiohttp.ClientSession(connector=connector) as s:
-            idle = await _frame_rates(s, url, sizes)
-            load = asyncio.create_task(_completion(cluster, load_prompt, max_tokens=1))
-            try:
-                loaded: list[float] = []
-                while not load.done() or not loaded:
-                    loaded += await _frame_rates(s, url, sizes)
-                await load
-            finally:
-                load.cancel()
-                await asyncio.gather(load, return_exceptions=True)
-    return statistics.median(loaded or [math.inf]), statistics.median(idle or [math.inf])
+    cluster: DemoCluster,
+    sizes: list[int],
+    net_gbps: float | None,
+    load_prompt: list[int],
+    tls: bool,
+) -> dict[str, float]:
+    """Bare streams of the same frames: bytes/s while the cluster serves one more remote
+    prefill (the load the KV frames were sent under), plain (`raw_Bps`) and with `tls` also
+    over TLS (`raw_tls_Bps`), taken in turns under that load; and plain with idle cores
+    (`raw_idle_Bps`)."""
+    frames = [bytes(n) for n in sizes]
+    with contextlib.ExitStack() as stack:
+        plain = stack.enter_context(paced_server(frames, net_gbps, FRAME_GAP_S))
+        urls: dict[str, tuple[str, str | None]] = {"raw_Bps": (plain, None)}  # (url, pin)
+        if tls:
+            certs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-e2e-")))
+            identity = tls_files.load_or_create(certs, "bench")
+            url = stack.enter_context(paced_server(frames, net_gbps, FRAME_GAP_S, identity))
+            urls["raw_tls_Bps"] = (url, identity.fingerprint)
+        idle = await _frame_rates(plain, sizes)
+        load = asyncio.create_task(_completion(cluster, load_prompt, max_tokens=1))
+        loaded: dict[str, list[float]] = {name: [] for name in urls}
+        try:
+            while not load.done() or not all(loaded.values()):
+                for name, (url, pin) in urls.items():
+                    loaded[name] += await _frame_rates(url, sizes, pin)
+            await load
+        finally:
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
+    out = {name: statistics.median(rates or [math.inf]) for name, rates in loaded.items()}
+    return out | {"raw_idle_Bps": statistics.median(idle or [math.inf])}
 
 
 def _mlx_reference(model: Path, tokens: int, max_tokens: int, kv_bits: int = 16) -> float:
@@ -237,7 +265,7 @@ async def bench_e2e(
                         _mlx_reference, model, tokens, max_tokens, kv_bits
                     )
                     mlx_rates.append(mlx)
-            raw_Bps, raw_idle_Bps = await _raw_transfer(cluster, sizes, net_gbps, prompts[-1])
+            raw = await _raw_transfer(cluster, sizes, net_gbps, prompts[-1], tls)
         finally:
             cluster.stop()
     ttft = statistics.median(e["ttft_s"] for e, _, _ in runs)
@@ -261,9 +289,9 @@ async def bench_e2e(
         "ttft_ratio": ttft / prefill_s,
         "kv_bytes": runs[-1][0]["kv_bytes"],
         "kv_Bps": kv_Bps,
-        "raw_Bps": raw_Bps,
-        "kv_ratio": kv_Bps / raw_Bps,
-        "raw_idle_Bps": raw_idle_Bps,
+        **raw,
+        "kv_ratio": kv_Bps / raw["raw_tls_Bps" if tls else "raw_Bps"],
+        **({"tls_floor_ratio": raw["raw_tls_Bps"] / raw["raw_Bps"]} if tls else {}),
         "decode_tok_s": decode_tok_s,
         "mlx_decode_tok_s": mlx_tok_s,
         "decode_ratio": decode_tok_s / mlx_tok_s,
@@ -293,8 +321,22 @@ def table(r: dict[str, object]) -> str:
             f"{r['prefill_s']:.3f} s; ratio {r['ttft_ratio']:.2f})",
             f"  KV handoff           {r['kv_bytes'] / mb:.1f} MB ({r['kv_dtype']}; "
             f"{r['kv_wire_ratio']:.3f} of bf16) at {r['kv_Bps'] / mb:.0f} MB/s"
-            f"  (plain aiohttp {r['raw_Bps'] / mb:.0f} MB/s under the same load, "
-            f"{r['raw_idle_Bps'] / mb:.0f} MB/s on idle cores; ratio {r['kv_ratio']:.2f})",
+            + (
+                f"  (bare TLS stream {r['raw_tls_Bps'] / mb:.0f} MB/s under the same load; "
+                f"ratio {r['kv_ratio']:.2f})"
+                if r["tls"]
+                else f"  (bare stream {r['raw_Bps'] / mb:.0f} MB/s under the same load, "
+                f"{r['raw_idle_Bps'] / mb:.0f} MB/s on idle cores; ratio {r['kv_ratio']:.2f})"
+            ),
+            *(
+                [
+                    f"  TLS itself           bare TLS / bare plain {r['tls_floor_ratio']:.2f} "
+                    f"(plain {r['raw_Bps'] / mb:.0f} MB/s, on idle cores "
+                    f"{r['raw_idle_Bps'] / mb:.0f} MB/s)"
+                ]
+                if r["tls"]
+                else []
+            ),
             f"  decode               {r['decode_tok_s']:.1f} tok/s  (mlx-lm alone "
             f"{r['mlx_decode_tok_s']:.1f} tok/s; ratio {r['decode_ratio']:.2f})",
         ]

@@ -129,3 +129,22 @@ def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
     assert 0.5 * 1.25e6 < r["raw_Bps"] < 1.5 * 1.25e6
     assert 0.5 * 1.25e6 < r["raw_idle_Bps"] < 1.5 * 1.25e6
     assert r["decode_tok_s"] > 0 and r["mlx_decode_tok_s"] > 0
+
+
+def test_bench_e2e_over_tls_takes_a_bare_tls_stream_beside_the_plain_one(
+    tiny_model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.bench_e2e import main, table
+
+    model = tiny_model(arch="llama", layers=4)
+    argv = ["--model", str(model), "--tokens", "64", "--repeat", "1", "--max-tokens", "4"]
+    assert main([*argv, "--net-gbps", "0.01", "--tls", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["tls"] is True and r.keys() >= E2E_KEYS | {"raw_tls_Bps", "tls_floor_ratio"}
+    # at 1.25 MB/s the link, not TLS, sets every rate: all near it, and TLS costs ~nothing
+    for key in ("kv_Bps", "raw_Bps", "raw_tls_Bps"):
+        assert 0.5 * 1.25e6 < r[key] < 1.5 * 1.25e6, key
+    assert r["kv_ratio"] == pytest.approx(r["kv_Bps"] / r["raw_tls_Bps"])
+    assert 0.7 < r["tls_floor_ratio"] < 1.3
+    out = table(r)  # the table names both streams
+    assert "bare TLS stream" in out and "TLS itself" in out
