@@ -405,3 +405,20 @@ def test_the_default_budget_holds_the_whole_model_and_its_reserve(index: ModelIn
         assert engine.budget == engine.plan.device_bytes + engine.activation_reserve
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("capability", "fused"), [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_a_card_without_flash_attention_chunks_its_queries(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], fused: bool
+) -> None:
+    """A Turing card (7.5: a used 2080 Ti, a T4) has no flash attention: SDPA with GQA falls
+    to its MATH kernel there, and the queries must go in chunks (and be reserved so)."""
+    from nodes.prefill import blocks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    blocks.cuda_capability.cache_clear()
+    try:
+        assert blocks.fused_attention("cuda", 2, 128) is fused
+    finally:
+        blocks.cuda_capability.cache_clear()

@@ -11,6 +11,7 @@ Shapes: T = new tokens, S = start + T (keys), H = hidden, D = head_dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -204,13 +205,30 @@ def out_rows_part(
 CUDA_SLACK = (1.25, 256 << 20)  # ×, + bytes: cuBLAS workspaces, allocator rounding, rope tables
 
 
+FLASH_CAPABILITY = (8, 0)  # flash attention's CUDA kernels: Ampere and later
+
+
 def fused_attention(device_type: str, itemsize: int, head_dim: int) -> bool:
     """Whether attention takes all queries at once: on CUDA in half precision with a head of
     at most 256, what flash attention takes (with GQA, and no mask but a causal bias). Else
     SDPA may fall back to its MATH kernel, which holds the whole [heads, T, S] score matrix
-    in float32 (an fp32 model, a head of 512): queries then go in chunks, as on a CPU.
-    (A pre-Ampere card without flash attention is not caught here.)"""
-    return device_type == "cuda" and itemsize == 2 and head_dim <= 256
+    in float32 (an fp32 model, a head of 512, a pre-Ampere card: flash attention needs
+    compute capability 8.0): queries then go in chunks, as on a CPU. The card is this
+    machine's CUDA device; where there is none (a plan for another machine) it is taken to
+    be Ampere or later."""
+    if device_type != "cuda" or itemsize != 2 or head_dim > 256:
+        return False
+    capability = cuda_capability()
+    return capability is None or capability >= FLASH_CAPABILITY
+
+
+@functools.cache
+def cuda_capability() -> tuple[int, int] | None:
+    """The compute capability of this machine's current CUDA device; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major, minor
 
 
 def activation_bytes(
