@@ -443,37 +443,40 @@ def test_peer_table_keeps_static_peers_over_mdns() -> None:
     assert "http://10.0.0.7:8470" not in table.peers
 
 
+@asynccontextmanager
+async def health_checked(table: PeerTable) -> AsyncIterator[None]:
+    """`table` with its health loop running (on a session of its own)."""
+    async with aiohttp.ClientSession() as s:
+        await table.start(s)
+        try:
+            yield
+        finally:
+            await table.stop()
+
+
 async def test_a_forged_record_or_goodbye_does_not_unseat_a_trusted_peer(fp: str) -> None:
     # anyone on the LAN can send mDNS: a record naming another id at a trusted peer's
     # address, or a goodbye for it, has it checked again, and it stays while it proves
     fake = FakeNode("real", "honest", fp)
     table = PeerTable("me", fp, TOKEN)
-    async with serving(fake.app()) as port, aiohttp.ClientSession() as s:
-        await table.start(s)
-        try:
-            url = url_for("127.0.0.1", port)
-            table.found(Peer(url, id=fake.id))
-            assert (await table.check(url)).trusted  # type: ignore[union-attr]
-            hellos = fake.paths.count("/v1/hello")
+    async with serving(fake.app()) as port, health_checked(table):
+        url = url_for("127.0.0.1", port)
+        table.found(Peer(url, id=fake.id))
+        assert (await table.check(url)).trusted  # type: ignore[union-attr]
+        hellos = fake.paths.count("/v1/hello")
 
-            table.found(Peer(url, id="bogus"))
-            assert table.peers[url].id == fake.id and table.peers[url].trusted
-            table.lost(url)
-            assert table.peers[url].trusted  # kept until its check
-            after = await table.check(url)
-            assert after is not None and after.trusted and after.id == fake.id
-            assert url in table.peers and fake.paths.count("/v1/hello") > hellos
-        finally:
-            await table.stop()
-        # the goodbye was true: the peer no longer answers, and goes at its next check
+        table.found(Peer(url, id="bogus"))
+        assert table.peers[url].id == fake.id and table.peers[url].trusted
         table.lost(url)
-    async with aiohttp.ClientSession() as s:
-        await table.start(s)
-        try:
-            await table.check(url)
-            assert url not in table.peers
-        finally:
-            await table.stop()
+        assert table.peers[url].trusted  # kept until its check
+        after = await table.check(url)
+        assert after is not None and after.trusted and after.id == fake.id
+        assert url in table.peers and fake.paths.count("/v1/hello") > hellos
+    # the goodbye was true: the peer no longer answers, and goes at its next check
+    table.lost(url)
+    async with health_checked(table):
+        await table.check(url)
+        assert url not in table.peers
 
 
 async def test_a_record_first_naming_the_wrong_id_still_finds_who_proves_there(fp: str) -> None:
@@ -481,15 +484,11 @@ async def test_a_record_first_naming_the_wrong_id_still_finds_who_proves_there(f
     # token is trusted under the id it proved
     fake = FakeNode("real", "honest", fp)
     table = PeerTable("me", fp, TOKEN)
-    async with serving(fake.app()) as port, aiohttp.ClientSession() as s:
-        await table.start(s)
-        try:
-            url = url_for("127.0.0.1", port)
-            table.found(Peer(url, id="bogus"))
-            checked = await table.check(url)
-            assert checked is not None and checked.trusted and checked.id == fake.id
-        finally:
-            await table.stop()
+    async with serving(fake.app()) as port, health_checked(table):
+        url = url_for("127.0.0.1", port)
+        table.found(Peer(url, id="bogus"))
+        checked = await table.check(url)
+        assert checked is not None and checked.trusted and checked.id == fake.id
 
 
 async def test_hint_suggests_peer_when_nothing_is_found(caplog: pytest.LogCaptureFixture) -> None:
