@@ -312,35 +312,33 @@ def _full_kv_bytes(model: Path, positions: int) -> int:
 
 def table(r: dict[str, object]) -> str:
     mb = 1e6
-    return "\n".join(
-        [
-            f"tandem bench e2e — {r['tokens']} tokens, network "
-            f"{r['net_gbps'] or 'unthrottled'} Gbit/s{' over TLS' if r['tls'] else ''}, "
-            f"medians of {r['repeat']}",
-            f"  time to first token  {r['ttft_remote_s']:.3f} s  (remote prefill "
-            f"{r['prefill_s']:.3f} s; ratio {r['ttft_ratio']:.2f})",
-            f"  KV handoff           {r['kv_bytes'] / mb:.1f} MB ({r['kv_dtype']}; "
-            f"{r['kv_wire_ratio']:.3f} of bf16) at {r['kv_Bps'] / mb:.0f} MB/s"
-            + (
-                f"  (bare TLS stream {r['raw_tls_Bps'] / mb:.0f} MB/s under the same load; "
-                f"ratio {r['kv_ratio']:.2f})"
-                if r["tls"]
-                else f"  (bare stream {r['raw_Bps'] / mb:.0f} MB/s under the same load, "
-                f"{r['raw_idle_Bps'] / mb:.0f} MB/s on idle cores; ratio {r['kv_ratio']:.2f})"
-            ),
-            *(
-                [
-                    f"  TLS itself           bare TLS / bare plain {r['tls_floor_ratio']:.2f} "
-                    f"(plain {r['raw_Bps'] / mb:.0f} MB/s, on idle cores "
-                    f"{r['raw_idle_Bps'] / mb:.0f} MB/s)"
-                ]
-                if r["tls"]
-                else []
-            ),
-            f"  decode               {r['decode_tok_s']:.1f} tok/s  (mlx-lm alone "
-            f"{r['mlx_decode_tok_s']:.1f} tok/s; ratio {r['decode_ratio']:.2f})",
-        ]
+    if r["tls"]:
+        bare = f"bare TLS stream {r['raw_tls_Bps'] / mb:.0f} MB/s under the same load"
+    else:
+        bare = (
+            f"bare stream {r['raw_Bps'] / mb:.0f} MB/s under the same load, "
+            f"{r['raw_idle_Bps'] / mb:.0f} MB/s on idle cores"
+        )
+    lines = [
+        f"tandem bench e2e — {r['tokens']} tokens, network "
+        f"{r['net_gbps'] or 'unthrottled'} Gbit/s{' over TLS' if r['tls'] else ''}, "
+        f"medians of {r['repeat']}",
+        f"  time to first token  {r['ttft_remote_s']:.3f} s  (remote prefill "
+        f"{r['prefill_s']:.3f} s; ratio {r['ttft_ratio']:.2f})",
+        f"  KV handoff           {r['kv_bytes'] / mb:.1f} MB ({r['kv_dtype']}; "
+        f"{r['kv_wire_ratio']:.3f} of bf16) at {r['kv_Bps'] / mb:.0f} MB/s  "
+        f"({bare}; ratio {r['kv_ratio']:.2f})",
+    ]
+    if r["tls"]:
+        lines.append(
+            f"  TLS itself           bare TLS / bare plain {r['tls_floor_ratio']:.2f} "
+            f"(plain {r['raw_Bps'] / mb:.0f} MB/s, on idle cores {r['raw_idle_Bps'] / mb:.0f} MB/s)"
+        )
+    lines.append(
+        f"  decode               {r['decode_tok_s']:.1f} tok/s  (mlx-lm alone "
+        f"{r['mlx_decode_tok_s']:.1f} tok/s; ratio {r['decode_ratio']:.2f})"
     )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
