@@ -16,14 +16,14 @@ mlx's kernels differ in two details, so `kernel` picks which one to match: its C
 negative gets `max = 0`) and round halves away from zero (`round`). The tests check "cpu"
 against mlx itself; "gpu" only against those two rules, for want of a Metal device.
 
-Plain torch ops, the same on CPU and CUDA, vectorized over all groups: the values widened
-once (into a `Scratch` the caller keeps from layer to layer: on a CPU, first touches of a
-fresh allocation's pages cost about as much as the quantizing), a min and a max reduction, a
-few ops on the [N, groups, 1] scales (run once for a layer's K and V together: on a CPU they
-cost about as much as the passes over the values), then four elementwise passes over the
-values in place, one narrowing to bytes, and for 4 and 2 bits a shift-and-or over the bytes
-to pack them. Divisions are always tensor by tensor: CUDA turns a division by a Python (CPU)
-scalar into a multiplication by its reciprocal, which rounds differently.
+Plain torch ops, the same on CPU and CUDA, vectorized over all groups of all the tensors
+given at once (a layer's K and V), so each op runs once a layer: the values widened side by
+side (into a `Scratch` the caller keeps from layer to layer: on a CPU, first touches of a
+fresh allocation's pages cost about as much as the quantizing), a min and a max reduction,
+~15 small ops on the [groups, 1] scales, four elementwise passes over the values in place,
+one narrowing to bytes, and for 4 and 2 bits a shift-and-or over int32 lanes to pack them.
+Divisions are always tensor by tensor: CUDA turns a division by a Python (CPU) scalar into a
+multiplication by its reciprocal, which rounds differently.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ KV_BITS = (2, 4, 8)  # bit widths that pack whole values into bytes
 GROUP_SIZES = (32, 64, 128)
 EPS = 1e-7  # mlx's floor on the magnitude of a scale (compared as a float32)
 MAGIC = float(1 << 23)  # 2**23: adding it to v in [0, 2**23) leaves round(v) in the low bits
+TINY = 1e-30  # the divisor of a group whose scale is 0
 
 Kernel = Literal["cpu", "gpu"]
 
@@ -82,24 +83,20 @@ def quantize_all(
     kernel: Kernel = "cpu",
     scratch: Scratch | None = None,
 ) -> list[Quantized]:
-    """`quantize` of each x (of one dtype and device; a layer's K and V), the ~15 small ops on
-    the groups' scales run once for all (each costs a kernel launch, or µs of dispatch).
-    `scratch` holds the values widened to float32 (else a fresh allocation)."""
+    """`quantize` of each x (of one dtype and device; a layer's K and V), all in one set of
+    ops: the xs widened side by side into `scratch` (else a fresh allocation) are one run of
+    groups, so each op runs once however many xs there are (each costs a kernel launch, or
+    µs of dispatch). Each x's words, scales and biases are views of the joint results."""
     _check(xs, group_size, bits)
     n_bins = (1 << bits) - 1
     work = (scratch or Scratch()).take(sum(x.numel() for x in xs), xs[0].device)
-    # each [N, G, gs] float32, widened exactly into its own stretch of `work` (then worked in
-    # place); the values' passes stay apart, each x's values fitting a core's cache where a
-    # join would not
-    gs, mins, maxes, at = [], [], [], 0
-    for x in xs:
-        g = work[at : at + x.numel()].view(-1, x.shape[-1] // group_size, group_size)
-        gs.append(g.copy_(x.reshape(g.shape)))
-        # amin and amax apart: aminmax over a short last axis is several times slower
-        mins.append(g.amin(dim=-1, keepdim=True))
-        maxes.append(g.amax(dim=-1, keepdim=True))
+    at = 0
+    for x in xs:  # widened exactly, read by value (x may be a strided view)
+        work[at : at + x.numel()].view(x.shape).copy_(x)
         at += x.numel()
-    w_min, w_max = torch.cat(mins), torch.cat(maxes)  # [ΣN, G, 1]
+    g = work.view(-1, group_size)  # [M, gs] float32: every group of every x, in order
+    # amin and amax apart: aminmax over a short last axis is several times slower
+    w_min, w_max = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)  # [M, 1]
     if kernel == "gpu":
         w_max = w_max.clamp_min_(0.0)
     low_edge = w_min.abs() > w_max.abs()
@@ -111,23 +108,31 @@ def quantize_all(
     scale = torch.where(at_zero, step, edge / q0)
     bias = edge.masked_fill_(at_zero, 0.0)
     # A constant group past ~3e31 overflows q0 and leaves scale ±0: its values are 0, as
-    # mlx's CPU kernel casts the NaN of 0/0; divide by 1 there instead.
-    divisor = scale.masked_fill(scale == 0, 1.0)
+    # mlx's CPU kernel casts the NaN of 0/0. Divide by a tiny number of scale's sign there
+    # instead (any other scale, at least 5e-8 in magnitude, is its own divisor).
+    divisor = torch.maximum(scale.abs(), torch.full_like(scale, TINY)).copysign_(scale)
     scales, biases = scale.to(xs[0].dtype), bias.to(xs[0].dtype)
 
-    out, a = [], 0
-    for x, g in zip(xs, gs, strict=True):
-        b = a + g.shape[0]
-        v = g.sub_(bias[a:b]).div_(divisor[a:b]).clamp_(0, n_bins)  # [N, G, gs] in [0, n_bins]
-        if kernel == "cpu":
-            # + 2**23 rounds half to even into the low mantissa bits: the value is the low byte
-            q = v.add_(MAGIC).view(torch.int32).to(torch.uint8)
-        else:
-            q = _round(v, kernel).to(torch.uint8)
+    v = g.sub_(bias).div_(divisor).clamp_(0, n_bins)  # [M, gs] in [0, n_bins]
+    if kernel == "cpu":
+        # + 2**23 rounds half to even into the low mantissa bits: the value is the low byte
+        q = v.add_(MAGIC).view(torch.int32).to(torch.uint8)
+    else:
+        q = _round(v, kernel).to(torch.uint8)
+    words = _pack(q.view(-1), bits)  # [M·gs·bits/32] uint32
+
+    out, w_at, g_at = [], 0, 0
+    for x in xs:
         *lead, d = x.shape
-        words = _pack(q.view(-1), bits).view(*lead, d * bits // 32)
-        out.append((words, scales[a:b].view(*lead, -1), biases[a:b].view(*lead, -1)))
-        a = b
+        n_words, n_groups = x.numel() * bits // 32, x.numel() // group_size
+        out.append(
+            (
+                words[w_at : w_at + n_words].view(*lead, d * bits // 32),
+                scales[g_at : g_at + n_groups].view(*lead, -1),
+                biases[g_at : g_at + n_groups].view(*lead, -1),
+            )
+        )
+        w_at, g_at = w_at + n_words, g_at + n_groups
     return out
 
 
@@ -149,17 +154,20 @@ def _check(xs: Sequence[torch.Tensor], group_size: int, bits: int) -> None:
 
 
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Values q [M] uint8 (each < 2**bits) packed from the low bits up: value k of a byte at
-    bit k·bits, bytes in order, so the little-endian words hold value i at bit i·bits.
-    The 8/bits values of a byte are read as one little-endian integer (value k at bit 8k)
-    and shifted down by k·(8-bits) onto their place; what lands outside the low byte is cut
-    by narrowing it to uint8."""
+    """Values q [M] uint8 (each < 2**bits; M a multiple of 4) packed from the low bits up:
+    value k of a byte at bit k·bits, bytes in order, so the little-endian words hold value i
+    at bit i·bits. Four values are read as one little-endian int32 lane (value k at bit 8k;
+    positive, the top value < 64) and shifted down by multiples of 8-bits onto their places;
+    the bytes that hold them are kept by narrowing (a 4-bit lane's bytes 0 and 2, through
+    its int16 halves; a 2-bit lane's byte 0), which cuts what landed above them."""
     per_byte = 8 // bits
     if per_byte == 1:
         return q.view(torch.uint32)
-    lanes = q.view(torch.int16 if per_byte == 2 else torch.int32)  # positive: top value < 64
+    lanes = q.view(torch.int32)
     packed = lanes >> (8 - bits)
     packed |= lanes
+    if per_byte == 2:
+        return packed.view(torch.int16).to(torch.uint8).view(torch.uint32)
     for k in range(2, per_byte):
         packed |= lanes >> (k * (8 - bits))
     return packed.to(torch.uint8).view(torch.uint32)
