@@ -23,13 +23,18 @@ nodes without tokens recognise each other, and one with a token never trusts the
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import logging
+import re
+import secrets
 import socket
 import ssl
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,15 +44,14 @@ import aiohttp
 
 from nodes.auth import CONFIRM_PATH, HELLO_PATH
 from nodes.contract import Reason
-from nodes.signing import MAX_ID_CHARS, hello_proof, new_nonce, verify_hello_proof
+from nodes.signing import MAX_ID_CHARS, fields, hello_proof, new_nonce, utf8, verify_hello_proof
 from nodes.tls import TLSError, aiohttp_pin, client_context, peer_fingerprint
 
 log = logging.getLogger(__name__)
 NO_TOKEN_KEY = "tandem-no-token"  # public: proves nothing but "no token here either"
-PENDING_S = 30.0  # how long a callee waits for the caller's confirm
-MAX_PENDING = 1024  # hellos awaiting a confirm; the oldest is dropped beyond this
-# of them from one caller's address: a flood of hellos drops its own, not another's
-MAX_PENDING_PER_PEER = 16
+PENDING_S = 30.0  # how long a callee nonce stays good for the caller's confirm
+MAX_USED = 4096  # confirms remembered (each within its PENDING_S): beyond, a floor rises
+_COOKIE_MAC = re.compile(r"[0-9a-f]{64}")
 MAX_PROVEN = 1024
 HELLO_TIMEOUT_S = 3.0
 MIN_NONCE, MAX_NONCE = 8, 256  # characters
@@ -87,34 +91,37 @@ def _key(token: str | None) -> str:
     return token or NO_TOKEN_KEY
 
 
-@dataclass(frozen=True)
-class _Pending:
-    caller_nonce: str
-    caller_id: str
-    address: str
-    expires: float  # time.monotonic()
-    peer: str  # the caller's IP, as the callee's socket sees it
-
-
 class HelloResponder:
     """The callee's side: answers hellos and checks the confirms that follow them.
 
     It signs only inside a hello it is part of: its proof covers its own fresh nonce, id and
-    channel. Each answered hello waits `PENDING_S` for its confirm, which is used once."""
+    channel. A hello leaves no state here: the callee nonce it hands out is a cookie that
+    carries the hello (its caller nonce and expiry) under a MAC of this process's own secret
+    over that, the caller's id and the channel, so no flood of hellos (from any address, on
+    loopback every caller's) can push another caller's hello out. A confirm is checked
+    against its cookie, valid `PENDING_S`, and remembered once its proof verifies, so it is
+    used once: only a token holder adds to what is remembered."""
 
     def __init__(
-        self, token: str | None, own_id: str, fingerprint: str, cert_fingerprint: str
+        self,
+        token: str | None,
+        own_id: str,
+        fingerprint: str,
+        cert_fingerprint: str,
+        max_used: int = MAX_USED,
     ) -> None:
         self._key = _key(token)
+        self._secret = secrets.token_bytes(32)  # this process's: never leaves it
         self.own_id = own_id
         self.fingerprint = fingerprint
         self.cert_fingerprint = cert_fingerprint  # "" when serving plain HTTP
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()  # callee nonce → hello
-        self._per_peer: Counter[str] = Counter()  # of `_pending`, by the caller's IP
+        self.max_used = max_used
+        self._used: OrderedDict[str, int] = OrderedDict()  # confirmed cookie → its expiry
+        self._floor_ms = -1  # cookies expiring at or before this are refused (forgotten)
         self.proven: OrderedDict[str, float] = OrderedDict()  # caller id → when (epoch s)
 
     def __repr__(self) -> str:  # never the token
-        return f"HelloResponder(own_id={self.own_id!r}, pending={len(self._pending)})"
+        return f"HelloResponder(own_id={self.own_id!r}, used={len(self._used)})"
 
     def _address(self, sockname: Any) -> str:
         """The channel's address part: this socket's address on plain HTTP, "" over TLS."""
@@ -124,9 +131,12 @@ class HelloResponder:
             raise ValueError("cannot tell which address the hello came in on")
         return channel_address(str(sockname[0]), int(sockname[1]))
 
-    def answer(self, body: object, sockname: Any, peer: str = "") -> dict[str, str]:
-        """The answer to `POST /v1/hello` that came in on `sockname` from the IP `peer`;
-        ValueError on a malformed body."""
+    def _mac(self, head: str, caller: str, address: str) -> str:
+        return hmac.new(self._secret, fields(head, caller, address), hashlib.sha256).hexdigest()
+
+    def answer(self, body: object, sockname: Any) -> dict[str, str]:
+        """The answer to `POST /v1/hello` that came in on `sockname`; ValueError on a
+        malformed body."""
         if not isinstance(body, dict):
             raise ValueError("hello needs {nonce, id}")
         nonce, caller = body.get("nonce"), body.get("id", "")
@@ -135,15 +145,10 @@ class HelloResponder:
         if not isinstance(caller, str) or len(caller) > MAX_ID_CHARS:
             raise ValueError(f"id must be a string of at most {MAX_ID_CHARS} characters")
         address = self._address(sockname)
-        own_nonce = new_nonce()
-        self._expire()
-        expires = time.monotonic() + PENDING_S
-        self._pending[own_nonce] = _Pending(nonce, caller, address, expires, peer)
-        self._per_peer[peer] += 1
-        if self._per_peer[peer] > MAX_PENDING_PER_PEER:
-            self._take(next(n for n, p in self._pending.items() if p.peer == peer))
-        while len(self._pending) > MAX_PENDING:
-            self._take(next(iter(self._pending)))
+        expires_ms = _now_ms() + int(PENDING_S * 1000)
+        carried = base64.urlsafe_b64encode(utf8(nonce)).decode("ascii")
+        head = f"{new_nonce()}.{expires_ms}.{carried}"
+        own_nonce = f"{head}.{self._mac(head, caller, address)}"
         proof = hello_proof(
             self._key, "callee", nonce, own_nonce, caller, self.own_id, self.fingerprint,
             self.cert_fingerprint, address,
@@ -156,25 +161,30 @@ class HelloResponder:
             "proof": proof,
         }
 
-    def confirm(self, body: object) -> str:
-        """Check `POST /v1/hello/confirm`; the caller's id once it proved the token.
-        ValueError on a malformed body, HelloRefused on a proof that does not verify."""
+    def confirm(self, body: object, sockname: Any) -> str:
+        """Check `POST /v1/hello/confirm`, which came in on `sockname`; the caller's id once
+        it proved the token. ValueError on a malformed body, HelloRefused on a nonce this
+        node did not hand out for this caller and channel (or one expired or used), or a
+        proof that does not verify."""
         if not isinstance(body, dict):
             raise ValueError("confirm needs {nonce, id, proof}")
         nonce, caller, proof = body.get("nonce"), body.get("id"), body.get("proof")
         if not all(isinstance(v, str) for v in (nonce, caller, proof)):
             raise ValueError("confirm needs {nonce, id, proof}, all strings")
-        assert isinstance(nonce, str) and isinstance(caller, str)
-        self._expire()
-        hello = self._take(nonce) if nonce in self._pending else None
-        if hello is None:
+        assert isinstance(nonce, str) and isinstance(caller, str) and isinstance(proof, str)
+        address = self._address(sockname)
+        caller_nonce, expires_ms = self._open(nonce, caller, address)
+        now = _now_ms()
+        self._forget(now)
+        if expires_ms <= max(now, self._floor_ms) or nonce in self._used:
             raise HelloRefused("no hello of this node's is waiting for that nonce")
-        ok = hello.caller_id == caller and verify_hello_proof(
-            self._key, "caller", hello.caller_nonce, nonce, caller, self.own_id,
-            self.fingerprint, self.cert_fingerprint, proof, address=hello.address,
-        )  # fmt: skip
-        if not ok:
+        if not verify_hello_proof(
+            self._key, "caller", caller_nonce, nonce, caller, self.own_id, self.fingerprint,
+            self.cert_fingerprint, proof, address=address,
+        ):  # fmt: skip
             raise HelloRefused("the caller's proof does not verify")
+        self._used[nonce] = expires_ms
+        self._forget(now)
         self.proven[caller] = time.time()
         self.proven.move_to_end(caller)
         while len(self.proven) > MAX_PROVEN:
@@ -182,17 +192,32 @@ class HelloResponder:
         log.debug("peer %s proved the token", caller)
         return caller
 
-    def _take(self, nonce: str) -> _Pending:
-        hello = self._pending.pop(nonce)
-        self._per_peer[hello.peer] -= 1
-        if not self._per_peer[hello.peer]:
-            del self._per_peer[hello.peer]
-        return hello
+    def _open(self, nonce: str, caller: str, address: str) -> tuple[str, int]:
+        """The caller nonce and expiry a cookie of this node's carries, for this caller and
+        channel; HelloRefused for anything else."""
+        parts = nonce.split(".")
+        if len(parts) == 4 and _COOKIE_MAC.fullmatch(parts[3]):
+            head = ".".join(parts[:3])
+            if hmac.compare_digest(parts[3], self._mac(head, caller, address)):
+                # made here, so well formed: a fresh nonce, digits, base64 of UTF-8
+                return base64.urlsafe_b64decode(parts[2]).decode("utf-8"), int(parts[1])
+        raise HelloRefused("no hello of this node's is waiting for that nonce")
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._pending and next(iter(self._pending.values())).expires < now:
-            self._take(next(iter(self._pending)))
+    def _forget(self, now_ms: int) -> None:
+        """Drop remembered confirms once expired (then refused as such), and the oldest
+        beyond `max_used`, raising the floor past it: forgetting never reopens a replay."""
+        while self._used:
+            expires_ms = next(iter(self._used.values()))
+            full = len(self._used) > self.max_used
+            if not full and expires_ms > now_ms:
+                return
+            self._used.popitem(last=False)
+            if full:
+                self._floor_ms = max(self._floor_ms, expires_ms)
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
 
 
 async def learn_certificate(host: str, port: int, timeout_s: float = HELLO_TIMEOUT_S) -> str:

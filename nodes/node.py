@@ -179,15 +179,17 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].health().to_json())
 
 
+def _sockname(request: web.Request) -> Any:
+    """This side's address of the request's connection (what a plain hello binds)."""
+    transport = request.transport
+    return transport.get_extra_info("sockname") if transport else None
+
+
 async def hello(request: web.Request) -> web.Response:
     """Hello v2, the callee's answer (nodes/hello.py)."""
     node = request.app[NODE]
-    transport = request.transport
-    sockname = transport.get_extra_info("sockname") if transport else None
-    peername = transport.get_extra_info("peername") if transport else None
     try:
-        body = read_json(await request.read())
-        answer = node.hello.answer(body, sockname, str(peername[0]) if peername else "")
+        answer = node.hello.answer(read_json(await request.read()), _sockname(request))
     except web.HTTPRequestEntityTooLarge:
         return web.json_response(
             error_body("request body too large", "request_too_large"), status=413
@@ -201,7 +203,7 @@ async def hello_confirm(request: web.Request) -> web.Response:
     """Hello v2, the caller's proof: 200 once it verifies, else 401."""
     node = request.app[NODE]
     try:
-        caller = node.hello.confirm(read_json(await request.read()))
+        caller = node.hello.confirm(read_json(await request.read()), _sockname(request))
     except web.HTTPRequestEntityTooLarge:
         return web.json_response(
             error_body("request body too large", "request_too_large"), status=413

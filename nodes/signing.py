@@ -159,7 +159,7 @@ class Verifier:
             raise SignatureError(f"{NONCE} must be 32 lower-case hex digits")
         if not _SIGNATURE.fullmatch(mac):
             raise SignatureError(f"{SIGNATURE} must be 64 lower-case hex digits")
-        if not hmac.compare_digest(_utf8(callee), _utf8(self.own_id)):
+        if not hmac.compare_digest(utf8(callee), utf8(self.own_id)):
             raise SignatureError(
                 f"the request is signed for node {callee[:MAX_ID_CHARS]!r}, this is {self.own_id!r}"
             )
@@ -226,7 +226,7 @@ def hello_proof(
     _check_token(token)
     if role not in ("caller", "callee"):
         raise ValueError(f"role must be 'caller' or 'callee', not {role!r}")
-    msg = _fields(
+    msg = fields(
         HELLO_DOMAIN,
         role,
         caller_nonce,
@@ -266,7 +266,7 @@ def verify_hello_proof(
         cert_fingerprint,
         address,
     )
-    return hmac.compare_digest(want.encode(), _utf8(proof))
+    return hmac.compare_digest(want.encode(), utf8(proof))
 
 
 def _request_mac(
@@ -280,7 +280,7 @@ def _request_mac(
     caller: str,
     callee: str,
 ) -> str:
-    msg = _fields(
+    msg = fields(
         REQUEST_DOMAIN,
         method.upper(),
         path,
@@ -294,17 +294,17 @@ def _request_mac(
     return hmac.new(token.encode(), msg, sha256).hexdigest()
 
 
-def _fields(*parts: str) -> bytes:
+def fields(*parts: str) -> bytes:
     """Each part as its UTF-8 byte count (u64, big-endian) then the bytes: unambiguous."""
     out = bytearray()
     for part in parts:
-        b = _utf8(part)
+        b = utf8(part)
         out += len(b).to_bytes(8, "big")
         out += b
     return bytes(out)
 
 
-def _utf8(s: str) -> bytes:
+def utf8(s: str) -> bytes:
     # surrogatepass: a header decoded oddly still encodes (injectively) instead of raising
     return s.encode("utf-8", "surrogatepass")
 

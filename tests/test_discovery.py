@@ -137,7 +137,7 @@ class FakeNode:
     async def hello(self, request: web.Request) -> web.Response:
         if getattr(self, "responder", None) is None or self.responder.fingerprint != (
             self.model_fp()
-        ):  # one responder per model: concurrent hellos each find their own pending entry
+        ):  # one responder per model: concurrent hellos' cookies stay good at their confirms
             self.responder = HelloResponder(TOKEN, self.id, self.model_fp(), "")
         sockname = request.transport.get_extra_info("sockname")  # type: ignore[union-attr]
         answer = self.responder.answer(await request.json(), sockname)
@@ -146,7 +146,9 @@ class FakeNode:
         return web.json_response(answer)
 
     async def confirm(self, request: web.Request) -> web.Response:
-        return web.json_response({"caller": self.responder.confirm(await request.json())})
+        sockname = request.transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        caller = self.responder.confirm(await request.json(), sockname)
+        return web.json_response({"caller": caller})
 
     async def refuse(self, request: web.Request) -> web.Response:
         return web.json_response({"error": {"message": "fake"}}, status=500)

@@ -24,8 +24,7 @@ from nodes.auth import auth_middleware
 from nodes.contract import PROTO, SERVICE_TYPE, Health
 from nodes.discovery import Advert, read_service, url_for
 from nodes.hello import (
-    MAX_PENDING,
-    MAX_PENDING_PER_PEER,
+    PENDING_S,
     HelloError,
     HelloRefused,
     HelloResponder,
@@ -195,10 +194,13 @@ async def test_the_address_is_what_binds_a_plain_hello() -> None:
     assert body["proof"] != hello_proof(TOKEN, "callee", *args, f"127.0.0.2:{port}")
 
 
+SOCK = ("127.0.0.1", 1)  # the callee's side of the hello's connection
+
+
 def _confirm_for(r: HelloResponder, caller: str = "caller") -> tuple[dict[str, str], str]:
     """A fresh hello to `r` and the confirm its caller would send: (confirm body, the callee's
     own proof in that hello)."""
-    answer = r.answer({"nonce": "c" * 32, "id": caller}, ("127.0.0.1", 1))
+    answer = r.answer({"nonce": "c" * 32, "id": caller}, SOCK)
     args = ("c" * 32, answer["nonce"], caller, CALLEE, FP, "", "127.0.0.1:1")
     body = {"nonce": answer["nonce"], "id": caller, "proof": hello_proof(TOKEN, "caller", *args)}
     return body, answer["proof"]
@@ -208,23 +210,38 @@ def test_a_confirm_is_used_once_and_only_for_its_own_hello() -> None:
     r = HelloResponder(TOKEN, CALLEE, FP, "")
     good, callee_proof = _confirm_for(r)
     with pytest.raises(HelloRefused):  # the callee's own proof is no caller's proof
-        r.confirm({**good, "proof": callee_proof})
+        r.confirm({**good, "proof": callee_proof}, SOCK)
     good, _ = _confirm_for(r)
     with pytest.raises(HelloRefused):  # the hello's caller only...
-        r.confirm({**good, "id": "someone-else"})
-    good, _ = _confirm_for(r)
-    assert r.confirm(good) == "caller" and "caller" in r.proven
+        r.confirm({**good, "id": "someone-else"}, SOCK)
+    with pytest.raises(HelloRefused):  # ...on the hello's channel only...
+        r.confirm(good, ("127.0.0.1", 2))
+    assert r.confirm(good, SOCK) == "caller" and "caller" in r.proven
     with pytest.raises(HelloRefused):  # ...and once
-        r.confirm(good)
-    with pytest.raises(HelloRefused):  # a nonce this node never handed out
-        r.confirm({**good, "nonce": "0" * 32})
+        r.confirm(good, SOCK)
+    for forged in ("0" * 32, good["nonce"] + "0", good["nonce"].replace(".", ".1", 1)):
+        with pytest.raises(HelloRefused):  # a nonce this node never handed out
+            r.confirm({**good, "nonce": forged}, SOCK)
+    other = HelloResponder(TOKEN, CALLEE, FP, "")  # another process: another secret
+    good, _ = _confirm_for(other)
+    with pytest.raises(HelloRefused):
+        r.confirm(good, SOCK)
     for junk in (None, [], {"nonce": 1, "id": "x", "proof": "y"}, {"nonce": "x"}):
         with pytest.raises(ValueError):
-            r.confirm(junk)
+            r.confirm(junk, SOCK)
     assert "hello-test-token" not in repr(r)
 
 
-def test_hello_bodies_are_checked_and_waiting_hellos_are_bounded() -> None:
+def test_a_callee_nonce_expires(monkeypatch: pytest.MonkeyPatch) -> None:
+    r = HelloResponder(TOKEN, CALLEE, FP, "")
+    good, _ = _confirm_for(r)
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + PENDING_S + 1)
+    with pytest.raises(HelloRefused):
+        r.confirm(good, SOCK)
+
+
+def test_hello_bodies_are_checked() -> None:
     r = HelloResponder(TOKEN, CALLEE, FP, "")
     for junk in (
         None,
@@ -236,24 +253,33 @@ def test_hello_bodies_are_checked_and_waiting_hellos_are_bounded() -> None:
         {"nonce": "n" * 16, "id": "x" * 300},
     ):
         with pytest.raises(ValueError):
-            r.answer(junk, ("127.0.0.1", 1))
-    first = r.answer({"nonce": "n" * 16, "id": "x"}, ("127.0.0.1", 1), "10.1.0.0")["nonce"]
-    for i in range(MAX_PENDING):  # from as many addresses
-        r.answer({"nonce": "n" * 16, "id": "x"}, ("127.0.0.1", 1), f"10.0.{i // 256}.{i % 256}")
-    assert len(r._pending) == MAX_PENDING and first not in r._pending  # the oldest went
+            r.answer(junk, SOCK)
+    odd = 'ü."/=' * 40  # any 8..256 characters come back to the proof as they went
+    answer = r.answer({"nonce": odd, "id": "x"}, SOCK)
+    proof = hello_proof(TOKEN, "caller", odd, answer["nonce"], "x", CALLEE, FP, "", "127.0.0.1:1")
+    assert r.confirm({"nonce": answer["nonce"], "id": "x", "proof": proof}, SOCK) == "x"
 
 
-def test_a_flood_of_hellos_from_one_address_drops_only_its_own() -> None:
+def test_a_flood_of_hellos_on_the_same_address_keeps_no_caller_out() -> None:
+    """On loopback every caller has one address: a hello leaves no state to push out."""
     r = HelloResponder(TOKEN, CALLEE, FP, "")
-    sock = ("127.0.0.1", 1)
-    honest = r.answer({"nonce": "h" * 32, "id": "caller"}, sock, "10.0.0.2")
-    for _ in range(2 * MAX_PENDING):
-        r.answer({"nonce": "f" * 16, "id": "x"}, sock, "10.0.0.66")
-    assert len(r._pending) == MAX_PENDING_PER_PEER + 1
-    proof = hello_proof(TOKEN, "caller", "h" * 32, honest["nonce"], "caller", CALLEE, FP, "",
-                        "127.0.0.1:1")  # fmt: skip
-    assert r.confirm({"nonce": honest["nonce"], "id": "caller", "proof": proof}) == "caller"
-    assert len(r._pending) == MAX_PENDING_PER_PEER
+    honest, _ = _confirm_for(r)
+    for _ in range(4096):
+        r.answer({"nonce": "f" * 16, "id": "x"}, SOCK)
+    assert r.confirm(honest, SOCK) == "caller"
+
+
+def test_forgetting_used_confirms_never_reopens_a_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter(range(10**6))  # one ms a call: each hello its own expiry
+    monkeypatch.setattr(time, "monotonic", lambda: 100 + next(clock) / 1000)
+    r = HelloResponder(TOKEN, CALLEE, FP, "", max_used=4)
+    made = [_confirm_for(r, f"caller-{i}")[0] for i in range(6)]
+    for body in made:
+        assert r.confirm(body, SOCK) == body["id"]
+    assert len(r._used) == 4
+    for body in made:  # the two forgotten ones are below the floor
+        with pytest.raises(HelloRefused):
+            r.confirm(body, SOCK)
 
 
 # -- the auth middleware: bearer for clients, signatures for peers --------------------------

@@ -36,7 +36,8 @@ def add_hello_routes(
 
     async def confirm(request: web.Request) -> web.Response:
         try:
-            caller = responder.confirm(await request.json())
+            sockname = request.transport.get_extra_info("sockname")  # type: ignore[union-attr]
+            caller = responder.confirm(await request.json(), sockname)
         except HelloRefused as e:
             return web.json_response({"error": {"message": str(e)}}, status=401)
         return web.json_response({"id": responder.own_id, "caller": caller, "proven": True})
