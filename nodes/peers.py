@@ -126,12 +126,13 @@ class PeerTable:
         self._gone.discard(address.rstrip("/"))
 
     def found(self, peer: Peer) -> None:
-        """Add a node found by mDNS and check it now; a static entry for the same node wins.
+        """Add a node found by mDNS and check it now; a static entry proven to be the same
+        node wins (an unproven one's id is only what its address claims).
 
         A record is anyone's claim: it never replaces a trusted peer (what answers there and
         proves the token says who is there), so a record naming another id at its address
         only has it checked again."""
-        if any(p.source == "static" and p.id == peer.id for p in self.peers.values()):
+        if any(_proven_static(p, peer.id) for p in self.peers.values()):
             return
         old = self.peers.get(peer.address)
         if old is None or (old.source == "mdns" and old.id != peer.id and not old.trusted):
@@ -179,8 +180,11 @@ class PeerTable:
         while True:
             self._wake.clear()
             await asyncio.gather(*(self.check(a) for a in list(self.peers)))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns, swallowing a cancel,
+            # when the wake comes in the same turn as the cancel (stop() then never returns)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), HEALTH_INTERVAL_S)
+                async with asyncio.timeout(HEALTH_INTERVAL_S):
+                    await self._wake.wait()
 
     def signed(
         self, address: str, method: str, path: str, body: bytes, query: Query = None
@@ -253,7 +257,7 @@ class PeerTable:
                 prefill_floor_s=current.prefill_floor_s,
             )  # fmt: skip
             updated = self.peers[address]
-        if updated.source == "static" and updated.id:
+        if _proven_static(updated, updated.id):
             for a, p in list(self.peers.items()):  # the same node, also found by mDNS
                 if p.source == "mdns" and p.id == updated.id:
                     del self.peers[a]
@@ -317,6 +321,11 @@ class PeerTable:
         if not peer.trusted:
             log.info("peer %s (%s) trusted", peer.address, peer.name or proven.id)
         return replace(peer, cert_fingerprint=proven.cert_fingerprint, trusted=True, reason=None)
+
+
+def _proven_static(peer: Peer, node_id: str) -> bool:
+    """Whether `peer` is a `--peer` entry that proved to be the node `node_id`."""
+    return peer.source == "static" and peer.trusted and bool(node_id) and peer.id == node_id
 
 
 def _identity(peer: Peer) -> tuple[str, str, int, str]:

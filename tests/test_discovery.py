@@ -429,6 +429,11 @@ def test_peer_table_keeps_static_peers_over_mdns() -> None:
     table = PeerTable("me", "fp", None)
     table.add("http://10.0.0.5:8470")
     table.peers["http://10.0.0.5:8470"] = Peer("http://10.0.0.5:8470", id="gpu")
+    table.found(Peer("http://[fd00::5]:8470", id="gpu"))  # unproven: "gpu" is only a claim
+    assert "http://[fd00::5]:8470" in table.peers
+    del table.peers["http://[fd00::5]:8470"]
+    proven = Peer("http://10.0.0.5:8470", id="gpu", trusted=True, reason=None)
+    table.peers["http://10.0.0.5:8470"] = proven
     table.found(Peer("http://[fd00::5]:8470", id="gpu"))  # the same node, another address
     table.found(Peer("http://10.0.0.5:8470", id="gpu"))
     assert list(table.peers) == ["http://10.0.0.5:8470"]
@@ -443,6 +448,15 @@ def test_peer_table_keeps_static_peers_over_mdns() -> None:
     table.found(Peer("http://10.0.0.7:8470", id="box"))
     table.lost("http://10.0.0.7:8470")  # an untrusted peer's goodbye drops it at once
     assert "http://10.0.0.7:8470" not in table.peers
+
+
+async def test_the_health_loop_stops_even_when_woken_as_it_is_stopped() -> None:
+    table = PeerTable("me", "fp", None)
+    async with aiohttp.ClientSession() as s:
+        await table.start(s)
+        await asyncio.sleep(0.05)  # waiting for its next round
+        table.found(Peer("http://127.0.0.1:9", id="x"))  # wakes it...
+        await asyncio.wait_for(table.stop(), 5)  # ...in the same turn as the cancel
 
 
 @asynccontextmanager
@@ -491,6 +505,23 @@ async def test_a_record_first_naming_the_wrong_id_still_finds_who_proves_there(f
         table.found(Peer(url, id="bogus"))
         checked = await table.check(url)
         assert checked is not None and checked.trusted and checked.id == fake.id
+
+
+async def test_a_static_address_claiming_a_trusted_peers_id_does_not_unseat_it(fp: str) -> None:
+    # a --peer address someone else answers (its node down) with a copy of a trusted mDNS
+    # peer's /health: an id is a claim until proven, so the peer stays, records and all
+    real = FakeNode("real", "honest", fp)
+    claim = FakeNode("real", "wrong_proof", fp)  # the same /health id; it cannot prove
+    table = PeerTable("me", fp, TOKEN)
+    async with serving(real.app()) as rp, serving(claim.app()) as cp, health_checked(table):
+        real_url, claim_url = url_for("127.0.0.1", rp), url_for("127.0.0.1", cp)
+        table.found(Peer(real_url, id=real.id))
+        assert (await table.check(real_url)).trusted  # type: ignore[union-attr]
+        table.add(claim_url)
+        checked = await table.check(claim_url)
+        assert checked is not None and checked.id == real.id and not checked.trusted
+        table.found(Peer(real_url, id=real.id))  # re-announced
+        assert [p.address for p in table.trusted("prefill")] == [real_url]
 
 
 async def test_hint_suggests_peer_when_nothing_is_found(caplog: pytest.LogCaptureFixture) -> None:

@@ -126,8 +126,9 @@ class TandemApp(App[None]):
             for probe in probes:
                 self.post_message(NodeProbed(probe))
             self._poke.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._poke.wait(), self.poll_s)
+            with suppress(TimeoutError):  # not wait_for: it can swallow a cancel (3.11)
+                async with asyncio.timeout(self.poll_s):
+                    await self._poke.wait()
 
     async def follow_events(self, url: str) -> None:
         """A node's event stream, reconnecting (with `since`) until the app exits."""
