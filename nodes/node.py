@@ -373,6 +373,7 @@ def _decode_service(node: Node) -> DecodeService:
         c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,
         max_concurrent=c.max_concurrent, max_queue=c.max_queue,
         remote_timeout_s=c.remote_timeout_s, kv_format=kv_format,
+        kv_group_size=c.kv_group_size,
     )  # fmt: skip
 
 

@@ -147,6 +147,8 @@ def test_a_requests_kv_format_falls_back_field_by_field() -> None:
     assert fmt({"kv_bits": 8}, q4g32) == KVFormat(8, 32)  # the node's group size
     assert fmt({"kv_group_size": 128}, q4g32) == KVFormat(4, 128)  # the node's bits
     assert fmt({"kv_bits": 4}, None) == KVFormat(4, 64)
+    # a node whose own default is full precision still has its --kv-group-size
+    assert oa.kv_format_in({"tandem": {"kv_bits": 8}}, None, group_size=32) == KVFormat(8, 32)
     for bad, default in (
         ({"kv_group_size": 32}, None),
         ({"kv_bits": 3}, q8),

@@ -20,6 +20,7 @@ import torch
 
 from nodes.contract import PROTO, KVFormat, kv_format_of
 from nodes.decode.kv import CacheBuilder, KVShape
+from nodes.decode.prompt_cache import PromptCache
 from nodes.model import fingerprint, load_index
 from nodes.prefill.engine import quantized_parts
 from nodes.wire import FrameReader, FrameWriter, Header, LayerFrame, ProtocolError
@@ -84,6 +85,28 @@ def test_quantized_frames_round_trip_into_a_quantized_cache(bits: int) -> None:
     got = caches[0].state[0]
     for a, b in zip(got, want, strict=True):
         assert np.array_equal(np.array(a[..., :3, :]), np.array(b))
+
+
+def test_the_prompt_cache_keeps_each_form_apart() -> None:
+    """A turn in one KV form neither serves nor evicts a conversation held in another."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    def held(n: int, fmt: KVFormat | None) -> list[object]:
+        c = KVCache() if fmt is None else QuantizedKVCache(fmt.group_size, fmt.bits)
+        x = mx.random.normal((1, 1, n, 64))
+        c.update_and_fetch(x, x)
+        return [c]
+
+    cache, q8, q4 = PromptCache(), KVFormat(8), KVFormat(4)
+    cache.store(list(range(10)), held(10, None))
+    cache.store(list(range(12)), held(12, q8))  # longer, in another form
+    cache.store(list(range(10)), held(10, q4))  # the same tokens, in a third
+    assert cache.lookup(list(range(20)), None)[0] == 10
+    assert cache.lookup(list(range(20)), q8)[0] == 12
+    assert cache.lookup(list(range(20)), q4)[0] == 10
+    assert cache.lookup(list(range(20)), KVFormat(8, 32)) == (0, None)
+    cache.store(list(range(15)), held(15, q8))  # its own form's shorter prefix goes
+    assert len(cache._entries) == 3 and cache.lookup(list(range(20)), q8)[0] == 15
 
 
 def test_packed_shapes_that_disagree_with_the_header_are_a_protocol_error() -> None:

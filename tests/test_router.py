@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nodes.decode.remote import RemoteResult
 from nodes.decode.router import LocalRate, choose, predict_remote_s
 from nodes.peers import Peer
 
@@ -56,3 +57,14 @@ def test_transfer_overlaps_compute() -> None:
     t = predict_remote_s(n, kv, 32, GPU)
     compute, transfer = n / GPU.prefill_tok_s, kv / GPU.link_Bps
     assert max(compute, transfer) < t < compute + transfer
+
+
+def test_the_rate_learned_is_the_computes_not_the_links() -> None:
+    # compute-bound: 2 s of compute, then the last of 16 layers' frames (0.1 s of 1.6)
+    fast_link = RemoteResult("http://gpu", 4000, 10**8, 2.1, 1.6)
+    assert fast_link.compute_tok_s(16) == 4000 / 2.0
+    # the link bound it (frames 5 s of 5.2): the compute's time is not seen, nothing learned,
+    # so a request with a quarter of the bytes is not charged the old link's time
+    slow_link = RemoteResult("http://gpu", 4000, 10**8, 5.2, 5.0)
+    assert slow_link.compute_tok_s(16) is None
+    assert RemoteResult("http://gpu", 0, 0, 1.0, 0.0).compute_tok_s(16) is None

@@ -50,7 +50,7 @@ class DecodeApi:
             body = await json_body(request)
             messages = oa.messages_of(body)
             sampling = oa.sampling_of(body, s.max_tokens_limit)
-            kv_format = oa.kv_format_in(body, s.kv_format, s.kv_kernel, s.spec.head_dim)
+            kv_format = s.kv_format_in(body)
             tokens = await s.host.call(s.host.chat_tokens, messages)
             context = s.spec.max_position_embeddings
             req = oa.completion(body, tokens, sampling, True, context, kv_format)
@@ -64,7 +64,7 @@ class DecodeApi:
             body = await json_body(request)
             prompt = oa.prompt_of(body, s.spec.vocab_size)
             sampling = oa.sampling_of(body, s.max_tokens_limit)
-            kv_format = oa.kv_format_in(body, s.kv_format, s.kv_kernel, s.spec.head_dim)
+            kv_format = s.kv_format_in(body)
             tokens = (
                 prompt if isinstance(prompt, list) else await s.host.call(s.host.encode, prompt)
             )

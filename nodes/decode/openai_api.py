@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.contract import KVFormat, KVKernel, check_group_size, error_body, kv_format_of
+from nodes.contract import (
+    DEFAULT_KV_GROUP_SIZE,
+    KVFormat,
+    KVKernel,
+    check_group_size,
+    error_body,
+    kv_format_of,
+)
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 256
@@ -112,12 +119,13 @@ def sampling_of(body: Mapping[str, Any], max_tokens_limit: int) -> Sampling:
 
 def kv_format_in(
     body: Mapping[str, Any], default: KVFormat | None, kernel: KVKernel = "cpu",
-    head_dim: int | None = None,
+    head_dim: int | None = None, group_size: int = DEFAULT_KV_GROUP_SIZE,
 ) -> KVFormat | None:  # fmt: skip
     """The request's KV format: the `tandem` extension's `kv_bits` (16 or 0: full precision)
     and `kv_group_size`, each the node's default where it is absent or null (`kv_bits` 8
-    alone takes the node's group size; a group size alone, the node's bits). A group size
-    must divide the model's `head_dim` (groups run along each head's vector)."""
+    alone takes the node's group size, `group_size`, even where the node's own default is
+    full precision; a group size alone, the node's bits). A group size must divide the
+    model's `head_dim` (groups run along each head's vector)."""
     extension = body.get("tandem")
     if extension is None:
         return default
@@ -128,8 +136,8 @@ def kv_format_in(
         return default
     if default is not None:
         asked.setdefault("kv_bits", default.bits)
-        if asked["kv_bits"] not in (0, 16):
-            asked.setdefault("kv_group_size", default.group_size)
+    if asked.get("kv_bits") not in (None, 0, 16):
+        asked.setdefault("kv_group_size", default.group_size if default else group_size)
     try:
         fmt = kv_format_of({**asked, "kv_kernel": kernel})
         if fmt is not None and head_dim is not None:

@@ -1,9 +1,12 @@
 """The decode node's prompt cache: each conversation's KV, reused by the next turn.
 
-Entries are keyed by the token ids their caches hold. A request takes a *copy* of the
-longest common prefix (slicing makes new arrays, so the stored entry is never touched), and
-only the positions after it need a prefill — remote (`start = k`) or local. Bounded by bytes;
-the least recently used conversation goes first (conversations are not a cyclic scan).
+Entries are keyed by the token ids their caches hold and the form they hold them in (full
+precision, or quantized with given bits and group size): a request reuses only an entry of
+the form it asks for, and storing one drops only entries of its own form. A request takes a
+*copy* of the longest common prefix (slicing makes new arrays, so the stored entry is never
+touched), and only the positions after it need a prefill — remote (`start = k`) or local.
+Bounded by bytes; the least recently used conversation goes first (conversations are not a
+cyclic scan).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class PromptCache:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_entries: int = 64) -> None:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[_Form, tuple[int, ...]], _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -49,13 +52,14 @@ class PromptCache:
         At most n-1 positions are reused: the last prompt token must be fed to decode.
         """
         limit = len(tokens) - 1
+        form = _form(kv_format)
         with self._lock:
-            held = {key: e for key, e in self._entries.items() if _same(e.kv_format, kv_format)}
+            held = {key: e for (f, key), e in self._entries.items() if f == form}
             best, best_k = best_prefix(held, tokens, limit)
             if best is None:
                 return 0, None
-            self._entries.move_to_end(best)
-            entry = self._entries[best]
+            self._entries.move_to_end((form, best))
+            entry = held[best]
         return best_k, kv.clone_prefix(entry.caches, best_k)
 
     def store(self, tokens: Sequence[int], caches: kv.Caches) -> None:
@@ -65,19 +69,21 @@ class PromptCache:
             return
         nbytes = kv.nbytes(caches)
         kv_format = kv.format_of(caches)
+        form = _form(kv_format)
         with self._lock:
-            for other in list(self._entries):
-                if key[: len(other)] == other:  # a shorter prefix of this one
-                    del self._entries[other]
-            self._entries[key] = _Entry(key, caches, nbytes, kv_format)
+            for f, other in list(self._entries):
+                if f == form and key[: len(other)] == other:  # a shorter prefix of this one
+                    del self._entries[f, other]
+            self._entries[form, key] = _Entry(key, caches, nbytes, kv_format)
             while self._entries and (
                 self.nbytes > self.max_bytes or len(self._entries) > self.max_entries
             ):
                 self._entries.popitem(last=False)
 
 
-def _same(a: KVFormat | None, b: KVFormat | None) -> bool:
-    """Whether caches held as `a` serve a request for `b` (the rounding kernel aside)."""
-    return (a is None) == (b is None) and (
-        a is None or b is None or (a.bits, a.group_size) == (b.bits, b.group_size)
-    )
+_Form = tuple[int, int] | None  # (bits, group size) of quantized caches; None: full precision
+
+
+def _form(kv_format: KVFormat | None) -> _Form:
+    """What caches held as `kv_format` serve (the rounding kernel aside)."""
+    return None if kv_format is None else (kv_format.bits, kv_format.group_size)

@@ -44,6 +44,12 @@ class RemotePrefillError(Exception):
         self.retry_after = retry_after
 
 
+# frames' transfer time / the compute's seen from here, beyond which the link, not the
+# compute, may have set the request's time (a compute-bound request's frames all arrive
+# while it computes, the last one's after: transfer < compute)
+LINK_BOUND = 0.9
+
+
 @dataclass(frozen=True)
 class RemoteResult:
     node: str  # the prefill node's address
@@ -52,9 +58,16 @@ class RemoteResult:
     seconds: float  # request to last frame
     transfer_s: float  # layer frames' bytes at the rate they arrived (`arrival_seconds`)
 
-    @property
-    def prefill_tok_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds > 0 and self.tokens else None
+    def compute_tok_s(self, layers: int) -> float | None:
+        """The prefill's own rate, as the router models a request (the compute, then the last
+        layer's frame): tokens / (seconds - transfer_s / layers). None where the link bound
+        the request (its frames queued behind the wire, so the compute's time is not seen
+        from here: counting it would charge the old link's time to every later request,
+        whatever its KV format)."""
+        compute_s = self.seconds - self.transfer_s / max(layers, 1)
+        if not self.tokens or compute_s <= 0 or self.transfer_s >= LINK_BOUND * compute_s:
+            return None
+        return self.tokens / compute_s
 
     @property
     def link_Bps(self) -> float | None:

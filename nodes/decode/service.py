@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nodes.contract import (
+    DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_REMOTE_TIMEOUT_S,
@@ -32,7 +33,7 @@ from nodes.decode import kv
 from nodes.decode.first_step import FirstStep
 from nodes.decode.host import Cancelled, Generation, ModelHost
 from nodes.decode.kv import KVShape
-from nodes.decode.openai_api import ApiError, Completion
+from nodes.decode.openai_api import ApiError, Completion, kv_format_in
 from nodes.decode.prompt_cache import PromptCache
 from nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
 from nodes.decode.router import LocalRate, Mode, choose
@@ -84,6 +85,7 @@ class DecodeService:
         max_queue: int = DEFAULT_MAX_QUEUE,
         remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
         kv_format: KVFormat | None = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
     ) -> None:
         self.host = host
         self.spec = spec
@@ -94,6 +96,8 @@ class DecodeService:
         self.remote_timeout_s = remote_timeout_s
         self.expect = expect
         self.kv_format = kv_format  # the default of requests that do not say
+        # a request's bits without a group size take the node's (its own bits may be 16)
+        self.kv_group_size = kv_format.group_size if kv_format else kv_group_size
         self.kv_kernel = kv.device_kernel()  # whose rounding quantized K/V must match
         self.remote = RemotePrefill(host, expect, fingerprint, peers, events)
         self.local = LocalRate()  # measured mlx prefill rate and floor
@@ -190,6 +194,12 @@ class DecodeService:
         ttft = (result.first_token_at or time.perf_counter()) - t0
         yield Finished(result, self._tandem(req, info, result, ttft))
 
+    def kv_format_in(self, body: Any) -> KVFormat | None:
+        """A completion body's KV format, this node's defaults filling what it leaves out;
+        ApiError (400) for one it cannot serve."""
+        return kv_format_in(body, self.kv_format, self.kv_kernel, self.spec.head_dim,
+                            self.kv_group_size)  # fmt: skip
+
     def _remember(self, tokens: list[int], caches: kv.Caches) -> None:
         """On the mlx thread: keep this conversation's KV for its next turn."""
         if kv.positions(caches) <= len(tokens):
@@ -231,7 +241,11 @@ class DecodeService:
             publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
             return caches, PrefillInfo("local", None, new)
         # a pass near the floor says nothing about the marginal rate
-        rate = result.prefill_tok_s if result.seconds > 2 * (peer.prefill_floor_s or 0) else None
+        rate = (
+            result.compute_tok_s(self.spec.num_layers)
+            if result.seconds > 2 * (peer.prefill_floor_s or 0)
+            else None
+        )
         self.peers.update_rates(peer.address, rate, result.link_Bps, result.seconds)
         publish(RequestEvent(rid, phase="prefill_done", tokens=new, where=peer.address))
         info = PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
