@@ -100,18 +100,19 @@ def quantize_all(
     if kernel == "gpu":
         w_max = w_max.clamp_min_(0.0)
     low_edge = w_min.abs() > w_max.abs()
-    edge = torch.where(low_edge, w_min, w_max)
+    params = w_min.new_empty((2, *w_min.shape))  # scale, bias: narrowed in one op at the end
+    edge = torch.where(low_edge, w_min, w_max, out=params[1])
     step = (w_max - w_min).div_(torch.full_like(w_max, n_bins)).clamp_min_(EPS)
     step = torch.where(low_edge, step, step.neg())  # divisors are tensors, never scalars
     q0 = _round(edge / step, kernel)
     at_zero = q0 == 0
-    scale = torch.where(at_zero, step, edge / q0)
+    scale = torch.where(at_zero, step, edge / q0, out=params[0])
     bias = edge.masked_fill_(at_zero, 0.0)
     # A constant group past ~3e31 overflows q0 and leaves scale ±0: its values are 0, as
-    # mlx's CPU kernel casts the NaN of 0/0. Divide by a tiny number of scale's sign there
-    # instead (any other scale, at least 5e-8 in magnitude, is its own divisor).
-    divisor = torch.maximum(scale.abs(), torch.full_like(scale, TINY)).copysign_(scale)
-    scales, biases = scale.to(xs[0].dtype), bias.to(xs[0].dtype)
+    # mlx's CPU kernel casts the NaN of 0/0. Divide by a tiny number there instead: any
+    # other scale is at least 5e-8 in magnitude, so adding TINY leaves it as it is.
+    divisor = scale + TINY
+    scales, biases = params.to(xs[0].dtype)
 
     v = g.sub_(bias).div_(divisor).clamp_(0, n_bins)  # [M, gs] in [0, n_bins]
     if kernel == "cpu":
