@@ -28,11 +28,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from nodes.contract import KVFormat
 from nodes.model.errors import ModelError
@@ -76,9 +78,14 @@ def _peak_rss() -> int:
 
 
 def _run(engine: PrefillEngine, tokens: list[int], **kw: Any) -> PrefillStats:
+    t0 = time.perf_counter()
     for _ in engine.prefill(tokens, **kw):
         pass
-    return engine.last_stats
+    stats = engine.last_stats
+    if engine.device.type == "cuda":  # the last layer's MLP still runs once its K/V are out
+        torch.cuda.synchronize(engine.device)
+        stats.wall_s = max(stats.wall_s, time.perf_counter() - t0)
+    return stats
 
 
 def _median(runs: int, fn: Callable[[], float], before: Callable[[], None]) -> float:

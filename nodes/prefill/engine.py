@@ -329,6 +329,7 @@ class PrefillEngine:
             publish(LayerEvent(rid, layer=i, state="queued", pinned=i in self.plan.resident_layers))
         t_start = time.perf_counter()
         if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # this thread's current device: streams, events, kernels
             torch.cuda.reset_peak_memory_stats(dev)
         layer_state: LayerState | None = None
         clock = _ComputeClock(dev)
@@ -482,6 +483,7 @@ class _ComputeClock:
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
+        self._device = device
         self._seconds: dict[int, float] = {}
         self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -489,9 +491,9 @@ class _ComputeClock:
     def timing(self, layer: int) -> Iterator[None]:
         if self._cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            a.record(torch.cuda.current_stream(self._device))
             yield
-            b.record()
+            b.record(torch.cuda.current_stream(self._device))
             self._events.append((layer, a, b))
             return
         t0 = time.perf_counter()
@@ -611,10 +613,10 @@ class _CudaHandover:
         device = {"k": k, "v": v}
         if self.kv_format is not None:  # on the compute stream, after the attention
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            a.record(torch.cuda.current_stream(self.device))
             parts = quantized_parts(k, v, self.kv_format, self._scratch)
             device |= {f"q_{n}": t for n, t in parts.items()}
-            b.record()
+            b.record(torch.cuda.current_stream(self.device))
             self._timed.append((a, b))
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
