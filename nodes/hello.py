@@ -175,7 +175,6 @@ class HelloResponder:
         address = self._address(sockname)
         caller_nonce, expires_ms = self._open(nonce, caller, address)
         now = _now_ms()
-        self._forget(now)
         if expires_ms <= max(now, self._floor_ms) or nonce in self._used:
             raise HelloRefused("no hello of this node's is waiting for that nonce")
         if not verify_hello_proof(
@@ -184,7 +183,7 @@ class HelloResponder:
         ):  # fmt: skip
             raise HelloRefused("the caller's proof does not verify")
         self._used[nonce] = expires_ms
-        self._forget(now)
+        self._forget(now)  # an expired one left here is refused as expired anyway
         self.proven[caller] = time.time()
         self.proven.move_to_end(caller)
         while len(self.proven) > MAX_PROVEN:

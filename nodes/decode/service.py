@@ -97,7 +97,7 @@ class DecodeService:
         self.expect = expect
         self.kv_format = kv_format  # the default of requests that do not say
         # a request's bits without a group size take the node's (its own bits may be 16)
-        self.kv_group_size = kv_format.group_size if kv_format else kv_group_size
+        self.kv_group_size = kv_group_size
         self.kv_kernel = kv.device_kernel()  # whose rounding quantized K/V must match
         self.remote = RemotePrefill(host, expect, fingerprint, peers, events)
         self.local = LocalRate()  # measured mlx prefill rate and floor
