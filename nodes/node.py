@@ -14,6 +14,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -262,6 +263,8 @@ def create_app(config: NodeConfig) -> web.Application:
         node.prefill = _prefill_service(node)
         app.router.add_post("/v1/prefill", node.prefill.handle)
     if "decode" in config.roles:
+        if "prefill" not in config.roles:
+            _keep_torch_out()
         from nodes.decode.api import DecodeApi
 
         node.decode = _decode_service(node)
@@ -355,6 +358,13 @@ async def _start_prefill(node: Node) -> None:
     node.budget_bytes = engine.budget
 
 
+def _keep_torch_out() -> None:
+    """A decode-only node never computes with torch, but mlx-lm imports transformers, which
+    imports torch wherever it is installed (~3 s and ~300 MB on a Linux box). Marked absent
+    before mlx-lm loads, transformers finds no torch and leaves it."""
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+
 def _decode_service(node: Node) -> DecodeService:
     from nodes.decode.host import ModelHost
     from nodes.decode.kv import KVShape, device_kernel
@@ -380,7 +390,8 @@ def _decode_service(node: Node) -> DecodeService:
 async def _start_decode(node: Node) -> None:
     assert node.decode is not None
     await node.decode.host.start()
-    await node.decode.calibrate()
+    if node.decode.mode == "auto":  # only `auto` weighs the local rate (`always`/`never` don't)
+        await node.decode.calibrate()
     node.tasks.append(asyncio.create_task(node.decode.probe_peers(), name="probe-peers"))
     if "prefill" not in node.config.roles:
         node.device = "mlx"

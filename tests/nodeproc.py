@@ -121,17 +121,23 @@ def wait_trusted(node: NodeProc, role: str = "prefill", timeout: float = 15.0) -
 
 @contextmanager
 def remote_pair(
-    tmp: Path, model: Path, budget: str, token: str
+    tmp: Path, model: Path, budget: str, token: str, *prefill_args: str
 ) -> Iterator[tuple[NodeProc, NodeProc]]:
-    """A prefill node with `budget` and a decode node that always prefills on it, once the
-    decode node trusts it; both stopped on exit."""
-    prefill = start_node(tmp, model, "prefill", "--budget", budget, token=token)
+    """A prefill node with `budget` (and `prefill_args`) and a decode node that always
+    prefills on it, once the decode node trusts it; both stopped on exit."""
+    # both start at once (imports and model loads overlap); the decode node keeps dialling
+    # its peer until the prefill node answers
+    prefill = start_node(
+        tmp, model, "prefill", "--budget", budget, *prefill_args, token=token, wait=False
+    )
     try:
         decode = start_node(
             tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
-            token=token,
+            token=token, wait=False,
         )  # fmt: skip
         try:
+            wait_healthy(prefill)
+            wait_healthy(decode)
             wait_trusted(decode)
             yield prefill, decode
         finally:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from nodes.model.spec import ModelSpec
 
@@ -134,7 +133,7 @@ def attention_part(
         if start + c0 == 0:
             causal: dict[str, object] = {"is_causal": True}
         else:
-            causal = {"attn_mask": causal_lower_right(c1 - c0, s_end)}
+            causal = {"attn_mask": _causal_lower_right()(c1 - c0, s_end)}
         out = F.scaled_dot_product_attention(
             q[None, :, c0:c1],
             keys[:, :, :s_end],
@@ -206,6 +205,15 @@ CUDA_SLACK = (1.25, 256 << 20)  # ×, + bytes: cuBLAS workspaces, allocator roun
 
 
 FLASH_CAPABILITY = (8, 0)  # flash attention's CUDA kernels: Ampere and later
+
+
+@functools.cache
+def _causal_lower_right() -> Callable[[int, int], object]:
+    """torch's lower-right causal bias, imported on first use: its module pulls in
+    torch._dynamo (~3 s on a CPU), which a node that never prefills after a prefix skips."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right
 
 
 def fused_attention(device_type: str, itemsize: int, head_dim: int) -> bool:
