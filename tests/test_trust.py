@@ -24,7 +24,7 @@ from nodes.hello import HelloResponder
 from nodes.signing import SIGNATURE, sign
 from nodes.tls import load_or_create
 from tests.discovery_support import poll
-from tests.nodeproc import NodeProc, start_node, unverified_tls, wait_trusted
+from tests.nodeproc import NodeProc, start_node, unverified_tls, wait_healthy, wait_trusted
 from tests.trust_support import Log, add_hello_routes, relay, serving
 
 TOKEN = "trust-test-token-0123456789abcdef"
@@ -102,9 +102,10 @@ async def test_a_relay_to_the_real_prefill_node_is_never_trusted(
     """Relays (plain, and TLS with their own certificate) forward /health and the hello to
     real prefill nodes; the decode node, told of the relays and of one real node directly,
     trusts only the real one, and the relays get neither the token nor a signature."""
-    plain = start_node(tmp_path, model, "prefill", token=TOKEN)
+    plain = start_node(tmp_path, model, "prefill", token=TOKEN, wait=False)
     tls = start_node(tmp_path, model, "prefill", "--tls", token=TOKEN)
     nodes = [plain, tls]
+    wait_healthy(plain)
     tls_cert = tls.get("/health")["cert_fingerprint"]
     logs = {"plain": Log(), "tls": Log()}
     relay_cert = load_or_create(tmp_path / "relay-tls", "relay")
@@ -215,8 +216,9 @@ async def test_an_impostor_in_a_dead_nodes_place_gets_nothing(tmp_path: Path, mo
         targets = {}
         for mode in ("plain", "tls"):
             prefill = start_node(
-                tmp_path, model, "prefill", *(["--tls"] * (mode == "tls")), token=TOKEN
-            )
+                tmp_path, model, "prefill", *(["--tls"] * (mode == "tls")), token=TOKEN,
+                wait=False,
+            )  # fmt: skip
             decode = start_node(
                 tmp_path,
                 model,
@@ -226,9 +228,12 @@ async def test_an_impostor_in_a_dead_nodes_place_gets_nothing(tmp_path: Path, mo
                 "--peer",
                 prefill.url,
                 token=TOKEN,
+                wait=False,
             )
             nodes += [prefill, decode]
             targets[mode] = (prefill, decode)
+        for node in nodes:  # all four start at once
+            wait_healthy(node)
         for prefill, decode in targets.values():  # trusted, and its probe done
             await asyncio.to_thread(
                 poll,

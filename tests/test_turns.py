@@ -116,12 +116,13 @@ async def _watch(node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: lis
 
 async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_path: Path) -> None:
     prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.004",
-                         token=TOKEN)  # fmt: skip
+                         token=TOKEN, wait=False)  # fmt: skip
     decode = start_node(
         tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
         token=TOKEN,
     )  # fmt: skip
     try:
+        await asyncio.to_thread(wait_healthy, prefill)
         await asyncio.to_thread(wait_trusted, decode)
         await asyncio.sleep(1.5)  # let the router's probe of the slow node finish
         messages = [{"role": "user", "content": "A story about sunflowers and a fence."}]
@@ -194,12 +195,13 @@ async def test_full_queue_answers_503_and_the_decode_node_retries(
     model: Path, oracle: Oracle, tmp_path: Path
 ) -> None:
     prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.01",
-                         "--queue-limit", "1", token=TOKEN)  # fmt: skip
+                         "--queue-limit", "1", token=TOKEN, wait=False)  # fmt: skip
     decode = start_node(
         tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
         token=TOKEN,
     )  # fmt: skip
     try:
+        await asyncio.to_thread(wait_healthy, prefill)
         await asyncio.to_thread(wait_trusted, decode)
         await asyncio.sleep(2.0)  # the router's start-up probe of the prefill node
         asks = [[{"role": "user", "content": f"Story {i}: a garden with sunflowers."}]
@@ -245,9 +247,10 @@ def mid_model(tiny_model) -> Path:
 
 
 def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
-    prefill = start_node(tmp_path, mid_model, "prefill", token=TOKEN)
+    prefill = start_node(tmp_path, mid_model, "prefill", token=TOKEN, wait=False)
     decode = start_node(tmp_path, mid_model, "decode", "--peer", prefill.url, token=TOKEN)
     try:
+        wait_healthy(prefill)
         wait_trusted(decode)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # the router's start-up probe of the peer
@@ -270,9 +273,10 @@ def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
 
 
 def test_restarted_prefill_node_is_trusted_again(model: Path, tmp_path: Path) -> None:
-    prefill = start_node(tmp_path, model, "prefill", token=TOKEN)
+    prefill = start_node(tmp_path, model, "prefill", token=TOKEN, wait=False)
     decode = start_node(tmp_path, model, "decode", "--peer", prefill.url, token=TOKEN)
     try:
+        wait_healthy(prefill)
         wait_trusted(decode)
         prefill.stop()
         deadline = time.monotonic() + 10

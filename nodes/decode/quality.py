@@ -9,7 +9,8 @@ compare the argmax at every position and the continuation's perplexity.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,19 +63,27 @@ def own_prefill(
 
 def handoff_quality(
     model: Any,
-    handed_off: list[Any],
+    handed_off: list[Any] | Callable[[], list[Any]],
     prompt: Sequence[int],
     continuation: Sequence[int],
     kv_format: KVFormat | None = None,
 ) -> Quality:
-    """Score `continuation` after the handed-off cache (holding `prompt[:-1]`) and after
-    mlx-lm's own prefill of the same tokens (its own quantized cache for `kv_format`)."""
+    """Score `continuation` after the handed-off cache (holding `prompt[:-1]`; or a callable
+    that makes it) and after mlx-lm's own prefill of the same tokens (its own quantized cache
+    for `kv_format`). mlx-lm's side runs on a thread of its own (each thread has its own mlx
+    stream), beside the making and reading of the handed-off cache: on a CPU, two cores."""
     if len(prompt) < 2 or len(continuation) < 1:
         raise ValueError("need a prompt of at least 2 tokens and a continuation")
-    ours_lp, ours_top = read_continuation(model, handed_off, prompt[-1], continuation)
-    ref_lp, ref_top = read_continuation(
-        model, own_prefill(model, prompt[:-1], kv_format), prompt[-1], continuation
-    )
+
+    def reference() -> tuple[list[float], list[int]]:
+        cache = own_prefill(model, prompt[:-1], kv_format)
+        return read_continuation(model, cache, prompt[-1], continuation)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-reference") as pool:
+        theirs = pool.submit(reference)
+        cache = handed_off() if callable(handed_off) else handed_off
+        ours_lp, ours_top = read_continuation(model, cache, prompt[-1], continuation)
+        ref_lp, ref_top = theirs.result()
     agree = sum(a == b for a, b in zip(ours_top, ref_top, strict=True)) / len(continuation)
     return Quality(
         tokens=len(continuation),
