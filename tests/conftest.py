@@ -19,6 +19,17 @@ from nodes.model.factory import MakeModelArgs, make_model
 MakeTiny = Callable[..., Path]
 # laid out as the user's cache dir is (XDG_CACHE_HOME/tandem/models), so the demo can share it
 REAL_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "tandem" / "models"
+# `make test` hands whole files to two workers in collection order: the longest first, so
+# that neither worker is left with one of them at the end
+LONGEST_FIRST = (
+    "test_real_model.py", "test_gpu_check.py", "test_netns.py", "test_turns.py",
+    "test_bad_input.py", "test_trust.py", "test_handoff.py", "test_tui_demo.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as found
 
 
 @pytest.fixture(scope="session")

@@ -326,6 +326,7 @@ def others_cores(fn: Callable[[], T]) -> tuple[T, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_prediction_tracks_the_bench_on_this_cpu(tmp_path: Path) -> None:
     """Predicted vs measured wall for three budgets (all resident, ½ and ¼ of the layers),
     within a loose 35% (the 15% claim is measured by a script on a quiet machine). Up to

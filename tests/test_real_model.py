@@ -7,6 +7,7 @@ import functools
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -39,7 +40,8 @@ CHUNK = 64  # the float cluster's --chunk-tokens
 # handoffs: a 160-token prompt, then 96 tokens of the same text read teacher-forced
 SPLIT = (160, 256)
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-pytestmark = pytest.mark.slow
+# a minute each here, alone; `make test` runs a second worker beside them
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @functools.cache
@@ -73,6 +75,30 @@ def mlx_lm_replies(
         ]
     finally:
         pool.shutdown(cancel_futures=True)  # a failed test waits only for the running one
+
+
+def test_a_second_prepare_waits_for_the_first_and_reads_what_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes preparing at once (a demo beside a test run, two test workers): the one
+    that comes second waits for the first one's lock, then converts nothing."""
+    from app import real_model as rm
+
+    def no_conversion(_: Path) -> Path:
+        raise AssertionError("the second prepare converted again")
+
+    monkeypatch.setattr(rm, "locate_gguf", no_conversion)
+    made = rm.RealModel(tmp_path / rm.NAME)
+    got: list[Any] = []
+    with rm._one_at_a_time(tmp_path):  # the first one, preparing
+        second = threading.Thread(target=lambda: got.append(rm.prepare(tmp_path, ("mlx-q4",))))
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and got == []  # waiting, not converting
+        made.path("mlx-q4").mkdir(parents=True)
+        (made.path("mlx-q4") / "model.safetensors").write_bytes(b"")
+    second.join(10)
+    assert got == [made]
 
 
 def test_the_mlx_form_holds_the_gguf_bits_and_the_hf_form_their_values(
