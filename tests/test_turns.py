@@ -191,6 +191,8 @@ async def _request_events(node: NodeProc) -> list[dict]:
     return records
 
 
+# its busy requests are asked again for ~5 s: a prefill slowed by another worker outlasts that
+@pytest.mark.serial
 async def test_full_queue_answers_503_and_the_decode_node_retries(
     model: Path, oracle: Oracle, tmp_path: Path
 ) -> None:
