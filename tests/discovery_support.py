@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nodes.auth import is_loopback
+from tandem.nodes.trust.auth import is_loopback
+
 from tests.nodeproc import ROOT, NodeProc, free_port, unverified_tls, wait_healthy
 
 T = TypeVar("T")
@@ -85,7 +86,16 @@ def start_mdns_node(
     log = tmp / f"node-{role}-{port}-{time.monotonic_ns()}.log"
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config")}
     env.pop("TANDEM_TOKEN", None)
-    cmd = [sys.executable, "-m", "app.cli", "node", "--role", role, "--model", str(model)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.app",
+        "node",
+        "--role",
+        role,
+        "--model",
+        str(model),
+    ]
     cmd += ["--port", str(port), "--host", host, *args]
     if token is not None:
         token_file = tmp / f"token-{port}"

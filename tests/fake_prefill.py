@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 from aiohttp import web
+from tandem.nodes.contract.frames import PROTO, FrameWriter, Header
+from tandem.nodes.model import fingerprint, load_index
+from tandem.nodes.trust.hello import HelloResponder
 
-from nodes.hello import HelloResponder
-from nodes.model import fingerprint, load_index
-from nodes.wire import PROTO, FrameWriter, Header
 from tests.trust_support import add_hello_routes
 
 MODES = ("zeros", "503", "409", "error_frame", "garbage", "die", "hang")

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from tandem.nodes.trust.tls import load_or_create
 
-from nodes.tls import load_or_create
 from tests.nodeproc import stop_process
 from tests.trust_support import Log, relay, serving
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.demo import free_port
+from tandem.app.cli.demo import free_port
 
 __all__ = [
     "NodeProc",
@@ -81,7 +81,16 @@ def start_node(
     log = tmp / f"node-{role}-{port}.log"
     full_env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), **(env or {})}
     full_env.pop("TANDEM_TOKEN", None)
-    cmd = [sys.executable, "-m", "app.cli", "node", "--role", role, "--model", str(model)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.app",
+        "node",
+        "--role",
+        role,
+        "--model",
+        str(model),
+    ]
     cmd += ["--port", str(port), "--no-mdns", *args]
     if token is not None:
         token_file = tmp / f"token-{port}"

@@ -28,8 +28,8 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from tandem.nodes.contract.http import PROTO
 
-from nodes.contract import PROTO
 from tests.bad_prefill import MODES
 from tests.nodeproc import (
     ROOT,

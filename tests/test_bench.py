@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from nodes.events import LinkEvent
-from nodes.model import load_index
-from nodes.prefill.engine import PrefillEngine
+from tandem.nodes.contract.events import LinkEvent
+from tandem.nodes.model import load_index
+from tandem.nodes.prefill.engine import PrefillEngine
 
 PREFILL_KEYS = {
     "wall_s", "load_s", "compute_s", "overlap_ratio", "sequential_ratio", "peak_weight_bytes",
@@ -24,7 +23,7 @@ E2E_KEYS = {
 
 
 def test_bench_prefill_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
-    from nodes.prefill.bench import main
+    from tandem.nodes.prefill.bench import main
 
     model = tiny_model(arch="llama", layers=8)
     index = load_index(model)
@@ -50,7 +49,7 @@ def test_bench_prefill_vs_resident_runs_streamed_and_resident_in_turns(
 ) -> None:
     import statistics
 
-    from nodes.prefill import bench
+    from tandem.nodes.prefill import bench
 
     model = tiny_model(arch="llama", layers=8)
     index = load_index(model)
@@ -81,7 +80,7 @@ def test_bench_prefill_vs_resident_runs_streamed_and_resident_in_turns(
 
 
 def test_bench_prefill_on_its_own_random_model(capsys: pytest.CaptureFixture[str]) -> None:
-    from nodes.prefill.bench import main
+    from tandem.nodes.prefill.bench import main
 
     argv = ["--random", "4x128", "--dtype", "float32", "--tokens", "32", "--budget", "600KB"]
     assert main([*argv, "--repeat", "1", "--json"]) == 0
@@ -114,7 +113,7 @@ def test_host_tier_reads_less_from_disk(tiny_model) -> None:
 
 
 def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
-    from app.bench_e2e import main
+    from tandem.app.cli.bench_e2e import main
 
     model = tiny_model(arch="llama", layers=4)
     argv = ["--model", str(model), "--tokens", "64", "--repeat", "1", "--max-tokens", "4"]
@@ -134,7 +133,7 @@ def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_e2e_over_tls_takes_a_bare_tls_stream_beside_the_plain_one(
     tiny_model, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from app.bench_e2e import main, table
+    from tandem.app.cli.bench_e2e import main, table
 
     model = tiny_model(arch="llama", layers=4)
     argv = ["--model", str(model), "--tokens", "64", "--repeat", "1", "--max-tokens", "4"]

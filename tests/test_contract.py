@@ -1,4 +1,4 @@
-"""The contract module (nodes/contract.py): stdlib only, and what every side relies on — the
+"""The contract module (nodes/contract/http.py): stdlib only, and what every side relies on — the
 body reader, SSE, the /health record, event records — plus the pure OpenAI parsing."""
 
 from __future__ import annotations
@@ -9,8 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from nodes.contract import (
+from tandem.nodes.contract.events import (
+    LayerEvent,
+    LinkEvent,
+    RequestEvent,
+    TokenEvent,
+    event_from_json,
+)
+from tandem.nodes.contract.http import (
     MAX_JSON_DEPTH,
     SSE_END,
     BadBody,
@@ -22,17 +28,16 @@ from nodes.contract import (
     sse_encode,
     sse_record,
 )
-from nodes.decode import openai_api as oa
-from nodes.events import LayerEvent, LinkEvent, RequestEvent, TokenEvent, event_from_json
+from tandem.nodes.decode import openai_api as oa
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_contract_imports_only_the_stdlib() -> None:
     code = (
-        "import sys; before = set(sys.modules); import nodes.contract; "
+        "import sys; before = set(sys.modules); import tandem.nodes.contract.http; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
-        "print(sorted(new - set(sys.stdlib_module_names) - {'nodes'}))"
+        "print(sorted(new - set(sys.stdlib_module_names) - {'tandem'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from nodes.events import LayerEvent
-from nodes.model import ModelIndex, load_index
-from nodes.model.safetensors_format import ITEMSIZE
-from nodes.prefill.engine import PrefillEngine, prompt_activations
+from tandem.nodes.contract.events import LayerEvent
+from tandem.nodes.model import ModelIndex, load_index
+from tandem.nodes.model.safetensors_format import ITEMSIZE
+from tandem.nodes.prefill.engine import PrefillEngine, prompt_activations
 
 pytestmark = pytest.mark.cuda
 

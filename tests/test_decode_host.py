@@ -10,9 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
-
-from nodes.decode.host import Generation, ModelHost
-from nodes.decode.openai_api import Sampling
+from tandem.nodes.decode.host import Generation, ModelHost
+from tandem.nodes.decode.openai_api import Sampling
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from zeroconf import IPVersion, ServiceStateChange, Zeroconf
-from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
-
-from nodes.contract import PROTO, SERVICE_TYPE
-from nodes.discovery import (
+from tandem.nodes.cluster.discovery import (
     Advert,
     Discovery,
     advertised_addresses,
@@ -29,10 +25,14 @@ from nodes.discovery import (
     url_for,
     zeroconf_interfaces,
 )
-from nodes.hello import HelloResponder
-from nodes.model import fingerprint, load_index
-from nodes.node import NODE, NodeConfig, create_app
-from nodes.peers import Peer, PeerTable
+from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.contract.http import PROTO, SERVICE_TYPE
+from tandem.nodes.model import fingerprint, load_index
+from tandem.nodes.serve.node import NODE, NodeConfig, create_app
+from tandem.nodes.trust.hello import HelloResponder
+from zeroconf import IPVersion, ServiceStateChange, Zeroconf
+from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
+
 from tests.discovery_support import (
     MdnsNode,
     mutual_trust,
@@ -525,7 +525,7 @@ async def test_a_static_address_claiming_a_trusted_peers_id_does_not_unseat_it(f
 
 
 async def test_hint_suggests_peer_when_nothing_is_found(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="nodes.discovery")
+    caplog.set_level(logging.INFO, logger="tandem.nodes.cluster.discovery")
     table = PeerTable("me", "fp", None)
     async with aiohttp.ClientSession() as s:
         lan = Discovery(replace(_advert(), host="0.0.0.0"), table, s, hint_after_s=0.01)

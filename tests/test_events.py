@@ -9,8 +9,15 @@ import threading
 import time
 
 import pytest
-
-from nodes.events import Event, EventBus, LayerEvent, LinkEvent, RequestEvent, TokenEvent, sse
+from tandem.nodes.contract.events import (
+    Event,
+    EventBus,
+    LayerEvent,
+    LinkEvent,
+    RequestEvent,
+    TokenEvent,
+    sse,
+)
 
 COMMON_KEYS = {"t", "node", "kind", "request_id"}
 KIND_KEYS: dict[str, set[str]] = {

@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-
-from nodes.model import ModelError, load_index, load_spec
-from nodes.model.factory import CHAT_TEMPLATE, MakeModelArgs, make_model
+from tandem.nodes.model import ModelError, load_index, load_spec
+from tandem.nodes.model.factory import CHAT_TEMPLATE, MakeModelArgs, make_model
 
 torch = pytest.importorskip("torch")
 mx = pytest.importorskip("mlx.core")

@@ -9,9 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from nodes.model import fingerprint, load_index
-from nodes.model.index import TensorEntry
+from tandem.nodes.model import fingerprint, load_index
+from tandem.nodes.model.index import TensorEntry
 
 MakeTiny = Callable[..., Path]  # the `tiny_model` fixture (tests/conftest.py)
 

@@ -11,8 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
+from tandem.nodes.decode.first_step import FirstStep
 
-from nodes.decode.first_step import FirstStep
 from tests.conftest import MakeTiny
 
 CASES: dict[str, tuple[dict[str, Any], int | None]] = {

@@ -14,9 +14,9 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from tandem.nodes.contract.http import PROTO
+from tandem.nodes.model import load_index
 
-from nodes.contract import PROTO
-from nodes.model import load_index
 from tests.fake_prefill import start_fake_prefill
 from tests.hide_modules import hidden_env
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_trusted

@@ -17,13 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from zeroconf.asyncio import AsyncServiceInfo
-
-from app.tui.client import NodeClient, NodeError
-from nodes.auth import auth_middleware
-from nodes.contract import PROTO, SERVICE_TYPE, Health
-from nodes.discovery import Advert, read_service, url_for
-from nodes.hello import (
+from tandem.app.tui.client import NodeClient, NodeError
+from tandem.nodes.cluster.discovery import Advert, read_service, url_for
+from tandem.nodes.cluster.peers import Peer, PeerTable, UntrustedPeer
+from tandem.nodes.contract.http import PROTO, SERVICE_TYPE, Health
+from tandem.nodes.trust.auth import auth_middleware
+from tandem.nodes.trust.hello import (
     PENDING_S,
     HelloError,
     HelloRefused,
@@ -31,9 +30,10 @@ from nodes.hello import (
     channel_address,
     prove,
 )
-from nodes.peers import Peer, PeerTable, UntrustedPeer
-from nodes.signing import SIGNATURE, TIME, Verifier, hello_proof, sign
-from nodes.tls import Identity, load_or_create
+from tandem.nodes.trust.signing import SIGNATURE, TIME, Verifier, hello_proof, sign
+from tandem.nodes.trust.tls import Identity, load_or_create
+from zeroconf.asyncio import AsyncServiceInfo
+
 from tests.trust_support import Log, add_hello_routes, relay, serving
 
 TOKEN = "hello-test-token-0123456789abcdef"

@@ -6,11 +6,11 @@ import errno
 
 import pytest
 import torch
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.stream import movers
+from tandem.nodes.prefill.stream.movers import CpuMover, HostTier
 
-from nodes.model.index import load_index
-from nodes.prefill import movers
-from nodes.prefill.movers import CpuMover, HostTier
-from nodes.prefill.plan import make_plan
 from tests.conftest import MakeTiny
 
 

@@ -1,4 +1,4 @@
-"""The decode node's HTTP/1.1 client for KV streams (nodes/decode/http_stream.py): against a
+"""The decode node's HTTP/1.1 client for KV streams (nodes/serve/http_stream.py): against a
 real aiohttp server for what aiohttp sends, and a raw socket server for what it never would."""
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-
-from nodes.decode import http_stream
-from nodes.decode.http_stream import HttpError
-from nodes.kv_link import BUFFER_BYTES, arrival_seconds, tune_receiver, tune_sender
-from nodes.tls import Identity, load_or_create, server_context
+from tandem.nodes.serve import http_stream
+from tandem.nodes.serve.http_stream import HttpError
+from tandem.nodes.serve.kv_link import BUFFER_BYTES, arrival_seconds, tune_receiver, tune_sender
+from tandem.nodes.trust.tls import Identity, load_or_create, server_context
 
 BODY = bytes(range(256)) * 1200  # 300 KiB
 PIECES = [1, 2, 3, 1000, 1005, 70_000, 170_000, len(BODY)]  # the server's writes, cut at these
@@ -272,7 +271,7 @@ async def test_broken_replies_raise_http_error(reply: bytes, message: str) -> No
         await raw_exchange(reply, _whole)
 
 
-# --- the link's settings and timing (nodes/kv_link.py) ---------------------------------------
+# --- the link's settings and timing (nodes/serve/kv_link.py) ---
 
 
 def test_socket_settings() -> None:

@@ -24,27 +24,27 @@ FRAMEWORKS = TORCH | MLX | TUI
 
 # module → top-level packages that must stay out of sys.modules after importing it
 BOUNDARIES: dict[str, frozenset[str]] = {
-    "nodes.model": FRAMEWORKS | HF | {"aiohttp"},
-    "nodes.model.factory": FRAMEWORKS | HF,  # tokenizers only inside make_model()
-    "nodes.model.gguf_import": FRAMEWORKS | HF | {"aiohttp"},  # mlx and HF inside functions
-    "nodes.events": FRAMEWORKS | HF | {"aiohttp", "numpy"},
-    "nodes.units": FRAMEWORKS | HF | {"aiohttp", "numpy"},
-    "nodes.wire": FRAMEWORKS | HF | {"aiohttp"},
-    "nodes.prefill": MLX | TUI,
-    "nodes.prefill.engine": MLX | TUI | {"aiohttp"},  # the bare-CUDA-box bench path
-    "nodes.prefill.bench": MLX | TUI | {"aiohttp"},
-    "nodes.prefill.server": MLX | TUI,
-    "nodes.prefix": FRAMEWORKS | HF | {"aiohttp", "numpy"},
-    "nodes.node": FRAMEWORKS | HF,  # roles import their framework only when started
-    "nodes.peers": FRAMEWORKS | HF,
-    "nodes.discovery": FRAMEWORKS | HF,
-    "nodes.auth": FRAMEWORKS | HF,
-    "app": FRAMEWORKS,
-    "app.cli": FRAMEWORKS,
-    "app.bench_e2e": FRAMEWORKS,
-    "app.pair": FRAMEWORKS,
-    "app.demo": FRAMEWORKS | HF,
-    "app.real_model": FRAMEWORKS | HF,
+    "tandem.nodes.model": FRAMEWORKS | HF | {"aiohttp"},
+    "tandem.nodes.model.factory": FRAMEWORKS | HF,  # tokenizers only inside make_model()
+    "tandem.nodes.model.gguf_import": FRAMEWORKS | HF | {"aiohttp"},  # mlx and HF inside functions
+    "tandem.nodes.contract.events": FRAMEWORKS | HF | {"aiohttp", "numpy"},
+    "tandem.nodes.contract.units": FRAMEWORKS | HF | {"aiohttp", "numpy"},
+    "tandem.nodes.contract.frames": FRAMEWORKS | HF | {"aiohttp"},
+    "tandem.nodes.prefill": MLX | TUI,
+    "tandem.nodes.prefill.engine": MLX | TUI | {"aiohttp"},  # the bare-CUDA-box bench path
+    "tandem.nodes.prefill.bench": MLX | TUI | {"aiohttp"},
+    "tandem.nodes.prefill.server": MLX | TUI,
+    "tandem.nodes.contract.prefix": FRAMEWORKS | HF | {"aiohttp", "numpy"},
+    "tandem.nodes.serve.node": FRAMEWORKS | HF,  # roles import their framework only when started
+    "tandem.nodes.cluster.peers": FRAMEWORKS | HF,
+    "tandem.nodes.cluster.discovery": FRAMEWORKS | HF,
+    "tandem.nodes.trust.auth": FRAMEWORKS | HF,
+    "tandem.app": FRAMEWORKS,
+    "tandem.app.cli.main": FRAMEWORKS,
+    "tandem.app.cli.bench_e2e": FRAMEWORKS,
+    "tandem.app.cli.pair": FRAMEWORKS,
+    "tandem.app.cli.demo": FRAMEWORKS | HF,
+    "tandem.app.cli.real_model": FRAMEWORKS | HF,
 }
 
 
@@ -79,4 +79,4 @@ def test_import_keeps_frameworks_out(module: str, forbidden: frozenset[str]) -> 
 def test_the_check_can_fail() -> None:
     # json imports nothing heavy; a module that pulls numpy in must show up as loaded
     assert "numpy" not in _loaded_after_import("json")
-    assert "numpy" in _loaded_after_import("nodes.model.factory")
+    assert "numpy" in _loaded_after_import("tandem.nodes.model.factory")

@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 from safetensors.numpy import load_file
-
-from nodes.model import ModelError, RopeScaling, load_index, load_spec
-from nodes.model.index import expected_layer_shapes
-from nodes.model.safetensors_format import RawTensor, encode, read_header
+from tandem.nodes.model import ModelError, RopeScaling, load_index, load_spec
+from tandem.nodes.model.index import expected_layer_shapes
+from tandem.nodes.model.safetensors_format import RawTensor, encode, read_header
 
 MakeTiny = Callable[..., Path]  # the `tiny_model` fixture (tests/conftest.py)
 GLOBALS = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tandem.nodes.contract.http import SERVICE_TYPE
 
-from nodes.contract import SERVICE_TYPE
 from tests.discovery_support import (
     MdnsNode,
     mutual_trust,

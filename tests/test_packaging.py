@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tandem.app.cli.main import build_parser
 
-from app.cli import build_parser
 from tests.nodeproc import start_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_every_packaging_file_says_how_to_install_it() -> None:
 
 def _tandem(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=env, capture_output=True,
+        [sys.executable, "-m", "tandem.app", *args], cwd=ROOT, env=env, capture_output=True,
         text=True, timeout=60,
     )  # fmt: skip
 

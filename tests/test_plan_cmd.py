@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from tandem.app.cli.main import main
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill import cost
+from tandem.nodes.prefill.bench import bench, make_random_model
+from tandem.nodes.prefill.engine import plan_for_prompts, prompt_activations
+from tandem.nodes.prefill.plan import Plan, make_plan
 
-from app.cli import main
-from nodes.model.errors import ModelError
-from nodes.model.index import load_index
-from nodes.prefill import cost
-from nodes.prefill.bench import bench, make_random_model
-from nodes.prefill.engine import plan_for_prompts, prompt_activations
-from nodes.prefill.plan import Plan, make_plan
 from tests.test_import_boundaries import TORCH, _loaded_after_import
 
 # Llama-3-70B: bf16, GQA 64/8, llama3 RoPE scaling
@@ -225,7 +225,7 @@ def test_cuda_without_a_gpu_needs_budget_and_rates(
 
 
 def test_plan_command_keeps_torch_out_until_it_runs() -> None:
-    assert not _loaded_after_import("app.plan_cmd") & TORCH
+    assert not _loaded_after_import("tandem.app.cli.plan_cmd") & TORCH
 
 
 # --- the ring simulator on hand-made loads ------------------------------------------------

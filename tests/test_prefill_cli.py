@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill.plan import make_plan
 
-from nodes.model.index import load_index
-from nodes.prefill.plan import make_plan
 from tests.conftest import MakeTiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ STATS_KEYS = {
 
 def tandem(*args: str | Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *map(str, args)],
+        [sys.executable, "-m", "tandem.app", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -115,7 +115,7 @@ def bad_runs(
         (tmp / "tokens.json").write_text(text)
         out = tmp / "cache.safetensors"
         args = [
-            sys.executable, "-m", "app.cli", "prefill", "--model", str(model(model_dir, tmp)),
+            sys.executable, "-m", "tandem.app", "prefill", "--model", str(model(model_dir, tmp)),
             "--tokens-file", str(tmp / "tokens.json"), "--out", str(out), "--device", "cpu",
             *extra,
         ]  # fmt: skip
@@ -161,7 +161,7 @@ def test_memory_stays_near_the_budget(tiny_model: MakeTiny, tmp_path: Path) -> N
         f"""
         import json, os, resource
         import numpy as np
-        from nodes.prefill.engine import PrefillEngine
+        from tandem.nodes.prefill.engine import PrefillEngine
 
         def status(key):
             for line in open("/proc/self/status"):

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.prefill import engine as engine_module
+from tandem.nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
+from tandem.nodes.prefill.plan import Load, make_plan
+from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes
 
-from nodes.events import Event, LayerEvent, LinkEvent
-from nodes.model.index import ModelIndex, load_index
-from nodes.prefill import engine as engine_module
-from nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
-from nodes.prefill.movers import CpuMover, FillTimes
-from nodes.prefill.plan import Load, make_plan
 from tests.conftest import MakeTiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -494,7 +494,7 @@ def test_engine_imports_without_mlx_textual_aiohttp() -> None:
     code = textwrap.dedent(
         """
         import json, sys
-        import nodes.prefill.engine
+        import tandem.nodes.prefill.engine
         print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
         """
     )
@@ -503,7 +503,7 @@ def test_engine_imports_without_mlx_textual_aiohttp() -> None:
     )
     assert result.returncode == 0, result.stderr
     loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
-    assert "torch" in loaded and "nodes" in loaded  # the check sees what was imported
+    assert "torch" in loaded and "tandem" in loaded  # the check sees what was imported
     assert not loaded & {"mlx", "mlx_lm", "textual", "aiohttp"}
 
 
@@ -522,8 +522,8 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
     and the K/V are bit for bit the same."""
     import errno
 
-    from nodes.prefill import movers
-    from nodes.prefill.plan import direct_span
+    from tandem.nodes.prefill.plan import direct_span
+    from tandem.nodes.prefill.stream import movers
 
     model = tiny_model(arch="qwen2", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512)
     index = load_index(model)
@@ -565,9 +565,9 @@ def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
     import threading
     from types import SimpleNamespace
 
-    from nodes.events import EventBus
-    from nodes.prefill.server import PrefillService
-    from nodes.prefill.streamer import DEVICE_NICE, LOADER_NICE, lower_this_thread
+    from tandem.nodes.contract.events import EventBus
+    from tandem.nodes.prefill.server import PrefillService
+    from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, LOADER_NICE, lower_this_thread
 
     def nice_here() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.prefill.plan import ALIGN, Load, Part, Plan, direct_span, make_plan
+from tandem.nodes.prefill.stream.movers import aligned_empty, open_direct, read_load
 
-from nodes.model.errors import ModelError
-from nodes.model.index import ModelIndex, load_index
-from nodes.model.spec import ModelSpec
-from nodes.prefill.movers import aligned_empty, open_direct, read_load
-from nodes.prefill.plan import ALIGN, Load, Part, Plan, direct_span, make_plan
 from tests.conftest import MakeTiny
 
 # name → MakeModelArgs fields. "qk_split" has as many KV heads as query heads and a small MLP,
@@ -295,7 +295,7 @@ def test_plan_is_deterministic(index_of: Callable[[str], ModelIndex]) -> None:
 
 
 def test_resident_set_spreads_evenly_and_fits() -> None:
-    from nodes.prefill.plan import _resident_set
+    from tandem.nodes.prefill.plan import _resident_set
 
     assert _resident_set([10] * 16, 25) == {0, 8}
     assert _resident_set([10] * 16, 40) == {0, 4, 8, 12}

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-
-from nodes.prefill.prefix_cache import PrefixCache
-from nodes.prefix import best_prefix, common_prefix
+from tandem.nodes.contract.prefix import best_prefix, common_prefix
+from tandem.nodes.prefill.prefix_cache import PrefixCache
 
 
 def test_common_and_best_prefix() -> None:

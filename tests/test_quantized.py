@@ -14,12 +14,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import load_index
+from tandem.nodes.model.quant import Quant, parse_quantization
+from tandem.nodes.prefill.dequant import dequantize
+from tandem.nodes.prefill.plan import dequantized_bytes, dequantized_sizes, make_plan
 
-from nodes.model.errors import ModelError
-from nodes.model.index import load_index
-from nodes.model.quant import Quant, parse_quantization
-from nodes.prefill.dequant import dequantize
-from nodes.prefill.plan import dequantized_bytes, dequantized_sizes, make_plan
 from tests.conftest import MakeTiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def _tokens(tmp: Path, n: int, seed: int = 3) -> Path:
 
 def _tandem(*args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *map(str, args)],
+        [sys.executable, "-m", "tandem.app", *map(str, args)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 

@@ -17,13 +17,13 @@ import numpy as np
 import openai
 import pytest
 import torch
+from tandem.nodes.contract.frames import FrameReader, FrameWriter, Header, LayerFrame, ProtocolError
+from tandem.nodes.contract.http import PROTO, KVFormat, kv_format_of
+from tandem.nodes.decode.kv import CacheBuilder, KVShape
+from tandem.nodes.decode.prompt_cache import PromptCache
+from tandem.nodes.model import fingerprint, load_index
+from tandem.nodes.prefill.engine import quantized_parts
 
-from nodes.contract import PROTO, KVFormat, kv_format_of
-from nodes.decode.kv import CacheBuilder, KVShape
-from nodes.decode.prompt_cache import PromptCache
-from nodes.model import fingerprint, load_index
-from nodes.prefill.engine import quantized_parts
-from nodes.wire import FrameReader, FrameWriter, Header, LayerFrame, ProtocolError
 from tests.conftest import MakeTiny
 from tests.nodeproc import NodeProc, remote_pair, start_node
 
@@ -238,7 +238,7 @@ def test_the_wires_quantized_layers_are_mx_quantize_of_its_float_ones(
 ) -> None:
     """Over real HTTP, each quantized layer the prefill node sends holds exactly what
     mx.quantize makes of the float K and V it sends for the same prompt."""
-    from nodes.wire import layer_parts_to_numpy
+    from tandem.nodes.contract.frames import layer_parts_to_numpy
 
     tokens = pair.tokens([{"role": "user", "content": PROMPTS[0]}])
     fh, floats = _prefill_frames(pair, tokens, {})
@@ -259,8 +259,7 @@ def test_the_prefill_nodes_prefix_cache_keeps_full_precision(pair: Pair) -> None
     from the cache (all but the last, which is computed again, alone) are quantized there
     into exactly mx.quantize of those float K/V."""
     from mlx_lm.models.cache import make_prompt_cache
-
-    from nodes.wire import layer_parts_to_numpy
+    from tandem.nodes.contract.frames import layer_parts_to_numpy
 
     head = pair.tokens([{"role": "user", "content": "Count the waves, keeper."}])
     longer = [*head, 7, 11, 13]
@@ -375,8 +374,8 @@ def test_frame_layout_is_the_documented_one() -> None:
 
 
 def test_the_dashboard_shows_each_replys_kv_dtype() -> None:
-    from app.tui.client import ReplyStats
-    from app.tui.widgets.chat import stats_line
+    from tandem.app.tui.client import ReplyStats
+    from tandem.app.tui.widgets.chat import stats_line
 
     stats = ReplyStats.from_json({"prefill": "remote", "kv_dtype": "q4/g64"})
     assert "KV q4/g64" in stats_line(stats)
@@ -388,8 +387,7 @@ async def test_a_peer_of_the_old_protocol_is_refused_with_a_clear_reason() -> No
     import aiohttp
     from aiohttp import web
     from aiohttp.test_utils import TestServer
-
-    from nodes.peers import PeerTable
+    from tandem.nodes.cluster.peers import PeerTable
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "id": "old", "name": "old", "proto": 1,

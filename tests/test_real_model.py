@@ -19,9 +19,9 @@ import numpy as np
 import openai
 import pytest
 from safetensors.numpy import load_file
+from tandem.app.cli.real_model import RealModel
+from tandem.nodes.decode.quality import Quality
 
-from app.real_model import RealModel
-from nodes.decode.quality import Quality
 from tests.nodeproc import ROOT, NodeProc, remote_pair
 
 TOKEN = "real-model-token-0123456789"
@@ -82,7 +82,7 @@ def test_a_second_prepare_waits_for_the_first_and_reads_what_it_made(
 ) -> None:
     """Two processes preparing at once (a demo beside a test run, two test workers): the one
     that comes second waits for the first one's lock, then converts nothing."""
-    from app import real_model as rm
+    from tandem.app.cli import real_model as rm
 
     def no_conversion(_: Path) -> Path:
         raise AssertionError("the second prepare converted again")
@@ -145,9 +145,8 @@ def test_transformers_reads_the_gguf_as_our_float_form(real_model: RealModel) ->
     """An independent reader of the same GGUF (transformers' own dequantizer and its own
     undoing of llama.cpp's Q/K permutation) gives exactly our float32 weights."""
     import torch
+    from tandem.app.cli.real_model import locate_gguf
     from transformers import AutoModelForCausalLM
-
-    from app.real_model import locate_gguf
 
     gguf = locate_gguf(real_model.root.parent)
     theirs = AutoModelForCausalLM.from_pretrained(
@@ -190,7 +189,7 @@ def _prefill_cache(model_dir: Path, tokens: list[int], tmp: Path, budget: str) -
     tokens_file, out = tmp / "tokens.json", tmp / "cache.safetensors"
     tokens_file.write_text(json.dumps(tokens))
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "prefill", "--model", str(model_dir),
+        [sys.executable, "-m", "tandem.app", "prefill", "--model", str(model_dir),
          "--tokens-file", str(tokens_file), "--out", str(out), "--budget", budget],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -225,7 +224,7 @@ def _handoff_quality(model_dir: Path, split: tuple[int, int], budget: str, tmp: 
     """The prefill engine's KV of the first `split[0]` tokens of a real English text (through
     `tandem prefill`), then the text's next tokens up to `split[1]`, read teacher-forced by
     mlx-lm, against mlx-lm's own prefill of the same model."""
-    from nodes.decode.quality import handoff_quality
+    from tandem.nodes.decode.quality import handoff_quality
 
     model, tokenizer = _mlx_load(model_dir)
     text = tokenizer.encode(CORPUS)  # 780-odd tokens
@@ -286,10 +285,10 @@ def test_eight_bit_kv_handoff_is_within_one_percent_of_mlx_lms_own(real_model: R
     """Issue 20: the prefill engine's K/V quantized to 8 bits on its device, built into
     QuantizedKVCaches, read a real continuation within 1% perplexity of mlx-lm's own 8-bit
     cache of the same prompt (`generate(kv_bits=8, quantized_kv_start=0)`'s cache)."""
-    from nodes.contract import KVFormat
-    from nodes.decode import kv
-    from nodes.decode.quality import handoff_quality
-    from nodes.prefill.engine import PrefillEngine
+    from tandem.nodes.contract.http import KVFormat
+    from tandem.nodes.decode import kv
+    from tandem.nodes.decode.quality import handoff_quality
+    from tandem.nodes.prefill.engine import PrefillEngine
 
     model_dir = real_model.path("float32")
     model, tokenizer = _mlx_load(model_dir)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.contract.events import EventBus, LinkEvent
+from tandem.nodes.decode.host import ModelHost
+from tandem.nodes.decode.kv import KVShape
+from tandem.nodes.decode.remote import BufferPool, PrefillCall, RemotePrefill, RemotePrefillError
+from tandem.nodes.model import fingerprint, load_index
 
-from nodes.decode.host import ModelHost
-from nodes.decode.kv import KVShape
-from nodes.decode.remote import BufferPool, PrefillCall, RemotePrefill, RemotePrefillError
-from nodes.events import EventBus, LinkEvent
-from nodes.model import fingerprint, load_index
-from nodes.peers import Peer, PeerTable
 from tests.fake_prefill import start_fake_prefill
 
 TOKEN = "t0ken"

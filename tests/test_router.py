@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from nodes.decode.remote import RemoteResult
-from nodes.decode.router import LocalRate, choose, predict_remote_s
-from nodes.peers import Peer
+from tandem.nodes.cluster.peers import Peer
+from tandem.nodes.decode.remote import RemoteResult
+from tandem.nodes.decode.router import LocalRate, choose, predict_remote_s
 
 GPU = Peer(address="http://gpu:8470", trusted=True, reason=None, roles=("prefill",),
            prefill_tok_s=4000.0, link_Bps=1.25e9, prefill_floor_s=2.0)  # fmt: skip

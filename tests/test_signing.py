@@ -10,10 +10,8 @@ from hashlib import sha256
 
 import pytest
 from multidict import CIMultiDict
-from yarl import URL
-
-from nodes.auth import AuthError, check_bind, is_loopback
-from nodes.signing import (
+from tandem.nodes.trust.auth import AuthError, check_bind, is_loopback
+from tandem.nodes.trust.signing import (
     CALLEE,
     CALLER,
     NONCE,
@@ -29,6 +27,7 @@ from nodes.signing import (
     sign,
     verify_hello_proof,
 )
+from yarl import URL
 
 TOKEN = "cluster-token-Zq8Vt3yQ1sLkR7wXc5mN"
 A, B, C = "caller-a", "callee-b", "callee-c"

@@ -20,17 +20,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from tandem.nodes.contract.events import Event, LayerEvent
+from tandem.nodes.contract.http import PROTO
+from tandem.nodes.model import fingerprint
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.prefill.blocks import LayerState, out_rows_part
+from tandem.nodes.prefill.engine import PrefillEngine, PromptTooLong, prompt_activations
+from tandem.nodes.prefill.plan import DIRECT_ALIGN, RING_LOADS, make_plan
+from tandem.nodes.prefill.stream import movers
+from tandem.nodes.prefill.stream.movers import (
+    HostArena,
+    HostTier,
+    aligned_empty,
+    open_direct,
+    read_load,
+)
 
-from nodes.contract import PROTO
-from nodes.events import Event, LayerEvent
-from nodes.model import fingerprint
-from nodes.model.errors import ModelError
-from nodes.model.index import ModelIndex, load_index
-from nodes.prefill import movers
-from nodes.prefill.blocks import LayerState, out_rows_part
-from nodes.prefill.engine import PrefillEngine, PromptTooLong, prompt_activations
-from nodes.prefill.movers import HostArena, HostTier, aligned_empty, open_direct, read_load
-from nodes.prefill.plan import DIRECT_ALIGN, RING_LOADS, make_plan
 from tests.conftest import MakeTiny
 from tests.nodeproc import start_node
 
@@ -235,7 +241,7 @@ def test_attention_takes_all_queries_at_once_only_where_a_fused_kernel_runs(
     an fp32 model (or a head of 512) would fall to SDPA's MATH kernel and hold the whole
     [heads, T, S] score matrix, so it is chunked, and reserved, as on a CPU (plus CUDA's own
     slack and the K/V in flight to the host)."""
-    from nodes.prefill.blocks import CUDA_SLACK, fused_attention
+    from tandem.nodes.prefill.blocks import CUDA_SLACK, fused_attention
 
     assert fused_attention("cuda", 2, 128) and fused_attention("cuda", 2, 256)
     assert not fused_attention("cuda", 4, 128)  # float32: no flash kernel
@@ -413,7 +419,7 @@ def test_a_card_without_flash_attention_chunks_its_queries(
 ) -> None:
     """A Turing card (7.5: a used 2080 Ti, a T4) has no flash attention: SDPA with GQA falls
     to its MATH kernel there, and the queries must go in chunks (and be reserved so)."""
-    from nodes.prefill import blocks
+    from tandem.nodes.prefill import blocks
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)

@@ -10,9 +10,8 @@ import asyncio
 import time
 
 import aiohttp
-
-from app.bench_e2e import paced_server
-from nodes.throttle import PacedSender
+from tandem.app.cli.bench_e2e import paced_server
+from tandem.nodes.serve.throttle import PacedSender
 
 
 async def _timed_get(url: str, size: int) -> tuple[float, float, bytes]:

@@ -15,8 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-
-from nodes.tls import (
+from tandem.nodes.trust.tls import (
     CERT_FILE,
     KEY_FILE,
     Identity,

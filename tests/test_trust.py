@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from tandem.app.cli.pair import check, run_check
+from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
+from tandem.nodes.trust.hello import HelloResponder
+from tandem.nodes.trust.signing import SIGNATURE, sign
+from tandem.nodes.trust.tls import load_or_create
 
-from app.pair import check, run_check
-from nodes.auth import CONFIRM_PATH, HELLO_PATH
-from nodes.hello import HelloResponder
-from nodes.signing import SIGNATURE, sign
-from nodes.tls import load_or_create
 from tests.discovery_support import poll
 from tests.nodeproc import NodeProc, start_node, unverified_tls, wait_healthy, wait_trusted
 from tests.trust_support import Log, add_hello_routes, relay, serving

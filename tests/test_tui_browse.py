@@ -7,12 +7,11 @@ import secrets
 import socket
 from contextlib import suppress
 
+from tandem.app.tui.app import TandemApp
+from tandem.app.tui.browse import SERVICE, browse
+from tandem.app.tui.messages import NodeFound
 from zeroconf import ServiceInfo
 from zeroconf.asyncio import AsyncZeroconf
-
-from app.tui.app import TandemApp
-from app.tui.browse import SERVICE, browse
-from app.tui.messages import NodeFound
 
 
 def _service(port: int, **props: str) -> ServiceInfo:

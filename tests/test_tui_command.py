@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from app.cli import UsageError
-from app.tui import command
+from tandem.app.cli.main import UsageError
+from tandem.app.tui import command
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -59,10 +58,11 @@ def test_nothing_to_watch_or_a_bad_token_file_is_a_usage_error(
 
 
 def test_python_dash_m_prints_a_usage_error_in_one_line() -> None:
-    """`python -m app.cli` is the module `__main__`; the subcommands import `app.cli`. The
-    error they raise must still be the one caught: one line and status 2, no traceback."""
+    """`python -m tandem.app` runs the CLI through `__main__`; the subcommands import
+    `tandem.app.cli.main`. The error they raise must still be the one caught: one line and
+    status 2, no traceback."""
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "tui", "--no-mdns"],
+        [sys.executable, "-m", "tandem.app", "tui", "--no-mdns"],
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60,
         env={**os.environ, "TANDEM_TOKEN": ""}, check=False,
     )  # fmt: skip

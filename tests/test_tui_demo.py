@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tandem.app.cli.demo import REAL_FORM
+from tandem.app.cli.real_model import RealModel
 
-from app.demo import REAL_FORM
-from app.real_model import RealModel
 from tests.conftest import REAL_MODEL_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _until(check: object, timeout: float) -> bool:
 
 def _headless(env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "demo", "--headless"],
+        [sys.executable, "-m", "tandem.app", "demo", "--headless"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -95,7 +95,7 @@ def test_demo_nodes_stop_when_the_demo_is_interrupted_or_dies(
     if sig == signal.SIGKILL and not sys.platform.startswith("linux"):
         pytest.skip("children follow a killed parent through PR_SET_PDEATHSIG (Linux)")
     demo = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "demo", "--headless"],
+        [sys.executable, "-m", "tandem.app", "demo", "--headless"],
         cwd=ROOT, env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip

@@ -8,22 +8,22 @@ import pytest
 from tests.test_import_boundaries import MLX, TORCH, TUI, _loaded_after_import
 
 BOUNDARIES: dict[str, frozenset[str]] = {
-    "app.tui.app": TORCH | MLX,
-    "app.tui.command": TORCH | MLX | TUI,  # the CLI imports it at start-up
-    "app.demo": TORCH | MLX | TUI,
-    "app.tui.client": TORCH | MLX | TUI,
-    "app.tui.cluster": TORCH | MLX | TUI,
-    "app.tui.pipeline": TORCH | MLX | TUI,
-    "app.tui.rates": TORCH | MLX | TUI,
+    "tandem.app.tui.app": TORCH | MLX,
+    "tandem.app.tui.command": TORCH | MLX | TUI,  # the CLI imports it at start-up
+    "tandem.app.cli.demo": TORCH | MLX | TUI,
+    "tandem.app.tui.client": TORCH | MLX | TUI,
+    "tandem.app.tui.cluster": TORCH | MLX | TUI,
+    "tandem.app.tui.pipeline": TORCH | MLX | TUI,
+    "tandem.app.tui.rates": TORCH | MLX | TUI,
 }
 
 
 @pytest.mark.parametrize(("module", "forbidden"), BOUNDARIES.items(), ids=list(BOUNDARIES))
 def test_dashboard_imports_keep_frameworks_out(module: str, forbidden: frozenset[str]) -> None:
     loaded = _loaded_after_import(module)
-    assert "app" in loaded
+    assert "tandem" in loaded
     assert not loaded & forbidden, f"importing {module} loads {sorted(loaded & forbidden)}"
 
 
 def test_the_dashboard_does_load_textual() -> None:
-    assert "textual" in _loaded_after_import("app.tui.app")
+    assert "textual" in _loaded_after_import("tandem.app.tui.app")

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from app.demo import DemoCluster, free_port
-from app.tui.app import TandemApp
-from app.tui.widgets.chat import ChatPanel, Reply
-from app.tui.widgets.pipeline import PipelineView
-from nodes.auth import new_token
+from tandem.app.cli.demo import DemoCluster, free_port
+from tandem.app.tui.app import TandemApp
+from tandem.app.tui.widgets.chat import ChatPanel, Reply
+from tandem.app.tui.widgets.pipeline import PipelineView
+from tandem.nodes.trust.auth import new_token
 
 # 300 kB of weight slots for ~185 kB layers: no resident set, every layer streams in two
 # loads on every request; 0.01 Gbit/s makes each layer take ~0.15 s, long enough to catch.
@@ -157,7 +156,7 @@ def _start_node(model: Path, workdir: Path, token: str) -> tuple[str, subprocess
     env = {**os.environ, "XDG_CONFIG_HOME": str(workdir / "config")}
     env.pop("TANDEM_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "node", "--role", "prefill", "--model", str(model),
+        [sys.executable, "-m", "tandem.app", "node", "--role", "prefill", "--model", str(model),
          "--port", str(port), "--no-mdns", "--token-file", str(workdir / "token")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )  # fmt: skip
@@ -204,8 +203,8 @@ async def test_a_node_that_leaves_or_refuses_the_token_is_shown_and_notified(
 
 
 async def test_live_updates_while_the_help_screen_is_open(cluster: DemoCluster) -> None:
-    from app.tui.screens.help import HelpScreen
-    from app.tui.widgets.nodes import NodesTable
+    from tandem.app.tui.screens.help import HelpScreen
+    from tandem.app.tui.widgets.nodes import NodesTable
 
     app = live_app(cluster)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
-from app.tui.client import Probe, ReplyStats, normalize
-from app.tui.cluster import ClusterModel
-from app.tui.fmt import format_gbit, format_link, format_rate
-from app.tui.pipeline import PipelineModel
-from app.tui.rates import Bandwidth, RateSeries
-from nodes.contract import PROTO
+from tandem.app.tui.client import Probe, ReplyStats, normalize
+from tandem.app.tui.cluster import ClusterModel
+from tandem.app.tui.fmt import format_gbit, format_link, format_rate
+from tandem.app.tui.pipeline import PipelineModel
+from tandem.app.tui.rates import Bandwidth, RateSeries
+from tandem.nodes.contract.http import PROTO
 
 RID = "chatcmpl-1"
 
@@ -87,7 +86,7 @@ def test_local_prefill_is_named_and_records_without_ids_are_ignored() -> None:
 def test_any_clients_request_shows_its_kv_dtype() -> None:
     """The decode node says how each request's KV is held in its prefill_start record (for
     the dashboard's chat and any other client alike): the pipeline's headline shows it."""
-    from app.tui.widgets.pipeline import _headline
+    from tandem.app.tui.widgets.pipeline import _headline
 
     model = PipelineModel()
     model.apply({"kind": "request", "request_id": "api-1", "phase": "prefill_start",

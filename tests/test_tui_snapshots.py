@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
-from app.tui.app import TandemApp
-from app.tui.client import ChatPart, Delta, Probe, ReplyStats
-from app.tui.messages import NodeProbed, NodeRecord
-from app.tui.widgets.chat import ChatPanel
-from nodes.contract import PROTO
+from tandem.app.tui.app import TandemApp
+from tandem.app.tui.client import ChatPart, Delta, Probe, ReplyStats
+from tandem.app.tui.messages import NodeProbed, NodeRecord
+from tandem.app.tui.widgets.chat import ChatPanel
+from tandem.nodes.contract.http import PROTO
 
 SIZE = (120, 40)
 DECODE = "http://10.0.0.3:8470"

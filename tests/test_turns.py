@@ -14,9 +14,9 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from tandem.nodes.contract.http import PROTO
+from tandem.nodes.contract.prefix import common_prefix
 
-from nodes.contract import PROTO
-from nodes.prefix import common_prefix
 from tests.fake_prefill import start_fake_prefill
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_healthy, wait_trusted
 
@@ -217,7 +217,7 @@ async def test_full_queue_answers_503_and_the_decode_node_retries(
         import urllib.error
         import urllib.request
 
-        from nodes.model import fingerprint, load_index
+        from tandem.nodes.model import fingerprint, load_index
 
         body = {"proto": PROTO, "fingerprint": fingerprint(load_index(model)),
                 "tokens": list(range(40)), "start": 0}  # fmt: skip

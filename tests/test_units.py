@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from nodes.units import format_bytes, gbps_to_Bps, parse_size
+from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""KV frames (nodes/wire.py): exact bytes, round trips, every malformed stream, mx.load."""
+"""KV frames (nodes/contract/frames.py): exact bytes, round trips, malformed streams, mx.load."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from nodes.wire import (
+from tandem.nodes.contract.frames import (
     PROTO,
     Done,
     ErrorFrame,
@@ -520,7 +519,7 @@ def test_mx_load_reads_a_layer_payload(dtype: str, tmp_path: Path) -> None:
 
 def test_wire_imports_no_framework() -> None:
     code = (
-        "import sys, nodes.wire; "
+        "import sys, tandem.nodes.contract.frames; "
         "bad = {m.split('.')[0] for m in sys.modules} & {'torch', 'mlx', 'aiohttp', 'mlx_lm'}; "
         "assert not bad, bad"
     )
@@ -530,7 +529,7 @@ def test_wire_imports_no_framework() -> None:
 
 def test_frame_crc_is_zlibs_crc32() -> None:
     """The fast crc32 the frames use (ISA-L) is zlib's function, chained the same way."""
-    from nodes import wire
+    from tandem.nodes.contract import frames as wire
 
     data = np.random.default_rng(7).integers(0, 256, 3_000_001, dtype=np.uint8).tobytes()
     assert wire.crc32(data) == zlib.crc32(data)

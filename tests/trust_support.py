@@ -12,12 +12,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from nodes.auth import CONFIRM_PATH, HELLO_PATH
-from nodes.discovery import url_for
-from nodes.hello import HelloRefused, HelloResponder
-from nodes.signing import SIGNATURE
-from nodes.tls import Identity, server_context
+from tandem.nodes.cluster.discovery import url_for
+from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
+from tandem.nodes.trust.hello import HelloRefused, HelloResponder
+from tandem.nodes.trust.signing import SIGNATURE
+from tandem.nodes.trust.tls import Identity, server_context
 
 
 def add_hello_routes(

@@ -17,6 +17,16 @@ from typing import ClassVar, TypeVar
 
 import aiohttp
 import zeroconf
+from tandem.app.tui.browse import browse
+from tandem.app.tui.client import NodeClient, NodeError, normalize
+from tandem.app.tui.cluster import ClusterModel
+from tandem.app.tui.messages import NodeFound, NodeProbed, NodeRecord, NodeStreaming
+from tandem.app.tui.rates import Bandwidth
+from tandem.app.tui.screens.help import HelpScreen
+from tandem.app.tui.widgets.bandwidth import BandwidthPanel
+from tandem.app.tui.widgets.chat import ChatPanel
+from tandem.app.tui.widgets.nodes import NodesTable
+from tandem.app.tui.widgets.pipeline import PipelineView
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -25,17 +35,6 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header
-
-from app.tui.browse import browse
-from app.tui.client import NodeClient, NodeError, normalize
-from app.tui.cluster import ClusterModel
-from app.tui.messages import NodeFound, NodeProbed, NodeRecord, NodeStreaming
-from app.tui.rates import Bandwidth
-from app.tui.screens.help import HelpScreen
-from app.tui.widgets.bandwidth import BandwidthPanel
-from app.tui.widgets.chat import ChatPanel
-from app.tui.widgets.nodes import NodesTable
-from app.tui.widgets.pipeline import PipelineView
 
 W = TypeVar("W", bound=Widget)
 

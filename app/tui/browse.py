@@ -10,11 +10,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from tandem.nodes.cluster.discovery import read_service
+from tandem.nodes.contract.http import SERVICE_TYPE as SERVICE
 from zeroconf import ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
-
-from nodes.contract import SERVICE_TYPE as SERVICE
-from nodes.discovery import read_service
 
 log = logging.getLogger(__name__)
 

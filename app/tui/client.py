@@ -3,7 +3,7 @@
 No Textual here: `tandem demo --headless` uses the same client. Every failure a node can
 cause becomes one `NodeError` whose `reason` matches `/v1/cluster`'s reasons, so callers
 show it instead of a traceback. The bearer token goes only to a node that first proved,
-through a hello (`nodes.hello`), that it holds the same token; an `https://` node is then
+through a hello (`trust/hello.py`), that it holds the same token; an `https://` node is then
 reached only over a connection whose certificate is the one that hello covered (pinned).
 """
 
@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-
-from nodes.auth import auth_headers
-from nodes.contract import PROTO, SSE_END, Health, Reason, sse_record
-from nodes.hello import HelloError, prove
-from nodes.tls import aiohttp_pin
+from tandem.nodes.contract.http import PROTO, SSE_END, Health, Reason, sse_record
+from tandem.nodes.trust.auth import auth_headers
+from tandem.nodes.trust.hello import HelloError, prove
+from tandem.nodes.trust.tls import aiohttp_pin
 
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=3.0)
 STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=3.0, sock_read=None)

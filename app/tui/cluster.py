@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from app.tui.client import Probe, normalize
+from tandem.app.tui.client import Probe, normalize
 
 Status = Literal["connecting", "trusted", "rejected", "unreachable"]
 Severity = Literal["information", "warning", "error"]

@@ -20,9 +20,9 @@ def add_tui_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tui(a: argparse.Namespace) -> int:
-    from app.cli import UsageError
-    from app.paths import config_dir
-    from nodes.auth import AuthError, load_token
+    from tandem.app.cli.main import UsageError
+    from tandem.app.paths import config_dir
+    from tandem.nodes.trust.auth import AuthError, load_token
 
     try:
         token = load_token(a.token_file, config_dir() / "token")
@@ -35,7 +35,7 @@ def cmd_tui(a: argparse.Namespace) -> int:
 
 def run_tui(peers: list[str], token: str | None, mdns: bool = True) -> int:
     """Run the dashboard until the user quits."""
-    from app.tui.app import TandemApp
+    from tandem.app.tui.app import TandemApp
 
     TandemApp(peers, token, mdns=mdns).run()
     return 0

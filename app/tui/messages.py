@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.app.tui.client import Probe, ReplyStats
 from textual.message import Message
-
-from app.tui.client import Probe, ReplyStats
 
 
 @dataclass

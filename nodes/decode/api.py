@@ -15,11 +15,10 @@ import logging
 from typing import Any
 
 from aiohttp import web
-
-from nodes.contract import SSE_DONE, BadBody, error_body, read_json, sse_encode
-from nodes.decode import openai_api as oa
-from nodes.decode.openai_api import ApiError, Completion
-from nodes.decode.service import DecodeService, Finished, GenerationFailed
+from tandem.nodes.contract.http import SSE_DONE, BadBody, error_body, read_json, sse_encode
+from tandem.nodes.decode import openai_api as oa
+from tandem.nodes.decode.openai_api import ApiError, Completion
+from tandem.nodes.decode.service import DecodeService, Finished, GenerationFailed
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.base import create_attention_mask
-
-from nodes.decode import kv
+from tandem.nodes.decode import kv
 
 
 class FirstStep:

@@ -24,12 +24,11 @@ import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generation_stream
 from mlx_lm.sample_utils import make_sampler
-
-from nodes.contract import KVFormat
-from nodes.decode import kv
-from nodes.decode.first_step import FirstStep
-from nodes.decode.openai_api import Sampling
-from nodes.model.errors import ModelError
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.decode import kv
+from tandem.nodes.decode.first_step import FirstStep
+from tandem.nodes.decode.openai_api import Sampling
+from tandem.nodes.model.errors import ModelError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -18,9 +18,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
-from nodes.contract import KVFormat, KVKernel
-from nodes.wire import Header, LayerFrame, ProtocolError, layer_parts_to_numpy, layer_to_numpy
+from tandem.nodes.contract.frames import (
+    Header,
+    LayerFrame,
+    ProtocolError,
+    layer_parts_to_numpy,
+    layer_to_numpy,
+)
+from tandem.nodes.contract.http import KVFormat, KVKernel
 
 Caches = list[Any]  # one mlx-lm cache per layer
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.contract import (
+from tandem.nodes.contract.http import (
     DEFAULT_KV_GROUP_SIZE,
     KVFormat,
     KVKernel,

@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nodes.contract import KVFormat
-from nodes.decode import kv
-from nodes.prefix import best_prefix
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.contract.prefix import best_prefix
+from tandem.nodes.decode import kv
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 

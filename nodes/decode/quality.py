@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-
-from nodes.contract import KVFormat
-from nodes.decode import kv
-from nodes.decode.host import PREFILL_STEP
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.decode import kv
+from tandem.nodes.decode.host import PREFILL_STEP
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """mlx-lm's own decode speed at a given context: the denominator of `tandem bench e2e`'s
-`decode_ratio`. Run as `python -m nodes.decode.reference MODEL TOKENS MAX_TOKENS [KV_BITS
+`decode_ratio`. Run as `python -m tandem.nodes.decode.reference MODEL TOKENS MAX_TOKENS [KV_BITS
 KV_GROUP_SIZE]`; prints one JSON line `{"decode_tok_s", "tokens"}`. With KV_BITS, mlx-lm's own
 quantized cache (`kv_bits`, `quantized_kv_start=0`).
 

@@ -11,15 +11,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from nodes.contract import KVFormat
-from nodes.decode import http_stream, kv
-from nodes.decode.host import ModelHost
-from nodes.decode.http_stream import HttpError
-from nodes.decode.kv import KVShape
-from nodes.events import EventBus, LayerEvent, LinkEvent
-from nodes.kv_link import arrival_seconds
-from nodes.peers import PeerTable, UntrustedPeer
-from nodes.wire import (
+from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
+from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
+from tandem.nodes.contract.frames import (
     PREFIX,
     PROTO,
     Done,
@@ -30,6 +24,13 @@ from nodes.wire import (
     LayerFrame,
     ProtocolError,
 )
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.decode import kv
+from tandem.nodes.decode.host import ModelHost
+from tandem.nodes.decode.kv import KVShape
+from tandem.nodes.serve import http_stream
+from tandem.nodes.serve.http_stream import HttpError
+from tandem.nodes.serve.kv_link import arrival_seconds
 
 log = logging.getLogger(__name__)
 

@@ -22,24 +22,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nodes.contract import (
+from tandem.nodes.cluster.peers import PeerTable
+from tandem.nodes.contract.events import EventBus, RequestEvent, TokenEvent
+from tandem.nodes.contract.http import (
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_REMOTE_TIMEOUT_S,
     KVFormat,
 )
-from nodes.decode import kv
-from nodes.decode.first_step import FirstStep
-from nodes.decode.host import Cancelled, Generation, ModelHost
-from nodes.decode.kv import KVShape
-from nodes.decode.openai_api import ApiError, Completion, kv_format_in
-from nodes.decode.prompt_cache import PromptCache
-from nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
-from nodes.decode.router import LocalRate, Mode, choose
-from nodes.events import EventBus, RequestEvent, TokenEvent
-from nodes.model.spec import ModelSpec
-from nodes.peers import PeerTable
+from tandem.nodes.decode import kv
+from tandem.nodes.decode.first_step import FirstStep
+from tandem.nodes.decode.host import Cancelled, Generation, ModelHost
+from tandem.nodes.decode.kv import KVShape
+from tandem.nodes.decode.openai_api import ApiError, Completion, kv_format_in
+from tandem.nodes.decode.prompt_cache import PromptCache
+from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
+from tandem.nodes.decode.router import LocalRate, Mode, choose
+from tandem.nodes.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most

@@ -1,9 +1,9 @@
 """The model description shared by both sides: spec, tensor index, fingerprint."""
 
-from nodes.model.errors import ModelError
-from nodes.model.fingerprint import fingerprint
-from nodes.model.index import ModelIndex, TensorEntry, load_index
-from nodes.model.spec import ModelSpec, RopeScaling, load_spec
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.fingerprint import fingerprint
+from tandem.nodes.model.index import ModelIndex, TensorEntry, load_index
+from tandem.nodes.model.spec import ModelSpec, RopeScaling, load_spec
 
 __all__ = [
     "ModelError",

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-
-from nodes.model.errors import ModelError
-from nodes.model.safetensors_format import RawTensor, encode, float_bytes
-from nodes.model.spec import FAMILIES, Family
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.safetensors_format import RawTensor, encode, float_bytes
+from tandem.nodes.model.spec import FAMILIES, Family
 
 CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus.txt"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

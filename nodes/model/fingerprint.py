@@ -10,8 +10,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from nodes.model.index import ModelIndex
-from nodes.model.spec import TOKENIZER_FILES
+from tandem.nodes.model.index import ModelIndex
+from tandem.nodes.model.spec import TOKENIZER_FILES
 
 SAMPLE_BYTES = 64 * 1024
 _cache: dict[tuple[tuple[str, int, int], ...], str] = {}

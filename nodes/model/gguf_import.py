@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-
-from nodes.model.errors import ModelError
-from nodes.model.safetensors_format import RawTensor, encode, float_bytes
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.safetensors_format import RawTensor, encode, float_bytes
 
 log = logging.getLogger(__name__)
 FloatDtype = Literal["float32", "bfloat16"]

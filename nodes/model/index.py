@@ -7,10 +7,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodes.model.errors import ModelError
-from nodes.model.quant import Quant
-from nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, read_header
-from nodes.model.spec import ModelSpec, load_spec
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.quant import Quant
+from tandem.nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, read_header
+from tandem.nodes.model.spec import ModelSpec, load_spec
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

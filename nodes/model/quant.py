@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nodes.model.errors import ModelError
+from tandem.nodes.model.errors import ModelError
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)

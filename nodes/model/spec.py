@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nodes.model.errors import ModelError
-from nodes.model.quant import QuantConfig, parse_quantization
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.quant import QuantConfig, parse_quantization
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")

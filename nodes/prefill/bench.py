@@ -15,7 +15,7 @@ the denominators on purpose: on a small CPU the loader thread slows compute, and
 taken inside the overlapped run would hide that. Each phase runs `--repeat` times; medians.
 
 Runs on a bare CUDA box with only torch, safetensors and numpy:
-`PYTHONPATH=. python3 -m nodes.prefill.bench --random 32x2048 --tokens 1024 --budget 1GiB`.
+`python3 scripts/bench-prefill --random 32x2048 --tokens 1024 --budget 1GiB`.
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from nodes.contract import KVFormat
-from nodes.model.errors import ModelError
-from nodes.model.index import ModelIndex, load_index
-from nodes.prefill.engine import PrefillEngine, PrefillStats
-from nodes.units import parse_size
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.contract.units import parse_size
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 
 log = logging.getLogger(__name__)
 
@@ -231,11 +230,9 @@ def _vs_resident(
 
 def vs_accelerate(model: Path, tokens: int, budget: int, device: str | None) -> dict[str, float]:
     """The same prompt through transformers + accelerate offload, in a fresh process."""
-    cmd = [sys.executable, "-m", "nodes.prefill.vs_accelerate", str(model), str(tokens),
+    cmd = [sys.executable, "-m", "tandem.nodes.prefill.vs_accelerate", str(model), str(tokens),
            str(budget), device or ""]  # fmt: skip
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"accelerate run failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -243,7 +240,7 @@ def vs_accelerate(model: Path, tokens: int, budget: int, device: str | None) -> 
 
 def make_random_model(spec: str, out: Path, dtype: str) -> Path:
     """`LAYERSxHIDDEN` → a random Llama-shaped model (no tokenizer needed)."""
-    from nodes.model.factory import MakeModelArgs, make_model
+    from tandem.nodes.model.factory import MakeModelArgs, make_model
 
     layers, hidden = (int(x) for x in spec.lower().split("x"))
     heads = max(1, hidden // 128)

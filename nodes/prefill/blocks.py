@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from nodes.model.spec import ModelSpec
+from tandem.nodes.model.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

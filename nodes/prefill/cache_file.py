@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
-from nodes.model.safetensors_format import RawTensor, encode
+from tandem.nodes.model.safetensors_format import RawTensor, encode
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 

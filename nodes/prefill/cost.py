@@ -37,12 +37,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-
-from nodes.model.index import ModelIndex
-from nodes.model.safetensors_format import ITEMSIZE
-from nodes.model.spec import ModelSpec
-from nodes.prefill.blocks import (
+from tandem.nodes.model.index import ModelIndex
+from tandem.nodes.model.safetensors_format import ITEMSIZE
+from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.prefill.blocks import (
     LayerState,
     apply_rope,
     attention_part,
@@ -51,10 +49,11 @@ from nodes.prefill.blocks import (
     rms_norm,
     rope_tables,
 )
-from nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
-from nodes.prefill.movers import N_STAGING, READ_CHUNK, READ_THREADS, CpuMover
-from nodes.prefill.plan import DIRECT_ALIGN, Load, Part, Plan
-from nodes.prefill.streamer import TORCH_DTYPES, lower_this_thread
+from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
+from tandem.nodes.prefill.plan import DIRECT_ALIGN, Load, Part, Plan
+from tandem.nodes.prefill.stream.movers import N_STAGING, READ_CHUNK, READ_THREADS, CpuMover
+from tandem.nodes.prefill.stream.streamer import TORCH_DTYPES, lower_this_thread
+from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-
-from nodes.contract import KVFormat
-from nodes.events import EventBus, LayerEvent, LinkEvent
-from nodes.model.errors import ModelError
-from nodes.model.index import ModelIndex, load_index
-from nodes.model.safetensors_format import ITEMSIZE
-from nodes.model.spec import ModelSpec
-from nodes.prefill.blocks import (
+from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.safetensors_format import ITEMSIZE
+from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.prefill.blocks import (
     LayerState,
     activation_bytes,
     attention_part,
@@ -34,11 +33,16 @@ from nodes.prefill.blocks import (
     out_rows_part,
     rope_tables,
 )
-from nodes.prefill.dequant import DequantizedWeights, dequantize
-from nodes.prefill.kv_quant import Scratch, quantize_all
-from nodes.prefill.movers import FillTimes, HostArena, HostTier, Mover, make_mover
-from nodes.prefill.plan import Load, Part, Plan, make_plan
-from nodes.prefill.streamer import TORCH_DTYPES, LayerStreamer, LoaderHooks, part_weights
+from tandem.nodes.prefill.dequant import DequantizedWeights, dequantize
+from tandem.nodes.prefill.kv_quant import Scratch, quantize_all
+from tandem.nodes.prefill.plan import Load, Part, Plan, make_plan
+from tandem.nodes.prefill.stream.movers import FillTimes, HostArena, HostTier, Mover, make_mover
+from tandem.nodes.prefill.stream.streamer import (
+    TORCH_DTYPES,
+    LayerStreamer,
+    LoaderHooks,
+    part_weights,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 512

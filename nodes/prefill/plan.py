@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from nodes.model.errors import ModelError
-from nodes.model.index import ModelIndex, TensorEntry
-from nodes.model.safetensors_format import ITEMSIZE
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.index import ModelIndex, TensorEntry
+from tandem.nodes.model.safetensors_format import ITEMSIZE
 
 ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this

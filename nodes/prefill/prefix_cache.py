@@ -12,8 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-
-from nodes.prefix import best_prefix
+from tandem.nodes.contract.prefix import best_prefix
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [1, n_kv, T, D] on the host
 DEFAULT_MAX_BYTES = 1024**3

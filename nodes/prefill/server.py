@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 
 import torch
 from aiohttp import web
-
-from nodes.contract import (
+from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent, RequestEvent
+from tandem.nodes.contract.frames import FrameWriter, Header
+from tandem.nodes.contract.http import (
     DEFAULT_PREFILL_QUEUE,
     PROTO,
     BadBody,
@@ -30,19 +31,17 @@ from nodes.contract import (
     kv_format_of,
     read_json,
 )
-from nodes.events import EventBus, LayerEvent, LinkEvent, RequestEvent
-from nodes.kv_link import tune_sender
-from nodes.prefill.engine import (
+from tandem.nodes.prefill.engine import (
     LayerKV,
     PrefillEngine,
     PrefillError,
     PromptTooLong,
     quantized_parts,
 )
-from nodes.prefill.prefix_cache import PrefixCache
-from nodes.prefill.streamer import DEVICE_NICE, lower_this_thread
-from nodes.throttle import PacedSender
-from nodes.wire import FrameWriter, Header
+from tandem.nodes.prefill.prefix_cache import PrefixCache
+from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
+from tandem.nodes.serve.kv_link import tune_sender
+from tandem.nodes.serve.throttle import PacedSender
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-tandem-kv"

@@ -14,9 +14,8 @@ import torch
 
 
 def main(model: str, tokens: int, budget: int, device: str) -> dict[str, float]:
+    from tandem.nodes.prefill.bench import _peak_rss, _reset_peak_rss, _rss
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from nodes.prefill.bench import _peak_rss, _reset_peak_rss, _rss
 
     config = AutoConfig.from_pretrained(model)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from tandem.app.tui.fmt import format_gbit, format_rate, format_tok_s
+from tandem.app.tui.rates import SERIES, Bandwidth, RateSeries
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, Sparkline, Static
-
-from app.tui.fmt import format_gbit, format_rate, format_tok_s
-from app.tui.rates import SERIES, Bandwidth, RateSeries
 
 TITLES = {
     "disk": "disk→host",

@@ -10,15 +10,14 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from tandem.app.tui.client import Delta, NodeClient, NodeError, ReplyStats
+from tandem.app.tui.fmt import format_seconds, format_tok_s
+from tandem.app.tui.messages import ReplyDone, ReplyFailed, ReplyText
 from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Input, Markdown, Static
-
-from app.tui.client import Delta, NodeClient, NodeError, ReplyStats
-from app.tui.fmt import format_seconds, format_tok_s
-from app.tui.messages import ReplyDone, ReplyFailed, ReplyText
 
 MAX_TOKENS = 256
 # greedy: small models sampled at the API's default temperature (1.0) wander off the question

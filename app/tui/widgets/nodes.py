@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from rich.text import Text
+from tandem.app.tui.cluster import NodeRow
+from tandem.app.tui.fmt import format_link, format_size, format_tok_s
 from textual.widgets import DataTable
-
-from app.tui.cluster import NodeRow
-from app.tui.fmt import format_link, format_size, format_tok_s
 
 COLUMNS = ("node", "roles", "device", "memory / budget", "model", "status", "prefill", "link")
 SHORT_REASON = {  # the notification says it in full

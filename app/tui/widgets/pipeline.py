@@ -11,12 +11,11 @@ from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.text import Text
+from tandem.app.tui.fmt import format_seconds
+from tandem.app.tui.pipeline import PIPE_STATES, ROWS, PipelineModel, RequestTrack, Span, Timeline
 from textual.app import RenderResult
 from textual.reactive import reactive
 from textual.widget import Widget
-
-from app.tui.fmt import format_seconds
-from app.tui.pipeline import PIPE_STATES, ROWS, PipelineModel, RequestTrack, Span, Timeline
 
 # state → (background, foreground); copy/compute/send strips reuse loading/computing/sent
 STATE_STYLE = {

@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nodes.model.index import ModelIndex, load_index
-from nodes.units import format_bytes, gbps_to_Bps, parse_size
+from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
+from tandem.nodes.model.index import ModelIndex, load_index
 
 if TYPE_CHECKING:
-    from nodes.prefill.cost import Device, Hardware, Prediction
-    from nodes.prefill.plan import Plan
+    from tandem.nodes.prefill.cost import Device, Hardware, Prediction
+    from tandem.nodes.prefill.plan import Plan
 
 TABLE_TOKENS = (1024, 4096, 16384)
 DEFAULT_NET_GBPS = 10.0  # assumed: a 10 GbE LAN (Gbit/s, as --link-gbps)
@@ -124,7 +124,7 @@ class KVWire:
 
 
 class PlanUsageError(ValueError):
-    """Bad input to `tandem plan` (app.cli turns it into its one-line exit-2 message)."""
+    """Bad input to `tandem plan` (the CLI turns it into its one-line exit-2 message)."""
 
 
 def run_plan(a: argparse.Namespace) -> int:
@@ -157,8 +157,7 @@ def _device(a: argparse.Namespace) -> tuple[Device, bool]:
 
 def _default_budget(index: ModelIndex, device: Device, here: bool, reserve: int) -> int:
     import torch
-
-    from nodes.prefill.engine import default_budget
+    from tandem.nodes.prefill.engine import default_budget
 
     if not here:
         raise PlanUsageError("--device cuda: no GPU here to size the budget from; give --budget")
@@ -169,7 +168,7 @@ def _hardware(
     index: ModelIndex, a: argparse.Namespace, device: Device, here: bool
 ) -> tuple[Hardware, dict[str, str]]:
     """Rates from the flags; each one left out measured here (`source` says which)."""
-    from nodes.prefill import cost
+    from tandem.nodes.prefill import cost
 
     if not here and (a.pcie_gbps is None or a.tflops is None):
         raise PlanUsageError("--device cuda: no GPU here to measure; give --pcie-gbps and --tflops")
@@ -204,7 +203,7 @@ def _hardware(
 
 def _disk_Bps(index: ModelIndex, model: Path, device: Device) -> float:
     """Read rate of the weights' file system, as the device's loader gets it."""
-    from nodes.prefill import cost
+    from tandem.nodes.prefill import cost
 
     busy, nice = cost.loader_contention(device, index.dtype, index.spec)
     try:
@@ -221,9 +220,9 @@ def _layer_params(index: ModelIndex) -> int:
 
 
 def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) -> Report:
-    from nodes.model.safetensors_format import ITEMSIZE
-    from nodes.prefill import cost
-    from nodes.prefill.engine import longest_prompt
+    from tandem.nodes.model.safetensors_format import ITEMSIZE
+    from tandem.nodes.prefill import cost
+    from tandem.nodes.prefill.engine import longest_prompt
 
     spec = index.spec
     device, here = _device(a)
@@ -262,8 +261,8 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
 
 def _kv_wire(index: ModelIndex, tokens: int, net_Bps: float) -> list[KVWire]:
     """The router's bytes per token at each KV format, and the prompt's transfer time."""
-    from nodes.contract import KVFormat
-    from nodes.model.safetensors_format import ITEMSIZE
+    from tandem.nodes.contract.http import KVFormat
+    from tandem.nodes.model.safetensors_format import ITEMSIZE
 
     spec = index.spec
     per = {16: spec.kv_bytes_per_token}
@@ -277,9 +276,9 @@ def _kv_wire(index: ModelIndex, tokens: int, net_Bps: float) -> list[KVWire]:
 def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Seconds]:
     """Remote and local prefill seconds by the router's own formulas: this plan's predicted
     pass as the peer's rate and the KV over `net_Bps`; the Mac at `mac_tok_s`."""
-    from nodes.decode.router import LocalRate, predict_remote_s
-    from nodes.peers import Peer
-    from nodes.prefill import cost
+    from tandem.nodes.cluster.peers import Peer
+    from tandem.nodes.decode.router import LocalRate, predict_remote_s
+    from tandem.nodes.prefill import cost
 
     spec = index.spec
     local = LocalRate(tok_s=hw.mac_tok_s)

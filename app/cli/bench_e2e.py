@@ -43,14 +43,13 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-
-from app.demo import DemoCluster, DemoError
-from nodes import tls as tls_files
-from nodes.contract import sse_record
-from nodes.decode import http_stream
-from nodes.events import LinkEvent, event_from_json
-from nodes.kv_link import arrival_seconds, tune_sender
-from nodes.throttle import PacedSender
+from tandem.app.cli.demo import DemoCluster, DemoError
+from tandem.nodes.contract.events import LinkEvent, event_from_json
+from tandem.nodes.contract.http import sse_record
+from tandem.nodes.serve import http_stream
+from tandem.nodes.serve.kv_link import arrival_seconds, tune_sender
+from tandem.nodes.serve.throttle import PacedSender
+from tandem.nodes.trust import tls as tls_files
 
 
 async def _completion(
@@ -226,7 +225,7 @@ def _mlx_reference(model: Path, tokens: int, max_tokens: int, kv_bits: int = 16)
     root = Path(__file__).resolve().parents[1]
     args = [str(model), str(tokens), str(max_tokens)] + ([str(kv_bits)] if kv_bits < 16 else [])
     done = subprocess.run(
-        [sys.executable, "-m", "nodes.decode.reference", *args],
+        [sys.executable, "-m", "tandem.nodes.decode.reference", *args],
         cwd=root, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:

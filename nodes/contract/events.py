@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from nodes.contract import sse_encode
+from tandem.nodes.contract.http import sse_encode
 
 LayerStage = Literal["queued", "loading", "ready", "computing", "sent", "received", "evicted"]
 LinkName = Literal["disk", "h2d", "net_out", "net_in"]

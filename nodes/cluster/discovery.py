@@ -23,6 +23,10 @@ from typing import Any
 
 import aiohttp
 import ifaddr  # zeroconf's own interface lister, one of its dependencies
+from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.contract.http import SERVICE_TYPE, Health
+from tandem.nodes.trust.auth import is_loopback
+from tandem.nodes.trust.tls import aiohttp_pin
 from zeroconf import Error as ZeroconfError
 from zeroconf import (
     InterfaceChoice,
@@ -33,11 +37,6 @@ from zeroconf import (
     Zeroconf,
 )
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
-
-from nodes.auth import is_loopback
-from nodes.contract import SERVICE_TYPE, Health
-from nodes.peers import Peer, PeerTable
-from nodes.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
 MODEL_PREFIX_HEX = 16  # TXT `model`: enough to tell models apart; trust checks the full one

@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 from aiohttp import web
-
-from nodes import __version__
-from nodes.auth import CONFIRM_PATH, HELLO_PATH, auth_middleware, check_bind, is_loopback
-from nodes.contract import (
+from tandem.nodes import __version__
+from tandem.nodes.cluster.discovery import Advert, Discovery, url_for
+from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.contract.events import EventBus, sse
+from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
@@ -43,18 +44,22 @@ from nodes.contract import (
     error_body,
     read_json,
 )
-from nodes.discovery import Advert, Discovery, url_for
-from nodes.events import EventBus, sse
-from nodes.hello import HelloRefused, HelloResponder
-from nodes.model.errors import ModelError
-from nodes.model.fingerprint import fingerprint
-from nodes.model.index import ModelIndex, load_index
-from nodes.peers import Peer, PeerTable
-from nodes.tls import Identity, TLSError, load_or_create, server_context
+from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.fingerprint import fingerprint
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.trust.auth import (
+    CONFIRM_PATH,
+    HELLO_PATH,
+    auth_middleware,
+    check_bind,
+    is_loopback,
+)
+from tandem.nodes.trust.hello import HelloRefused, HelloResponder
+from tandem.nodes.trust.tls import Identity, TLSError, load_or_create, server_context
 
 if TYPE_CHECKING:  # the heavy halves load only for their role
-    from nodes.decode.service import DecodeService
-    from nodes.prefill.server import PrefillService
+    from tandem.nodes.decode.service import DecodeService
+    from tandem.nodes.prefill.server import PrefillService
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -187,7 +192,7 @@ def _sockname(request: web.Request) -> Any:
 
 
 async def hello(request: web.Request) -> web.Response:
-    """Hello v2, the callee's answer (nodes/hello.py)."""
+    """Hello v2, the callee's answer (nodes/trust/hello.py)."""
     node = request.app[NODE]
     try:
         answer = node.hello.answer(read_json(await request.read()), _sockname(request))
@@ -265,7 +270,7 @@ def create_app(config: NodeConfig) -> web.Application:
     if "decode" in config.roles:
         if "prefill" not in config.roles:
             _keep_torch_out()
-        from nodes.decode.api import DecodeApi
+        from tandem.nodes.decode.api import DecodeApi
 
         node.decode = _decode_service(node)
         DecodeApi(node.decode).add_routes(app)
@@ -331,8 +336,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def _prefill_service(node: Node) -> PrefillService:
-    from nodes.prefill.engine import PrefillEngine
-    from nodes.prefill.server import PrefillService
+    from tandem.nodes.prefill.engine import PrefillEngine
+    from tandem.nodes.prefill.server import PrefillService
 
     c = node.config
 
@@ -366,9 +371,9 @@ def _keep_torch_out() -> None:
 
 
 def _decode_service(node: Node) -> DecodeService:
-    from nodes.decode.host import ModelHost
-    from nodes.decode.kv import KVShape, device_kernel
-    from nodes.decode.service import DecodeService
+    from tandem.nodes.decode.host import ModelHost
+    from tandem.nodes.decode.kv import KVShape, device_kernel
+    from tandem.nodes.decode.service import DecodeService
 
     spec, c = node.index.spec, node.config
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, node.index.dtype)

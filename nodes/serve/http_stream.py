@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from nodes.hello import Post, channel_address
-from nodes.kv_link import receiver_socket
-from nodes.tls import TLSError, check_peer, client_context
+from tandem.nodes.serve.kv_link import receiver_socket
+from tandem.nodes.trust.hello import Post, channel_address
+from tandem.nodes.trust.tls import TLSError, check_peer, client_context
 
 READ_AHEAD = 64 * 1024  # bytes buffered for the status line, headers and chunk sizes
 MAX_JSON = 64 * 1024  # bytes of a JSON reply (`call_json`)

@@ -21,9 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-
-from nodes.prefill.movers import CpuMover, FillTimes, Mover
-from nodes.prefill.plan import Load, Plan
+from tandem.nodes.prefill.plan import Load, Plan
+from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes, Mover
 
 log = logging.getLogger(__name__)
 

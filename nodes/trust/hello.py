@@ -41,11 +41,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-
-from nodes.auth import CONFIRM_PATH, HELLO_PATH
-from nodes.contract import Reason
-from nodes.signing import MAX_ID_CHARS, fields, hello_proof, new_nonce, utf8, verify_hello_proof
-from nodes.tls import TLSError, aiohttp_pin, client_context, peer_fingerprint
+from tandem.nodes.contract.http import Reason
+from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
+from tandem.nodes.trust.signing import (
+    MAX_ID_CHARS,
+    fields,
+    hello_proof,
+    new_nonce,
+    utf8,
+    verify_hello_proof,
+)
+from tandem.nodes.trust.tls import TLSError, aiohttp_pin, client_context, peer_fingerprint
 
 log = logging.getLogger(__name__)
 NO_TOKEN_KEY = "tandem-no-token"  # public: proves nothing but "no token here either"

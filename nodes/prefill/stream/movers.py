@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from nodes.prefill.plan import DIRECT_ALIGN, Load, Piece, Plan, direct_span
+from tandem.nodes.prefill.plan import DIRECT_ALIGN, Load, Piece, Plan, direct_span
 
 log = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE")
