@@ -9,9 +9,12 @@ import os
 import plistlib
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +62,44 @@ def test_dockerfile_entrypoint_runs_a_prefill_node() -> None:
     assert (a.command, a.role, a.model) == ("node", "prefill", Path("/model"))
     assert a.token_file is not None
     assert "'.[prefill]'" in text  # only the prefill extra: no mlx in a CUDA image
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
+    """The wheel `pip install .` would install, built once from a copy of the checkout (an
+    in-tree build would leave build/ and egg-info behind in the working tree)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("app", "nodes"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    done = subprocess.run(
+        [*cmd, "--no-index", "-w", str(tmp / "out"), str(src)], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (built,) = (tmp / "out").glob("tandem_llm-*.whl")
+    with zipfile.ZipFile(built) as z:
+        yield z
+
+
+def test_wheel_installs_only_the_tandem_name(wheel: zipfile.ZipFile) -> None:
+    tops = {name.split("/")[0] for name in wheel.namelist()}
+    dist_info = {t for t in tops if re.fullmatch(r"tandem_llm-[^/]+\.dist-info", t)}
+    assert len(dist_info) == 1, tops
+    assert tops - dist_info == {"tandem"}, tops  # no `app` or `nodes` beside it
+    assert "tandem/__init__.py" not in wheel.namelist()  # a namespace: no folder of its own
+
+
+def test_wheel_holds_the_packages_and_their_data(wheel: zipfile.ZipFile) -> None:
+    names = set(wheel.namelist())
+    assert "tandem/app/tui/tandem.tcss" in names
+    assert "tandem/app/__main__.py" in names  # python -m tandem.app
+    assert "tandem/nodes/contract/frames.py" in names
+    assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
 
 
 def test_every_packaging_file_says_how_to_install_it() -> None:
