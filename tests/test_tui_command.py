@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tandem.app.cli.main import UsageError
+from tandem.app.cli.errors import UsageError
 from tandem.app.tui import command
 
 
@@ -59,7 +59,7 @@ def test_nothing_to_watch_or_a_bad_token_file_is_a_usage_error(
 
 def test_python_dash_m_prints_a_usage_error_in_one_line() -> None:
     """`python -m tandem.app` runs the CLI through `__main__`; the subcommands import
-    `tandem.app.cli.main`. The error they raise must still be the one caught: one line and
+    `tandem.app.cli.errors`. The error they raise must still be the one caught: one line and
     status 2, no traceback."""
     done = subprocess.run(
         [sys.executable, "-m", "tandem.app", "tui", "--no-mdns"],

@@ -9,6 +9,7 @@ exits 0 only when its prefill ran on the prefill node.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import hashlib
@@ -26,13 +27,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-import aiohttp
+from tandem.app.cli.errors import UsageError
 from tandem.app.cli.real_model import Form
 from tandem.app.paths import ASSETS, models_dir
-from tandem.app.tui.client import Delta, NodeClient, ReplyStats
 from tandem.app.tui.fmt import format_seconds, format_tok_s
-from tandem.nodes.trust.tls import aiohttp_pin
+
+if TYPE_CHECKING:  # aiohttp and the node client load when a cluster starts, not with the CLI
+    import aiohttp
+    from tandem.app.tui.client import ReplyStats
 
 log = logging.getLogger(__name__)
 DEMO_PROMPT = "Tell me a story about a lighthouse keeper."
@@ -150,6 +154,8 @@ class DemoCluster:
 
     def ssl_for(self, url: str) -> aiohttp.Fingerprint | bool:
         """`ssl=` for the demo's own requests to a node: its pinned certificate over https."""
+        from tandem.nodes.trust.tls import aiohttp_pin
+
         base = url.split("/v1/", 1)[0].rstrip("/")
         return aiohttp_pin(self.pins[base]) if base in self.pins else True
 
@@ -182,6 +188,9 @@ class DemoCluster:
 
     async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until both nodes answer and the decode node trusts the prefill node."""
+        import aiohttp
+        from tandem.app.tui.client import NodeClient
+
         deadline = time.monotonic() + timeout
         async with aiohttp.ClientSession() as session:
             decode = NodeClient(session, self.decode_url, self.token)
@@ -248,6 +257,9 @@ def demo_cluster(model: DemoModel) -> Iterator[DemoCluster]:
 
 async def chat_once(cluster: DemoCluster, prompt: str, max_tokens: int = 48) -> ReplyStats | None:
     """Stream one reply to stdout; its stats (None when the node sent none)."""
+    import aiohttp
+    from tandem.app.tui.client import Delta, NodeClient
+
     stats: ReplyStats | None = None
     async with aiohttp.ClientSession() as session:
         client = NodeClient(session, cluster.decode_url, cluster.token)
@@ -277,7 +289,6 @@ def describe(stats: ReplyStats) -> str:
 
 def run_demo(headless: bool = False) -> int:
     """`tandem demo [--headless]`; the exit status."""
-    from tandem.app.cli.main import UsageError
     from tandem.app.tui.client import NodeError
 
     model = demo_model()
@@ -300,3 +311,13 @@ def run_demo(headless: bool = False) -> int:
         print("expected the prefill to run on the prefill node", file=sys.stderr)
         return 1
     return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="make the demo model and run a local cluster on it")
+    p.add_argument("--headless", action="store_true", help="one chat exchange, printed")
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    return run_demo(headless=a.headless)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
 
@@ -30,6 +31,12 @@ DEFAULT_MAC_FLOPS = 13.5e12
 Seconds = Callable[[int], float]  # prompt tokens → seconds
 POSITIVE = ("tokens", "max_prompt_tokens", "pcie_gbps", "disk_gbps", "tflops", "net_gbps",
             "mac_tok_s")  # fmt: skip
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="the prefill plan for a model and budget, its predicted time")
+    add_plan_arguments(p)
+    p.set_defaults(func=run_plan)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,8 +130,8 @@ class KVWire:
     transfer_s: float  # at net_Bps
 
 
-class PlanUsageError(ValueError):
-    """Bad input to `tandem plan` (the CLI turns it into its one-line exit-2 message)."""
+class PlanUsageError(UsageError):
+    """Bad input to `tandem plan`: the CLI's one-line exit-2 message."""
 
 
 def run_plan(a: argparse.Namespace) -> int:
@@ -276,7 +283,7 @@ def _kv_wire(index: ModelIndex, tokens: int, net_Bps: float) -> list[KVWire]:
 def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Seconds]:
     """Remote and local prefill seconds by the router's own formulas: this plan's predicted
     pass as the peer's rate and the KV over `net_Bps`; the Mac at `mac_tok_s`."""
-    from tandem.nodes.cluster.peers import Peer
+    from tandem.nodes.contract.cluster import Peer
     from tandem.nodes.decode.router import LocalRate, predict_remote_s
     from tandem.nodes.prefill import cost
 

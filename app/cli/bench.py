@@ -1,0 +1,23 @@
+"""`tandem bench prefill|e2e ...`: the benchmarks, each with its own arguments."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: `bench prefill ...`, `bench e2e ...`")
+    p.add_argument("which", choices=["prefill", "e2e"])
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see `tandem bench WHICH --help`")
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Hand the rest of the command line to the benchmark's own parser."""
+    if a.which == "prefill":
+        from tandem.nodes.prefill.bench import main as bench_prefill
+
+        return bench_prefill(a.args)
+    from tandem.app.cli.bench_e2e import main as bench_e2e
+
+    return bench_e2e(a.args)

@@ -1,0 +1,64 @@
+"""`tandem make-model DIR`: a tiny random-weight model in HF format (or MLX-quantized)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+log = logging.getLogger("tandem")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-model", help="write a tiny random-weight HF-format model")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--arch", choices=["llama", "qwen3", "qwen2", "mistral"], default="llama")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=176)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument(
+        "--quantize", type=int, default=None, metavar="BITS",
+        help="an MLX quantized checkpoint instead, by mlx-lm's converter (2-8 bits)",
+    )  # fmt: skip
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--recipe", default=None, help="mlx-lm mixed recipe, e.g. mixed_3_6")
+    p.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Write the model; print its directory."""
+    from tandem.nodes.model.factory import MakeModelArgs, make_model
+
+    args = MakeModelArgs(
+        arch=a.arch,
+        layers=a.layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        intermediate=a.intermediate,
+        vocab=a.vocab,
+        dtype=a.dtype,
+        shards=a.shards,
+        seed=a.seed,
+        rope_scaling=a.rope_scaling,
+        rope_theta=a.rope_theta,
+        tie_embeddings=a.tie_embeddings,
+        quantize=a.quantize,
+        group_size=a.group_size,
+        recipe=a.recipe,
+    )
+    out = make_model(a.dir, args)
+    log.info("wrote %s", out)
+    print(out)
+    return 0

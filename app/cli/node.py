@@ -1,0 +1,136 @@
+"""`tandem node`: run a prefill and/or decode node until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandem.app.cli.args import MAX_PROMPT_HELP, size
+from tandem.app.cli.errors import UsageError
+from tandem.nodes.contract.http import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_QUEUE,
+    DEFAULT_REMOTE_TIMEOUT_S,
+    KV_BITS,
+    KV_GROUP_SIZES,
+)
+
+if TYPE_CHECKING:
+    from tandem.nodes.serve.node import NodeConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("node", help="run a prefill and/or decode node")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
+    p.add_argument("--budget", type=size, default=None, help="weights and activations")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
+    p.add_argument(
+        "--host-budget", type=size, default=None, help="layers kept in host RAM across requests"
+    )
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
+    p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
+    p.add_argument("--peer", action="append", default=[], metavar="URL")
+    p.add_argument("--no-mdns", action="store_true")
+    p.add_argument("--token-file", type=Path, default=None)
+    p.add_argument(
+        "--tls", action="store_true", help="serve HTTPS on loopback too (beyond it, always)"
+    )
+    p.add_argument("--remote-prefill", choices=["auto", "always", "never"], default="auto")
+    p.add_argument(
+        "--kv-bits", type=int, choices=[16, *KV_BITS], default=16,
+        help="decode: KV on the wire and in the cache (16: the model's dtype)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-group-size", type=int, choices=list(KV_GROUP_SIZES), default=DEFAULT_KV_GROUP_SIZE
+    )
+    p.add_argument("--name", default="")
+    p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
+    p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
+    _add_limits(p)
+    p.set_defaults(func=run)
+
+
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    """Queue and concurrency limits, and the remote-prefill timeout."""
+    p.add_argument(
+        "--queue-limit", type=int, default=DEFAULT_PREFILL_QUEUE, help="prefills waiting, then 503"
+    )
+    p.add_argument(
+        "--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
+        help="decode: generations at once",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+        help="decode: generations waiting for a slot, then 503",
+    )  # fmt: skip
+    p.add_argument(
+        "--remote-timeout", type=float, default=DEFAULT_REMOTE_TIMEOUT_S,
+        help="seconds before a remote prefill "
+        "counts as failed and the decode node prefills locally",
+    )  # fmt: skip
+
+
+def node_config(a: argparse.Namespace) -> NodeConfig:
+    """The node's configuration from parsed arguments."""
+    from tandem.app.cli.pair import token_path
+    from tandem.app.paths import config_dir
+    from tandem.nodes.serve.node import NodeConfig, node_id_for
+    from tandem.nodes.trust.auth import AuthError, load_token
+
+    try:
+        token = load_token(a.token_file, token_path())
+    except AuthError as e:
+        raise UsageError(str(e)) from None
+    roles = ("prefill", "decode") if a.role == "both" else (a.role,)
+    return NodeConfig(
+        model=a.model,
+        roles=roles,
+        host=a.host,
+        port=a.port,
+        name=a.name,
+        node_id=node_id_for(a.port, config_dir()),
+        token=token,
+        budget=a.budget,
+        host_budget=a.host_budget,
+        max_prompt_tokens=a.max_prompt_tokens,
+        chunk_tokens=a.chunk_tokens,
+        device=a.device,
+        link_gbps=a.link_gbps,
+        net_gbps=a.net_gbps,
+        peers=tuple(a.peer),
+        mdns=not a.no_mdns,
+        remote_prefill=a.remote_prefill,
+        queue_limit=a.queue_limit,
+        max_concurrent=a.max_concurrent,
+        max_queue=a.max_queue,
+        kv_bits=None if a.kv_bits == 16 else a.kv_bits,
+        kv_group_size=a.kv_group_size,
+        remote_timeout_s=a.remote_timeout,
+        tls=a.tls,
+        tls_dir=config_dir() / "nodes" / str(a.port),  # one identity per node, as its id
+    )
+
+
+def run(a: argparse.Namespace) -> int:
+    """Serve until interrupted; a port, token or model file problem is a UsageError."""
+    import asyncio
+
+    from tandem.nodes.serve.node import ListenError, serve
+    from tandem.nodes.trust.auth import AuthError
+
+    config = node_config(a)
+    try:
+        asyncio.run(serve(config))
+    except (AuthError, ListenError) as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:  # a model file, the config dir: the message names it
+        raise UsageError(f"{e.filename or ''}: {e.strerror or e}".lstrip(": ")) from None
+    return 0
