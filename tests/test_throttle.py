@@ -10,7 +10,7 @@ import asyncio
 import time
 
 import aiohttp
-from tandem.app.cli.bench_e2e import paced_server
+from tandem.app.cli.bare_stream import paced_server
 from tandem.nodes.serve.throttle import PacedSender
 
 

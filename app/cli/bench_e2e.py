@@ -28,28 +28,20 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import queue
 import random
 import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
+from tandem.app.cli.bare_stream import raw_transfer
 from tandem.app.cli.demo import DemoCluster, DemoError
 from tandem.nodes.contract.events import LinkEvent, event_from_json
 from tandem.nodes.contract.http import sse_record
-from tandem.nodes.serve import http_stream
-from tandem.nodes.serve.kv_link import arrival_seconds, tune_sender
-from tandem.nodes.serve.throttle import PacedSender
-from tandem.nodes.trust import tls as tls_files
 
 
 async def _completion(
@@ -95,134 +87,8 @@ async def _net_in(cluster: DemoCluster, request_id: str) -> tuple[list[int], lis
     return sizes, seconds
 
 
-@contextlib.contextmanager
-def paced_server(
-    bodies: Sequence[bytes],
-    net_gbps: float | None,
-    gap_s: float = 0.0,
-    identity: tls_files.Identity | None = None,
-) -> Iterator[str]:
-    """An aiohttp server that streams `bodies` through the paced sender, `gap_s` apart (as KV
-    frames come a layer's compute apart, each into an idle connection), to a GET or a POST;
-    over TLS with `identity`'s certificate; yields its URL.
-
-    It runs on a thread with its own event loop, as the prefill node is a process of its own:
-    the sender's precise waits then hold up the sender, not the client timing it."""
-    ready: queue.Queue[tuple[asyncio.AbstractEventLoop, asyncio.Event, int] | BaseException]
-    ready = queue.Queue()
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse()
-        if request.transport is not None:
-            tune_sender(request.transport.get_extra_info("socket"))  # as the prefill node's
-        await resp.prepare(request)
-        sender = PacedSender(net_gbps)  # the same emulated link as the prefill node's
-        for i, body in enumerate(bodies):
-            if i and gap_s:
-                await asyncio.sleep(gap_s)
-            await sender.send(resp, body)
-        return resp
-
-    async def serve() -> None:
-        app = web.Application()
-        app.router.add_get("/", handler)
-        app.router.add_post("/", handler)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        ssl = tls_files.server_context(identity) if identity else None
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl)
-            await site.start()
-            stop = asyncio.Event()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            ready.put((asyncio.get_running_loop(), stop, port))
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except BaseException as e:  # surfaced to the caller below
-            ready.put(e)
-
-    thread = threading.Thread(target=run, name="paced-server", daemon=True)
-    thread.start()
-    got = ready.get(timeout=30)
-    if isinstance(got, BaseException):
-        raise RuntimeError(f"paced server failed: {got}") from got
-    loop, stop, port = got
-    try:
-        yield f"{'https' if identity else 'http'}://127.0.0.1:{port}/"
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(timeout=30)
-
-
-FRAME_GAP_S = 0.02  # between the plain transfer's frames: each starts on an idle connection
-
-
-async def _frame_rates(url: str, sizes: list[int], pin: str | None = None) -> list[float]:
-    """One bare transfer of frames of `sizes` bytes: bytes/s of each, read as the decode node
-    reads its KV stream (`http_stream`, each frame into a buffer of its own size) and timed as
-    KV frames are (`arrival_seconds`: from the read with a frame's first bytes to the one with
-    its last)."""
-    rates: list[float] = []
-    buf = memoryview(bytearray(max(sizes, default=0)))
-    async with http_stream.post(url, b"{}", {}, read_timeout_s=60, pin=pin) as r:
-        for size in sizes:
-            got, start, early, now = 0, 0.0, 0, 0.0
-            while got < size:
-                n = await r.read_into(buf[got:size])
-                if not n:
-                    raise RuntimeError(f"the bare transfer ended {size - got} bytes early")
-                now = time.perf_counter()
-                if not got:  # a frame's first bytes
-                    start, early = now, n
-                got += n
-            seconds = arrival_seconds(size, now - start, size - early)
-            if seconds > 0:
-                rates.append(size / seconds)
-    return rates
-
-
-async def _raw_transfer(
-    cluster: DemoCluster,
-    sizes: list[int],
-    net_gbps: float | None,
-    load_prompt: list[int],
-    tls: bool,
-) -> dict[str, float]:
-    """Bare streams of the same frames: bytes/s while the cluster serves one more remote
-    prefill (the load the KV frames were sent under), plain (`raw_Bps`) and with `tls` also
-    over TLS (`raw_tls_Bps`), taken in turns under that load; and plain with idle cores
-    (`raw_idle_Bps`)."""
-    frames = [bytes(n) for n in sizes]
-    with contextlib.ExitStack() as stack:
-        plain = stack.enter_context(paced_server(frames, net_gbps, FRAME_GAP_S))
-        urls: dict[str, tuple[str, str | None]] = {"raw_Bps": (plain, None)}  # (url, pin)
-        if tls:
-            certs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tandem-e2e-")))
-            identity = tls_files.load_or_create(certs, "bench")
-            url = stack.enter_context(paced_server(frames, net_gbps, FRAME_GAP_S, identity))
-            urls["raw_tls_Bps"] = (url, identity.fingerprint)
-        idle = await _frame_rates(plain, sizes)
-        load = asyncio.create_task(_completion(cluster, load_prompt, max_tokens=1))
-        loaded: dict[str, list[float]] = {name: [] for name in urls}
-        try:
-            while not load.done() or not all(loaded.values()):
-                for name, (url, pin) in urls.items():
-                    loaded[name] += await _frame_rates(url, sizes, pin)
-            await load
-        finally:
-            load.cancel()
-            await asyncio.gather(load, return_exceptions=True)
-    out = {name: statistics.median(rates or [math.inf]) for name, rates in loaded.items()}
-    return out | {"raw_idle_Bps": statistics.median(idle or [math.inf])}
-
-
 def _mlx_reference(model: Path, tokens: int, max_tokens: int, kv_bits: int = 16) -> float:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout: app/cli/bench_e2e.py
     args = [str(model), str(tokens), str(max_tokens)] + ([str(kv_bits)] if kv_bits < 16 else [])
     done = subprocess.run(
         [sys.executable, "-m", "tandem.nodes.decode.reference", *args],
@@ -253,20 +119,53 @@ async def bench_e2e(
                 [rng.randrange(vocab) for _ in range(tokens)]
                 for rng in map(random.Random, range(repeat + 2))
             ]
-            runs, mlx_rates = [], []
-            for i in range(repeat + 1):  # the first run warms both nodes up
-                extra = await _completion(cluster, prompts[i], max_tokens, kv_bits)
-                sizes, seconds = await _net_in(cluster, extra["request_id"])
-                if i:
-                    runs.append((extra, sizes, seconds))
-                    # mlx-lm alone, right after: both rates sample the machine's same minutes
-                    mlx = await asyncio.to_thread(
-                        _mlx_reference, model, tokens, max_tokens, kv_bits
-                    )
-                    mlx_rates.append(mlx)
-            raw = await _raw_transfer(cluster, sizes, net_gbps, prompts[-1], tls)
+            runs, mlx_rates = await _runs(
+                cluster, model, prompts[: repeat + 1], max_tokens, kv_bits
+            )
+            sizes = runs[-1][1] if runs else []
+            raw = await raw_transfer(
+                sizes, net_gbps, lambda: _completion(cluster, prompts[-1], max_tokens=1), tls
+            )
         finally:
             cluster.stop()
+    return _result(model, tokens, kv_bits, tls, runs, mlx_rates, raw) | {
+        "net_gbps": net_gbps,
+        "tls": tls,
+        "repeat": repeat,
+    }
+
+
+Run = tuple[dict, list[int], list[float]]  # a request's `tandem` stats, its KV frames' B and s
+
+
+async def _runs(
+    cluster: DemoCluster, model: Path, prompts: list[list[int]], max_tokens: int, kv_bits: int
+) -> tuple[list[Run], list[float]]:
+    """Each prompt through the cluster, the first only to warm both nodes up; after each of
+    the others, mlx-lm alone at the same context (tokens/s)."""
+    runs: list[Run] = []
+    mlx_rates: list[float] = []
+    for i, prompt in enumerate(prompts):
+        extra = await _completion(cluster, prompt, max_tokens, kv_bits)
+        sizes, seconds = await _net_in(cluster, extra["request_id"])
+        if i:
+            runs.append((extra, sizes, seconds))
+            # mlx-lm alone, right after: both rates sample the machine's same minutes
+            mlx = await asyncio.to_thread(_mlx_reference, model, len(prompt), max_tokens, kv_bits)
+            mlx_rates.append(mlx)
+    return runs, mlx_rates
+
+
+def _result(
+    model: Path,
+    tokens: int,
+    kv_bits: int,
+    tls: bool,
+    runs: list[Run],
+    mlx_rates: list[float],
+    raw: dict[str, float],
+) -> dict[str, object]:
+    """The medians over the runs and their ratios to the bare transfer and to mlx-lm."""
     ttft = statistics.median(e["ttft_s"] for e, _, _ in runs)
     prefill_s = statistics.median(e["prefill_s"] for e, _, _ in runs)
     rates = [e["decode_tok_s"] for e, _, _ in runs if e.get("decode_tok_s")]
@@ -294,9 +193,6 @@ async def bench_e2e(
         "decode_tok_s": decode_tok_s,
         "mlx_decode_tok_s": mlx_tok_s,
         "decode_ratio": decode_tok_s / mlx_tok_s,
-        "net_gbps": net_gbps,
-        "tls": tls,
-        "repeat": repeat,
     }
 
 
