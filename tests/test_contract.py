@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tandem.nodes.contract.cluster import Health
 from tandem.nodes.contract.events import (
     LayerEvent,
     LinkEvent,
@@ -20,15 +21,15 @@ from tandem.nodes.contract.http import (
     MAX_JSON_DEPTH,
     SSE_END,
     BadBody,
-    Health,
     KVFormat,
     error_body,
     read_json,
-    sse_decode,
     sse_encode,
     sse_record,
 )
 from tandem.nodes.decode import openai_api as oa
+
+from tests.sse_support import sse_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 

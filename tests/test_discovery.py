@@ -25,7 +25,8 @@ from tandem.nodes.cluster.discovery import (
     url_for,
     zeroconf_interfaces,
 )
-from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.cluster.peers import PeerTable
+from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.http import PROTO, SERVICE_TYPE
 from tandem.nodes.model import fingerprint, load_index
 from tandem.nodes.serve.node import NODE, NodeConfig, create_app

@@ -19,8 +19,9 @@ import pytest
 from aiohttp import web
 from tandem.app.tui.client import NodeClient, NodeError
 from tandem.nodes.cluster.discovery import Advert, read_service, url_for
-from tandem.nodes.cluster.peers import Peer, PeerTable, UntrustedPeer
-from tandem.nodes.contract.http import PROTO, SERVICE_TYPE, Health
+from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
+from tandem.nodes.contract.cluster import Cluster, Health, Peer
+from tandem.nodes.contract.http import PROTO, SERVICE_TYPE
 from tandem.nodes.trust.auth import auth_middleware
 from tandem.nodes.trust.hello import (
     PENDING_S,
@@ -446,7 +447,8 @@ async def test_the_dashboard_client_pins_what_the_hello_covered(
         async with callee(ident) as fake:
             client = NodeClient(s, fake.url, TOKEN)
             probe = await client.probe()
-            assert probe.ok and probe.cluster == {"self": {"id": CALLEE}, "peers": []}
+            view = Cluster.from_json({"self": {"id": CALLEE}, "peers": []})  # what it answered
+            assert probe.ok and probe.cluster == view
             assert client.cert_fingerprint == ident.fingerprint
             port = int(fake.url.rsplit(":", 1)[1])
         bearer_seen = [p for p, h in fake.seen if "Authorization" in h]

@@ -374,8 +374,8 @@ def test_frame_layout_is_the_documented_one() -> None:
 
 
 def test_the_dashboard_shows_each_replys_kv_dtype() -> None:
-    from tandem.app.tui.client import ReplyStats
     from tandem.app.tui.widgets.chat import stats_line
+    from tandem.nodes.contract.bodies import ReplyStats
 
     stats = ReplyStats.from_json({"prefill": "remote", "kv_dtype": "q4/g64"})
     assert "KV q4/g64" in stats_line(stats)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.cluster.peers import PeerTable
+from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.events import EventBus, LinkEvent
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.kv import KVShape

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.nodes.cluster.peers import Peer
+from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.decode.remote import RemoteResult
 from tandem.nodes.decode.router import LocalRate, choose, predict_remote_s
 

@@ -11,9 +11,12 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from tandem.app.tui.app import TandemApp
-from tandem.app.tui.client import ChatPart, Delta, Probe, ReplyStats
+from tandem.app.tui.client import ChatPart, Delta, Probe
 from tandem.app.tui.messages import NodeProbed, NodeRecord
 from tandem.app.tui.widgets.chat import ChatPanel
+from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.cluster import Cluster, Health
+from tandem.nodes.contract.events import Event, event_from_json
 from tandem.nodes.contract.http import PROTO
 
 SIZE = (120, 40)
@@ -32,10 +35,11 @@ REPLY = (
 
 
 def _health(node_id: str, name: str, roles: list[str], device: str, mem: float,
-            budget: float) -> dict[str, Any]:  # fmt: skip
-    return {"status": "ok", "id": node_id, "name": name, "roles": roles, "proto": PROTO,
-            "device": device, "mem_bytes": int(mem), "budget_bytes": int(budget),
-            "model": {"name": "demo-llama", "fingerprint": "6bf3", "layers": LAYERS}}  # fmt: skip
+            budget: float) -> Health:  # fmt: skip
+    return Health.from_json(
+        {"status": "ok", "id": node_id, "name": name, "roles": roles, "proto": PROTO,
+         "device": device, "mem_bytes": int(mem), "budget_bytes": int(budget),
+         "model": {"name": "demo-llama", "fingerprint": "6bf3", "layers": LAYERS}})  # fmt: skip
 
 
 def probes() -> list[Probe]:
@@ -43,16 +47,16 @@ def probes() -> list[Probe]:
             "prefill_tok_s": 2140.0, "link_Bps": 1.17e9}  # fmt: skip
     return [
         Probe(DECODE, _health("D", "mac-studio", ["decode"], "mlx", 192e9, 0),
-              {"self": {}, "peers": [peer]}),
+              Cluster.from_json({"self": {}, "peers": [peer]})),
         Probe(PREFILL, _health("P", "gpu-box", ["prefill"], "cuda:0", 64e9, 12e9),
-              {"self": {"prefill_tok_s": 2140.0}, "peers": []}),
+              Cluster.from_json({"self": {"prefill_tok_s": 2140.0}, "peers": []})),
         Probe(STRANGER, _health("S", "laptop", ["prefill"], "mps", 16e9, 8e9), None,
               "unauthorized", "the node does not hold our token"),
-        Probe(GONE, {}, None, "unreachable", "connection refused"),
+        Probe(GONE, None, None, "unreachable", "connection refused"),
     ]  # fmt: skip
 
 
-def recorded_stream() -> list[tuple[str, dict[str, Any]]]:
+def recorded_stream() -> list[tuple[str, Event]]:
     """One request as the two nodes report it, cut at `CUT_S`: resident layers compute at
     once, the others wait for their copy (one copy at a time), each K/V is sent when done."""
     out: list[tuple[float, str, dict[str, Any]]] = []
@@ -86,7 +90,13 @@ def recorded_stream() -> list[tuple[str, dict[str, Any]]]:
         emit(sent, PREFILL, "layer", layer=i, state="sent", bytes=421_000)
         emit(sent + 0.005, DECODE, "layer", layer=i, state="received", bytes=421_000)
     out.sort(key=lambda x: x[0])
-    return [(url, record) for t, url, record in out if t <= CUT_S]
+    return [(url, _event(record)) for t, url, record in out if t <= CUT_S]
+
+
+def _event(record: dict[str, Any]) -> Event:
+    event = event_from_json(record)  # as the dashboard's client reads it
+    assert event is not None, record
+    return event
 
 
 BANDWIDTH = {  # bytes/s (tokens/s) per 0.5 s bucket: two earlier requests, then this one

@@ -36,7 +36,7 @@ from tandem.app.tui.fmt import format_seconds, format_tok_s
 
 if TYPE_CHECKING:  # aiohttp and the node client load when a cluster starts, not with the CLI
     import aiohttp
-    from tandem.app.tui.client import ReplyStats
+    from tandem.nodes.contract.bodies import ReplyStats
 
 log = logging.getLogger(__name__)
 DEMO_PROMPT = "Tell me a story about a lighthouse keeper."
@@ -199,8 +199,7 @@ class DemoCluster:
                 self.check_alive()
                 p, d = await asyncio.gather(prefill.probe(), decode.probe())
                 if p.ok and d.ok and d.cluster is not None:
-                    peers = d.cluster.get("peers") or []
-                    if any(x.get("trusted") and "prefill" in x.get("roles", ()) for x in peers):
+                    if any(x.trusted and "prefill" in x.roles for x in d.cluster.peers):
                         nodes = (decode, prefill)
                         self.pins = {c.url: c.cert_fingerprint for c in nodes if c.cert_fingerprint}
                         return

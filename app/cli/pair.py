@@ -14,6 +14,8 @@ from pathlib import Path
 
 import aiohttp
 from tandem.app.paths import config_dir
+from tandem.nodes.contract.cluster import Health
+from tandem.nodes.contract.http import ContractError
 from tandem.nodes.trust.auth import new_token
 from tandem.nodes.trust.hello import HelloError, prove
 
@@ -58,9 +60,9 @@ def pair_text(token: str, created: bool) -> str:
 
 
 async def _health(s: aiohttp.ClientSession, url: str) -> tuple[str, object]:
-    """(url, its /health). `host:port` with no scheme is tried as https:// first (a node
-    beyond loopback serves TLS), then http://. The certificate is not checked here (public
-    data); the hello that follows checks it."""
+    """(url, its /health body). `host:port` with no scheme is tried as https:// first (a
+    node beyond loopback serves TLS), then http://. The certificate is not checked here
+    (public data); the hello that follows checks it."""
 
     async def get(u: str) -> object:
         async with s.get(f"{u}/health", ssl=False) as r:
@@ -81,7 +83,7 @@ async def check(url: str, token: str) -> tuple[bool, str]:
     timeout = aiohttp.ClientTimeout(total=5)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as s:
-            url, health = await _health(s, url)
+            url, body = await _health(s, url)
             proven = await prove(s, url, token, "tandem-pair-" + secrets.token_hex(4))
     except HelloError as e:
         if e.reason == "unauthorized":
@@ -92,14 +94,24 @@ async def check(url: str, token: str) -> tuple[bool, str]:
         return False, f"cannot check {url}: {e}"
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
         return False, f"cannot reach {url}: {type(e).__name__} {e}".strip()
-    name = (health.get("name") if isinstance(health, dict) else None) or proven.id
-    model = ((health.get("model") if isinstance(health, dict) else None) or {}).get("name", "?")
+    health = _readable(body)
+    name = (health.name if health else "") or proven.id
+    model = (health.model_name if health else "") or "?"
     pinned = (
         f"; pinned its TLS certificate sha256:{proven.cert_fingerprint}"
         if proven.cert_fingerprint
         else "; plain HTTP (loopback), no certificate to pin"
     )
     return True, f"{name} at {url} holds this token: trusted (model {model}){pinned}"
+
+
+def _readable(body: object) -> Health | None:
+    """The node's `/health`, or None where it is not one: the hello, not `/health`, says
+    whether the node holds the token, so the check goes on without its name."""
+    try:
+        return Health.from_json(body)
+    except ContractError:
+        return None
 
 
 def run_check(url: str, token: str) -> tuple[bool, str]:

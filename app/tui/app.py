@@ -140,10 +140,9 @@ class TandemApp(App[None]):
 
         while True:
             with suppress(NodeError):
-                async for record in client.events(since, on_open=opened):
-                    t = record.get("t")
-                    since = t if isinstance(t, float | int) else since
-                    self.post_message(NodeRecord(url, record, time.monotonic()))
+                async for event in client.events(since, on_open=opened):
+                    since = event.t or since
+                    self.post_message(NodeRecord(url, event, time.monotonic()))
             self.post_message(NodeStreaming(url, False))
             await asyncio.sleep(RETRY_S)
 

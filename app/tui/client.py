@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
-from tandem.nodes.contract.http import PROTO, SSE_END, Health, Reason, sse_record
+from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.cluster import Cluster, Health
+from tandem.nodes.contract.events import Event, event_from_json
+from tandem.nodes.contract.http import PROTO, SSE_END, ContractError, Reason, sse_record
 from tandem.nodes.trust.auth import auth_headers
 from tandem.nodes.trust.hello import HelloError, prove
 from tandem.nodes.trust.tls import aiohttp_pin
@@ -37,8 +40,8 @@ class Probe:
     """One look at a node: its `/health`, and its `/v1/cluster` once it proved the token."""
 
     url: str
-    health: dict[str, Any] = field(default_factory=dict)
-    cluster: dict[str, Any] | None = None
+    health: Health | None = None  # None until the node answered a `/health` that parses
+    cluster: Cluster | None = None
     reason: Reason | None = None
     detail: str = ""
 
@@ -54,36 +57,8 @@ class Delta:
     text: str
 
 
-@dataclass(frozen=True)
-class ReplyStats:
-    """The `tandem` object of a reply (DESIGN.md "HTTP")."""
-
-    request_id: str = ""
-    prefill: str = "local"
-    prefill_node: str | None = None
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    kv_bytes: int = 0
-    ttft_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    kv_dtype: str = ""  # how the KV was held: the model's dtype or e.g. "q8/g64"
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> ReplyStats:
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in obj.items() if k in names and v is not None})
-
-    @property
-    def prefill_tok_s(self) -> float | None:
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
-
-
 ChatPart = Delta | ReplyStats
+Parsed = TypeVar("Parsed", Health, Cluster, ReplyStats)
 
 
 def normalize(url: str) -> str:
@@ -105,17 +80,13 @@ class NodeClient:
 
     async def probe(self) -> Probe:
         """Health, then the token proof, then the node's view of the cluster."""
-        health: dict[str, Any] = {}
+        health: Health | None = None
         try:
-            health = await self._get_json("/health", auth=False)
-            try:
-                node = Health.from_json(health)
-            except ValueError as e:
-                raise NodeError("bad_reply", str(e)) from None
-            if node.proto != PROTO:
-                raise NodeError("protocol_mismatch", f"speaks proto {node.proto}")
-            await self._hello(node.id)
-            cluster = await self._get_json("/v1/cluster", auth=True)
+            health = _parsed(Health, await self._get_json("/health", auth=False))
+            if health.proto != PROTO:
+                raise NodeError("protocol_mismatch", f"speaks proto {health.proto}")
+            await self._hello(health.id)
+            cluster = _parsed(Cluster, await self._get_json("/v1/cluster", auth=True))
         except NodeError as e:
             return Probe(self.url, health, None, e.reason, str(e))
         return Probe(self.url, health, cluster)
@@ -146,8 +117,8 @@ class NodeClient:
         if not auth:
             return not https
         if not self.proven or (fresh and not https):
-            health = await self._get_json("/health", auth=False)
-            await self._hello(str(health.get("id", "")))
+            health = _parsed(Health, await self._get_json("/health", auth=False))
+            await self._hello(health.id)
         if not https:
             return True
         assert self.cert_fingerprint is not None
@@ -180,9 +151,10 @@ class NodeClient:
 
     async def events(
         self, since: float | None = None, on_open: Callable[[], None] | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The node's event records (`/v1/events`), live, until the connection ends;
-        `on_open` is called once the node accepted the subscription."""
+    ) -> AsyncIterator[Event]:
+        """The node's event records (`/v1/events`), live, until the connection ends; one
+        that is not an event known here is skipped. `on_open` is called once the node
+        accepted the subscription."""
         query = f"?since={since!r}" if since is not None else ""
         ssl = await self._ssl(auth=True, fresh=True)
         try:
@@ -199,8 +171,9 @@ class NodeClient:
                 if on_open is not None:
                     on_open()
                 async for record in _sse_records(r.content):
-                    if isinstance(record, dict):
-                        yield record
+                    event = event_from_json(record)
+                    if event is not None:
+                        yield event
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise NodeError("unreachable", _why(e)) from None
 
@@ -239,10 +212,18 @@ class NodeClient:
                         text = (choice.get("delta") or {}).get("content")
                         if text:
                             yield Delta(text)
-                    if isinstance(chunk.get("tandem"), dict):
-                        yield ReplyStats.from_json(chunk["tandem"])
+                    if chunk.get("tandem") is not None:
+                        yield _parsed(ReplyStats, chunk["tandem"])
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise NodeError("unreachable", _why(e)) from None
+
+
+def _parsed(record: type[Parsed], body: Any) -> Parsed:
+    """`record.from_json(body)`; a node's body that is not the record is a bad reply."""
+    try:
+        return record.from_json(body)
+    except ContractError as e:
+        raise NodeError("bad_reply", str(e)) from None
 
 
 async def _sse_records(content: aiohttp.StreamReader) -> AsyncIterator[Any]:

@@ -8,9 +8,10 @@ that joins, leaves, comes back, or is rejected (and why).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 from tandem.app.tui.client import Probe, normalize
+from tandem.nodes.contract.cluster import Cluster, Health
 
 Status = Literal["connecting", "trusted", "rejected", "unreachable"]
 Severity = Literal["information", "warning", "error"]
@@ -26,16 +27,12 @@ REASON_TEXT = {
 
 @dataclass(frozen=True)
 class NodeRow:
+    """One node on the dashboard: its last `/health` (None until one answered), the
+    dashboard's verdict on it (our probe, then its trusted peers' verdicts), and the rates
+    its peers measured. The node's own facts are read from `health`, never copied."""
+
     url: str
-    id: str = ""
-    name: str = ""
-    roles: tuple[str, ...] = ()
-    device: str = ""
-    mem_bytes: int = 0
-    budget_bytes: int = 0
-    model: str = ""
-    fingerprint: str = ""
-    layers: int = 0
+    health: Health | None = None
     status: Status = "connecting"
     reason: str | None = None
     prefill_tok_s: float | None = None
@@ -44,6 +41,38 @@ class NodeRow:
     @property
     def label(self) -> str:
         return self.name or self.url
+
+    @property
+    def id(self) -> str:
+        return self.health.id if self.health else ""
+
+    @property
+    def name(self) -> str:
+        return self.health.name if self.health else ""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return self.health.roles if self.health else ()
+
+    @property
+    def device(self) -> str:
+        return self.health.device if self.health else ""
+
+    @property
+    def mem_bytes(self) -> int:
+        return self.health.mem_bytes if self.health else 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.health.budget_bytes if self.health else 0
+
+    @property
+    def model(self) -> str:
+        return self.health.model_name if self.health else ""
+
+    @property
+    def layers(self) -> int:
+        return self.health.layers if self.health else 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +115,9 @@ class ClusterModel:
         """Fold in one probe (and the peers its node reports); what changed, in words."""
         url = probe.url
         self.add(url)
-        row = _from_health(self.rows[url], probe.health)
+        row = self.rows[url]
+        if probe.health is not None:  # an unreachable node keeps what it last said
+            row = replace(row, health=probe.health)
         if probe.ok:
             self._seen[url] = _Seen("trusted", None)
         elif probe.reason == "unreachable":
@@ -96,7 +127,9 @@ class ClusterModel:
         changes: list[Change] = []
         touched = [url]
         if probe.cluster is not None:
-            row = _own_view(row, probe.cluster.get("self"))
+            me = probe.cluster.me
+            if me is not None and me.prefill_tok_s:
+                row = replace(row, prefill_tok_s=me.prefill_tok_s)
             self._merge_views(url, probe.cluster, touched)
         self.rows[url] = row
         for u in touched:
@@ -105,26 +138,25 @@ class ClusterModel:
                 changes.insert(0 if u == url else len(changes), change)
         return changes
 
-    def _merge_views(self, reporter: str, cluster: dict[str, Any], touched: list[str]) -> None:
+    def _merge_views(self, reporter: str, cluster: Cluster, touched: list[str]) -> None:
         """Peers the node knows become rows; its verdicts and measured rates land on them."""
         for views in self._verdicts.values():
             views.pop(reporter, None)
-        for peer in cluster.get("peers") or ():
-            if not isinstance(peer, dict) or not peer.get("address"):
+        for peer in cluster.peers:
+            if not peer.address:
                 continue
-            url = normalize(str(peer["address"]))
+            url = normalize(peer.address)
             if url == reporter:
                 continue
             self.add(url)
-            reason = peer.get("reason")
             self._verdicts.setdefault(url, {})[reporter] = (
-                str(reason) if reason in _PEER_REASONS else None
+                peer.reason if peer.reason in _PEER_REASONS else None
             )
             row = self.rows[url]
             self.rows[url] = replace(
                 row,
-                prefill_tok_s=_num(peer.get("prefill_tok_s")) or row.prefill_tok_s,
-                link_Bps=_num(peer.get("link_Bps")) or row.link_Bps,
+                prefill_tok_s=peer.prefill_tok_s or row.prefill_tok_s,
+                link_Bps=peer.link_Bps or row.link_Bps,
             )
             touched.append(url)
 
@@ -145,39 +177,6 @@ class ClusterModel:
         after = replace(before, status=status, reason=reason)
         self.rows[url] = after
         return _transition(before, after, seen.detail)
-
-
-def _num(value: Any) -> float | None:
-    """A number a node sent, or None for anything else (a node's JSON is not ours)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _from_health(row: NodeRow, health: dict[str, Any]) -> NodeRow:
-    if not health:
-        return row
-    model = health.get("model")
-    model = model if isinstance(model, dict) else {}
-    roles = health.get("roles")
-    return replace(
-        row,
-        id=str(health.get("id", row.id)),
-        name=str(health.get("name", row.name)),
-        roles=tuple(map(str, roles)) if isinstance(roles, list) else row.roles,
-        device=str(health.get("device", row.device)),
-        mem_bytes=int(_num(health.get("mem_bytes")) or 0),
-        budget_bytes=int(_num(health.get("budget_bytes")) or 0),
-        model=str(model.get("name", row.model)),
-        fingerprint=str(model.get("fingerprint", row.fingerprint)),
-        layers=int(_num(model.get("layers")) or row.layers),
-    )
-
-
-def _own_view(row: NodeRow, me: Any) -> NodeRow:
-    if not isinstance(me, dict):
-        return row
-    return replace(row, prefill_tok_s=_num(me.get("prefill_tok_s")) or row.prefill_tok_s)
 
 
 def _transition(before: NodeRow, after: NodeRow, detail: str) -> Change | None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from tandem.app.tui.client import Probe, ReplyStats
+from tandem.app.tui.client import Probe
+from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.events import Event
 from textual.message import Message
 
 
@@ -18,10 +19,10 @@ class NodeProbed(Message):
 
 @dataclass
 class NodeRecord(Message):
-    """One record from a node's `/v1/events`, stamped with when it arrived (monotonic)."""
+    """One event from a node's `/v1/events`, stamped with when it arrived (monotonic)."""
 
     url: str
-    record: dict[str, Any]
+    record: Event
     seen: float
 
 

@@ -1,4 +1,4 @@
-"""The layer pipeline of recent requests, built from `layer`, `link` and `request` records.
+"""The layer pipeline of recent requests, built from `layer`, `link` and `request` events.
 
 Pure state, no Textual: the pipeline widget draws it and tests read it. A request's layers
 carry their state history in arrival order, and the prefill node's times make the timeline
@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+
+from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent, RequestEvent
 
 PIPE_STATES = ("queued", "loading", "ready", "computing", "sent", "received")
 _DONE = {"sent": 4, "received": 5}  # a finished layer never goes back in the display
@@ -168,51 +169,43 @@ class PipelineModel:
                 self.requests.popitem(last=False)
         return self.requests[request_id]
 
-    def apply(self, record: dict[str, Any], seen: float | None = None) -> bool:
-        """Fold one event record in; True when the picture changed. A record that does not
-        follow DESIGN.md "Events" is ignored: a node's JSON is not ours."""
-        kind, rid = record.get("kind"), record.get("request_id")
-        if not isinstance(rid, str) or not rid:
+    def apply(self, event: Event, seen: float | None = None) -> bool:
+        """Fold one event in; True when the picture changed. A layer number no model has is
+        ignored: a node's numbers are not ours."""
+        if not event.request_id:
             return False
-        try:
-            if kind == "layer":
-                return self._layer(rid, record, time.monotonic() if seen is None else seen)
-            if kind == "link" and record.get("name") == "net_out":
-                self.track(rid).pending_send_s = float(record.get("seconds") or 0.0)
-            elif kind == "request":
-                return self._request(rid, record)
-        except (TypeError, ValueError):
-            return False
+        if isinstance(event, LayerEvent):
+            return self._layer(event, time.monotonic() if seen is None else seen)
+        if isinstance(event, LinkEvent) and event.name == "net_out":
+            self.track(event.request_id).pending_send_s = event.seconds
+        elif isinstance(event, RequestEvent):
+            return self._request(event)
         return False
 
-    def _layer(self, rid: str, r: dict[str, Any], seen: float) -> bool:
-        i, state = r.get("layer"), str(r.get("state", ""))
-        if not isinstance(i, int) or not 0 <= i < MAX_LAYERS:
+    def _layer(self, e: LayerEvent, seen: float) -> bool:
+        if not 0 <= e.layer < MAX_LAYERS:
             return False
-        step = Step(state, str(r.get("node", "")), float(r.get("t") or 0.0), seen)
-        req = self.track(rid)
-        self.current_id = rid
-        layer = req.layer(i)
-        node = step.node
-        if state == "sent":
+        step = Step(e.state, e.node, e.t, seen)
+        req = self.track(e.request_id)
+        self.current_id = e.request_id
+        layer = req.layer(e.layer)
+        if e.state == "sent":
             layer.send_s, req.pending_send_s = req.pending_send_s, 0.0
         layer.history.append(step)
-        layer.pinned = layer.pinned or bool(r.get("pinned"))
-        if state in ("loading", "computing"):
-            req.prefill_node = node
+        layer.pinned = layer.pinned or e.pinned
+        if e.state in ("loading", "computing"):
+            req.prefill_node = e.node
             req.where = req.where or "remote"
-        if state in PIPE_STATES and _DONE.get(layer.state, 0) <= _DONE.get(state, 0):
-            layer.state = state
+        if e.state in PIPE_STATES and _DONE.get(layer.state, 0) <= _DONE.get(e.state, 0):
+            layer.state = e.state
         return True
 
-    def _request(self, rid: str, r: dict[str, Any]) -> bool:
-        phase, where = str(r.get("phase", "")), str(r.get("where", ""))
-        req = self.track(rid)
-        req.phase = phase
-        if phase == "prefill_start":
-            self.current_id = rid
-            req.where = "local" if where == "local" else "remote"
-            detail = str(r.get("detail") or "")
-            if detail.startswith("kv "):  # any client's request, not only the dashboard's
-                req.kv_dtype = detail[3:][:24]
+    def _request(self, e: RequestEvent) -> bool:
+        req = self.track(e.request_id)
+        req.phase = e.phase
+        if e.phase == "prefill_start":
+            self.current_id = e.request_id
+            req.where = "local" if e.where == "local" else "remote"
+            if e.detail.startswith("kv "):  # any client's request, not only the dashboard's
+                req.kv_dtype = e.detail[3:][:24]
         return True

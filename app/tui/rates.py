@@ -1,4 +1,4 @@
-"""Throughput over time from `link` and `token` records: bytes (or tokens) per bucket.
+"""Throughput over time from `link` and `token` events: bytes (or tokens) per bucket.
 
 Pure state, no Textual. Records are binned by the time they arrive here, so clocks of
 different machines never need to agree.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+
+from tandem.nodes.contract.events import Event, LinkEvent, TokenEvent
 
 LINKS = ("disk", "h2d", "net_out", "net_in")
 SERIES = (*LINKS, "tokens")
@@ -60,20 +61,13 @@ class Bandwidth:
     def __post_init__(self) -> None:
         self._token_counts: dict[str, int] = {}
 
-    def apply(self, record: dict[str, Any], now: float) -> bool:
-        """Fold one record in; True when it moved a series. Malformed records are ignored."""
-        try:
-            return self._apply(record, now)
-        except (TypeError, ValueError):
-            return False
-
-    def _apply(self, record: dict[str, Any], now: float) -> bool:
-        kind = record.get("kind")
-        if kind == "link" and record.get("name") in LINKS:
-            self.series[str(record["name"])].add(float(record.get("bytes") or 0), now)
+    def apply(self, event: Event, now: float) -> bool:
+        """Fold one event in; True when it moved a series."""
+        if isinstance(event, LinkEvent) and event.name in LINKS:
+            self.series[event.name].add(float(event.bytes), now)
             return True
-        if kind == "token":
-            rid, count = str(record.get("request_id", "")), int(record.get("count") or 0)
+        if isinstance(event, TokenEvent):
+            rid, count = event.request_id, event.count
             before = self._token_counts.get(rid, 0)
             self._token_counts[rid] = max(before, count)
             if len(self._token_counts) > 64:

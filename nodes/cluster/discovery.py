@@ -23,8 +23,9 @@ from typing import Any
 
 import aiohttp
 import ifaddr  # zeroconf's own interface lister, one of its dependencies
-from tandem.nodes.cluster.peers import Peer, PeerTable
-from tandem.nodes.contract.http import SERVICE_TYPE, Health
+from tandem.nodes.cluster.peers import PeerTable
+from tandem.nodes.contract.cluster import Health, Peer
+from tandem.nodes.contract.http import SERVICE_TYPE
 from tandem.nodes.trust.auth import is_loopback
 from tandem.nodes.trust.tls import aiohttp_pin
 from zeroconf import Error as ZeroconfError

@@ -16,18 +16,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
-from tandem.nodes.contract.http import PROTO, Health, Reason
+from tandem.nodes.contract.cluster import Health, Peer
+from tandem.nodes.contract.http import PROTO, Reason
 from tandem.nodes.trust.hello import HelloError, Post, hello_over, prove
 from tandem.nodes.trust.signing import Query, sign
 from tandem.nodes.trust.tls import aiohttp_pin
 
 log = logging.getLogger(__name__)
-Source = Literal["static", "mdns"]  # `--peer URL`, or found by tandem.nodes.cluster.discovery
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
 
@@ -45,51 +45,6 @@ class Signed:
     pin: str | None
 
 
-@dataclass(frozen=True)
-class Peer:
-    """One node as `/v1/cluster` shows it (DESIGN.md Peer shape)."""
-
-    address: str
-    id: str = ""
-    name: str = ""
-    roles: tuple[str, ...] = ()
-    device: str = ""
-    mem_bytes: int = 0
-    budget_bytes: int = 0
-    model: dict[str, str] = field(default_factory=dict)
-    proto: int = 0
-    trusted: bool = False
-    reason: Reason | None = "unreachable"
-    last_seen: float = 0.0
-    prefill_tok_s: float | None = None
-    link_Bps: float | None = None
-    prefill_floor_s: float | None = None  # the cheapest remote pass seen (weights + HTTP)
-    source: Source = "static"
-    instance: str = ""  # the peer process's `/health` instance
-    cert_fingerprint: str = ""  # pinned by the hello (an mDNS claim until then); "" plain
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "roles": list(self.roles),
-            "address": self.address,
-            "device": self.device,
-            "mem_bytes": self.mem_bytes,
-            "budget_bytes": self.budget_bytes,
-            "model": dict(self.model),
-            "proto": self.proto,
-            "trusted": self.trusted,
-            "reason": self.reason,
-            "last_seen": self.last_seen,
-            "prefill_tok_s": self.prefill_tok_s,
-            "link_Bps": self.link_Bps,
-            "prefill_floor_s": self.prefill_floor_s,
-            "source": self.source,
-            "cert_fingerprint": self.cert_fingerprint,
-        }
-
-
 class PeerTable:
     """The peers this node knows, keyed by address; a background task keeps them fresh."""
 
@@ -100,7 +55,8 @@ class PeerTable:
         self.fingerprint = fingerprint
         self.token = token
         self.proto = proto
-        self.peers: dict[str, Peer] = {}
+        self._watchers: dict[str, set[asyncio.Event]] = {}  # see until_untrusted
+        self.peers: dict[str, Peer] = _Watched(self._changed)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # check now rather than at the next 2 s tick
@@ -151,6 +107,28 @@ class PeerTable:
             self._wake.set()
         else:
             del self.peers[address]
+
+    @contextlib.contextmanager
+    def until_untrusted(self, address: str) -> Iterator[asyncio.Event]:
+        """An event set the moment the peer at `address` is not trusted (at once if it is
+        not now): whatever is sent to it waits on this beside its work, and gives up."""
+        event = asyncio.Event()
+        self._watchers.setdefault(address, set()).add(event)
+        self._changed(address)
+        try:
+            yield event
+        finally:
+            watchers = self._watchers.get(address, set())
+            watchers.discard(event)
+            if not watchers:
+                self._watchers.pop(address, None)
+
+    def _changed(self, address: str) -> None:
+        """The entry at `address` changed (or went): tell those waiting on its trust."""
+        peer = self.peers.get(address)
+        if peer is None or not peer.trusted:
+            for event in self._watchers.get(address, ()):
+                event.set()
 
     def trusted(self, role: str) -> list[Peer]:
         return [p for p in self.peers.values() if p.trusted and role in p.roles]
@@ -320,6 +298,28 @@ class PeerTable:
         if not peer.trusted:
             log.info("peer %s (%s) trusted", peer.address, peer.name or proven.id)
         return replace(peer, cert_fingerprint=proven.cert_fingerprint, trusted=True, reason=None)
+
+
+class _Watched(dict[str, Peer]):
+    """The table's entries: each change (set, delete, pop) is told to `changed`, so a peer
+    that loses trust anywhere in the table wakes its waiters (`until_untrusted`)."""
+
+    def __init__(self, changed: Callable[[str], None]) -> None:
+        super().__init__()
+        self._on_change = changed
+
+    def __setitem__(self, address: str, peer: Peer) -> None:
+        super().__setitem__(address, peer)
+        self._on_change(address)
+
+    def __delitem__(self, address: str) -> None:
+        super().__delitem__(address)
+        self._on_change(address)
+
+    def pop(self, address: str, *default: Any) -> Any:  # type: ignore[override]
+        out = super().pop(address, *default)
+        self._on_change(address)
+        return out
 
 
 def _proven_static(peer: Peer, node_id: str) -> bool:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from tandem.nodes.contract.http import sse_encode
 
@@ -78,17 +78,45 @@ _KINDS: dict[str, type[Event]] = {
 
 def event_from_json(obj: object) -> Event | None:
     """The typed event of one `/v1/events` record; None for a kind or shape not known here
-    (a newer node's), so a reader skips what it cannot read."""
+    (a newer node's, or a value of the wrong type), so a reader skips what it cannot read.
+    Keys not known here are ignored; a missing one takes its default."""
     if not isinstance(obj, dict) or not isinstance(obj.get("request_id"), str):
         return None
     cls = _KINDS.get(str(obj.get("kind")))
     if cls is None:
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
-    try:
-        return cls(**{k: v for k, v in obj.items() if k in names})
-    except TypeError:
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            value = _typed(obj[f.name], str(f.type))
+            if value is _BAD:
+                return None
+            values[f.name] = value
+    return cls(**values)
+
+
+_BAD = object()
+_LITERALS: dict[str, tuple[str, ...]] = {
+    "LayerStage": get_args(LayerStage), "LinkName": get_args(LinkName),
+    "RequestPhase": get_args(RequestPhase),
+}  # fmt: skip
+
+
+def _typed(value: object, kind: str) -> object:
+    """`value` as a field of type `kind` (the annotation's text) holds it, else `_BAD`."""
+    if kind == "int | None" and value is None:
         return None
+    if kind in ("int", "int | None"):
+        return value if type(value) is int else _BAD
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return _BAD
+        return float(value)
+    if kind == "bool":
+        return value if isinstance(value, bool) else _BAD
+    if kind == "str":
+        return value if isinstance(value, str) else _BAD
+    return value if value in _LITERALS[kind] else _BAD
 
 
 Listener = Callable[[Event], None]

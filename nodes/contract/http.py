@@ -6,7 +6,7 @@ and how a request body is read. Stdlib only: every side imports it (a boundary t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -85,10 +85,6 @@ def kv_format_of(obj: Any) -> KVFormat | None:
     )
 
 
-class BadBody(ValueError):
-    """A request body that is not JSON the node can read; the message says why."""
-
-
 def read_json(raw: bytes) -> Any:
     """A request body as JSON: strict UTF-8, at most `MAX_JSON_DEPTH` deep, and no lone
     surrogate escape in any string (Python takes "\\ud800" but cannot encode it back)."""
@@ -154,6 +150,44 @@ def error_body(message: str, code: str, kind: str | None = None) -> dict[str, An
     return {"error": {"message": message, "type": kind or code, "param": None, "code": code}}
 
 
+class ApiError(Exception):
+    """A request refused: its HTTP status, message, error code and extra headers (such as
+    `Retry-After`). The one error type of the HTTP boundary, on both roles; the node's
+    middleware answers it with `error_body`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.code)
+
+
+class ContractError(ApiError, ValueError):
+    """A body that is not the contract's record it should be; the message says why.
+
+    The error of every `from_json` in `nodes/contract/` and of the body reader: an `ApiError`
+    (a node answers it with its `code` and `status`) and a `ValueError` (a client reading a
+    node's reply takes it as a bad reply)."""
+
+    def __init__(self, message: str, code: str = "bad_request", status: int = 400) -> None:
+        super().__init__(status, message, code)
+
+
+class BadBody(ContractError):
+    """A request body that is not JSON the node can read; the message says why."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "bad_json")
+
+
 def sse_encode(obj: Any) -> bytes:
     """One Server-Sent Events record: `data: <json>` and a blank line."""
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
@@ -175,66 +209,3 @@ def sse_record(line: bytes | str) -> Any:
         return json.loads(data)
     except ValueError:
         return None
-
-
-def sse_decode(lines: Iterable[bytes | str]) -> Iterator[Any]:
-    """The JSON records of an SSE stream's lines, up to `data: [DONE]`."""
-    for line in lines:
-        record = sse_record(line)
-        if record is SSE_END:
-            return
-        if record is not None:
-            yield record
-
-
-@dataclass(frozen=True)
-class Health:
-    """`GET /health` (no auth, no secret): who a node is and what it runs."""
-
-    id: str
-    name: str
-    roles: tuple[str, ...]
-    proto: int
-    version: str
-    device: str
-    mem_bytes: int
-    budget_bytes: int
-    model_name: str
-    fingerprint: str
-    layers: int
-    instance: str = ""  # random per process: a restart (or another process) changes it
-    cert_fingerprint: str = ""  # hex sha256 of the TLS certificate it serves; "" on plain HTTP
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "status": "ok", "id": self.id, "name": self.name, "roles": list(self.roles),
-            "proto": self.proto, "version": self.version, "device": self.device,
-            "mem_bytes": self.mem_bytes, "budget_bytes": self.budget_bytes,
-            "model": {"name": self.model_name, "fingerprint": self.fingerprint,
-                      "layers": self.layers},
-            "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, obj: Any) -> Health:
-        """A peer's `/health` body; ValueError when it is not one."""
-        if not isinstance(obj, dict) or not isinstance(obj.get("model", {}), dict):
-            raise ValueError("/health is not a JSON object with a model object")
-        model = obj.get("model") or {}
-        roles = obj.get("roles") or ()
-        if not isinstance(roles, list | tuple) or not all(isinstance(r, str) for r in roles):
-            raise ValueError("/health roles is not a list of strings")
-        try:
-            return cls(
-                id=str(obj.get("id", "")), name=str(obj.get("name", "")), roles=tuple(roles),
-                proto=int(obj.get("proto") or 0), version=str(obj.get("version", "")),
-                device=str(obj.get("device", "")), mem_bytes=int(obj.get("mem_bytes") or 0),
-                budget_bytes=int(obj.get("budget_bytes") or 0),
-                model_name=str(model.get("name", "")),
-                fingerprint=str(model.get("fingerprint", "")),
-                layers=int(model.get("layers") or 0),
-                instance=str(obj.get("instance") or ""),
-                cert_fingerprint=str(obj.get("cert_fingerprint") or ""),
-            )  # fmt: skip
-        except (TypeError, ValueError, OverflowError) as e:
-            raise ValueError(f"/health holds a bad value ({e})") from None

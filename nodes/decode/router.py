@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tandem.nodes.cluster.peers import Peer
+from tandem.nodes.contract.cluster import Peer
 
 Mode = Literal["auto", "always", "never"]
 DEFAULT_LATENCY_S = 0.002

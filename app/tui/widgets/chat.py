@@ -10,9 +10,10 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from tandem.app.tui.client import Delta, NodeClient, NodeError, ReplyStats
+from tandem.app.tui.client import Delta, NodeClient, NodeError
 from tandem.app.tui.fmt import format_seconds, format_tok_s
 from tandem.app.tui.messages import ReplyDone, ReplyFailed, ReplyText
+from tandem.nodes.contract.bodies import ReplyStats
 from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll

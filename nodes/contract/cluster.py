@@ -1,0 +1,209 @@
+"""Who a node is and whom it knows: the `GET /health` and `GET /v1/cluster` records.
+
+Each record has one parser, `from_json`, which raises `ContractError` for a body that is not
+the record, and `to_json`, the exact wire shape. A missing key takes its default (an older
+node's body, which lacks a newer key, still reads); a key of the wrong type is an error.
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from tandem.nodes.contract.http import ContractError, Reason
+
+Source = Literal["static", "mdns"]  # `--peer URL`, or found by mDNS (nodes/cluster/discovery)
+
+
+def _str(obj: dict[str, Any], key: str, what: str) -> str:
+    value = obj.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ContractError(f"{what} {key} is not a string")
+    return value
+
+
+def _int(obj: dict[str, Any], key: str, what: str) -> int:
+    value = obj.get(key)
+    if value is None:
+        return 0
+    if type(value) is not int:
+        raise ContractError(f"{what} {key} is not an integer")
+    return value
+
+
+def _rate(obj: dict[str, Any], key: str, what: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ContractError(f"{what} {key} is not a number")
+    return float(value)
+
+
+def _roles(obj: dict[str, Any], what: str) -> tuple[str, ...]:
+    roles = obj.get("roles") or ()
+    if not isinstance(roles, list | tuple) or not all(isinstance(r, str) for r in roles):
+        raise ContractError(f"{what} roles is not a list of strings")
+    return tuple(roles)
+
+
+def _object(obj: Any, key: str, what: str) -> dict[str, Any]:
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ContractError(f"{what} {key} is not a JSON object")
+    return value
+
+
+@dataclass(frozen=True)
+class Health:
+    """`GET /health` (no auth, no secret): who a node is and what it runs."""
+
+    id: str
+    name: str
+    roles: tuple[str, ...]
+    proto: int
+    version: str
+    device: str
+    mem_bytes: int
+    budget_bytes: int
+    model_name: str
+    fingerprint: str
+    layers: int
+    instance: str = ""  # random per process: a restart (or another process) changes it
+    cert_fingerprint: str = ""  # hex sha256 of the TLS certificate it serves; "" on plain HTTP
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": "ok", "id": self.id, "name": self.name, "roles": list(self.roles),
+            "proto": self.proto, "version": self.version, "device": self.device,
+            "mem_bytes": self.mem_bytes, "budget_bytes": self.budget_bytes,
+            "model": {"name": self.model_name, "fingerprint": self.fingerprint,
+                      "layers": self.layers},
+            "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Health:
+        """A node's `/health` body; ContractError when it is not one."""
+        if not isinstance(obj, dict):
+            raise ContractError("/health is not a JSON object")
+        w = "/health"
+        model = _object(obj, "model", w)
+        return cls(
+            id=_str(obj, "id", w), name=_str(obj, "name", w), roles=_roles(obj, w),
+            proto=_int(obj, "proto", w), version=_str(obj, "version", w),
+            device=_str(obj, "device", w), mem_bytes=_int(obj, "mem_bytes", w),
+            budget_bytes=_int(obj, "budget_bytes", w), model_name=_str(model, "name", w),
+            fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
+            instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One node as `/v1/cluster` shows it (DESIGN.md Peer shape): what its `/health` said,
+    whether the reporting node trusts it (and why not), and the rates it measured. The peer
+    table (nodes/cluster/peers.py) keeps one per address."""
+
+    address: str
+    id: str = ""
+    name: str = ""
+    roles: tuple[str, ...] = ()
+    device: str = ""
+    mem_bytes: int = 0
+    budget_bytes: int = 0
+    model: dict[str, str] = field(default_factory=dict)  # {"name", "fingerprint"}
+    proto: int = 0
+    trusted: bool = False
+    reason: Reason | None = "unreachable"
+    last_seen: float = 0.0
+    prefill_tok_s: float | None = None
+    link_Bps: float | None = None
+    prefill_floor_s: float | None = None  # the cheapest remote pass seen (weights + HTTP)
+    source: Source = "static"
+    # not on the wire: the peer process's `/health` instance, which the peer table keeps to
+    # see a restart
+    instance: str = ""
+    cert_fingerprint: str = ""  # pinned by the hello (an mDNS claim until then); "" plain
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "roles": list(self.roles),
+            "address": self.address,
+            "device": self.device,
+            "mem_bytes": self.mem_bytes,
+            "budget_bytes": self.budget_bytes,
+            "model": dict(self.model),
+            "proto": self.proto,
+            "trusted": self.trusted,
+            "reason": self.reason,
+            "last_seen": self.last_seen,
+            "prefill_tok_s": self.prefill_tok_s,
+            "link_Bps": self.link_Bps,
+            "prefill_floor_s": self.prefill_floor_s,
+            "source": self.source,
+            "cert_fingerprint": self.cert_fingerprint,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Peer:
+        """One peer of a `/v1/cluster` body; ContractError when it is not one."""
+        if not isinstance(obj, dict):
+            raise ContractError("a /v1/cluster peer is not a JSON object")
+        w = "/v1/cluster peer"
+        model = _object(obj, "model", w)
+        if not isinstance(obj.get("trusted", False), bool):
+            raise ContractError(f"{w} trusted is not true or false")
+        return cls(
+            address=_str(obj, "address", w), id=_str(obj, "id", w), name=_str(obj, "name", w),
+            roles=_roles(obj, w), device=_str(obj, "device", w),
+            mem_bytes=_int(obj, "mem_bytes", w), budget_bytes=_int(obj, "budget_bytes", w),
+            model={k: _str(model, k, w) for k in ("name", "fingerprint") if k in model},
+            proto=_int(obj, "proto", w), trusted=obj.get("trusted", False),
+            reason=cast(Reason, _str(obj, "reason", w) or None),
+            last_seen=_rate(obj, "last_seen", w) or 0.0,
+            prefill_tok_s=_rate(obj, "prefill_tok_s", w), link_Bps=_rate(obj, "link_Bps", w),
+            prefill_floor_s=_rate(obj, "prefill_floor_s", w),
+            source="mdns" if obj.get("source") == "mdns" else "static",
+            cert_fingerprint=_str(obj, "cert_fingerprint", w),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`GET /v1/cluster`: the node itself (`me`, `"self"` on the wire) and the peers it knows."""
+
+    me: Peer | None
+    peers: tuple[Peer, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "self": self.me.to_json() if self.me is not None else None,
+            "peers": [p.to_json() for p in self.peers],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Cluster:
+        """A `/v1/cluster` body; ContractError when it is not an object with a list of
+        peers. An entry that is not a peer (a newer node's, or junk) is left out, as
+        `event_from_json` leaves out an event of a kind not known here."""
+        if not isinstance(obj, dict):
+            raise ContractError("/v1/cluster is not a JSON object")
+        peers = obj.get("peers") or []
+        if not isinstance(peers, list):
+            raise ContractError("/v1/cluster peers is not a list")
+        return cls(_peer_or_none(obj.get("self")), tuple(filter(None, map(_peer_or_none, peers))))
+
+
+def _peer_or_none(obj: Any) -> Peer | None:
+    try:
+        return Peer.from_json(obj)
+    except ContractError:
+        return None
