@@ -25,7 +25,8 @@ import aiohttp
 from aiohttp import web
 from tandem.nodes import __version__
 from tandem.nodes.cluster.discovery import Advert, Discovery, url_for
-from tandem.nodes.cluster.peers import Peer, PeerTable
+from tandem.nodes.cluster.peers import PeerTable
+from tandem.nodes.contract.cluster import Health, Peer
 from tandem.nodes.contract.events import EventBus, sse
 from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
@@ -38,7 +39,6 @@ from tandem.nodes.contract.http import (
     MAX_BODY_BYTES,
     PROTO,
     BadBody,
-    Health,
     KVFormat,
     check_group_size,
     error_body,
