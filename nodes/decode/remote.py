@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
+from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
 from tandem.nodes.contract.frames import (
     PREFIX,
-    PROTO,
     Done,
     ErrorFrame,
     Frame,
@@ -145,20 +145,10 @@ class RemotePrefill:
         (the caches may then hold a partial prefix: `kv.trim_to` them). `on_layer(i)` runs on
         the mlx thread right after layer i is in its cache."""
         events = events or self.events
-        body = {
-            "proto": PROTO,
-            "fingerprint": self.fingerprint,
-            "request_id": call.request_id,
-            "tokens": call.tokens,
-            "start": call.start,
-        }
-        if call.kv_format is not None:
-            body |= {
-                "kv_bits": call.kv_format.bits,
-                "kv_group_size": call.kv_format.group_size,
-                "kv_kernel": call.kv_format.kernel,
-            }
-        data = json.dumps(body).encode()
+        body = PrefillBody(
+            self.fingerprint, call.request_id, call.tokens, call.start, call.kv_format
+        )
+        data = json.dumps(body.to_json()).encode()
         try:  # signed for the node it proved to be; no client's header is ever forwarded
             link = self.peers.signed(url, "POST", "/v1/prefill", data)
         except UntrustedPeer as e:
