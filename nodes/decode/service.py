@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tandem.nodes.cluster.peers import PeerTable
+from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.contract.events import EventBus, RequestEvent, TokenEvent
 from tandem.nodes.contract.http import (
     DEFAULT_KV_GROUP_SIZE,
@@ -308,19 +309,12 @@ class DecodeService:
     def _tandem(
         self, req: Completion, info: PrefillInfo, gen: Generation, ttft_s: float
     ) -> dict[str, Any]:
-        return {
-            "request_id": req.request_id,
-            "prefill": info.where,
-            "prefill_node": info.node,
-            "prefill_tokens": info.tokens,
-            "prefill_s": info.seconds,
-            "kv_bytes": info.kv_bytes,
-            "kv_dtype": kv_dtype(self.expect, req.kv_format),
-            "ttft_s": ttft_s,
-            "decode_tokens": gen.tokens,
-            "decode_s": gen.decode_s,
-            "decode_tok_s": gen.steady_tok_s,
-        }
+        return ReplyStats(
+            request_id=req.request_id, prefill=info.where, prefill_node=info.node,
+            prefill_tokens=info.tokens, prefill_s=info.seconds, kv_bytes=info.kv_bytes,
+            ttft_s=ttft_s, decode_tokens=gen.tokens, decode_s=gen.decode_s,
+            kv_dtype=kv_dtype(self.expect, req.kv_format), steady_tok_s=gen.steady_tok_s,
+        ).to_json()  # fmt: skip
 
 
 def kv_dtype(expect: KVShape, kv_format: KVFormat | None) -> str:
