@@ -1,0 +1,136 @@
+"""The `attention` section: which SDPA kernel a real prefill runs, at start 0 and after a
+prefix, and which backends take its shapes."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .context import Ctx, attempt, say
+from .engines import engine_at
+from .models import small_model, tokens
+from .sizes import Json
+
+ATTN_OP = re.compile(r"attention|sdpa|flash|cudnn", re.I)
+ATTN_KERNEL = re.compile(r"flash|fmha|attention|attn|sdpa|cudnn|softmax", re.I)
+
+
+def backend_of(ops: Iterable[str]) -> str:
+    """Which SDPA backend a profile's aten ops show (the most specific one seen)."""
+    names = " ".join(ops).lower()
+    for key, backend in (
+        ("cudnn", "CUDNN_ATTENTION"),
+        ("flash", "FLASH_ATTENTION"),
+        ("efficient", "EFFICIENT_ATTENTION"),
+        ("math", "MATH"),
+    ):
+        if key in names:
+            return backend
+    return "unknown"
+
+
+def profiled(fn: Callable[[], object], cuda: bool) -> Json:
+    """The attention ops and kernels that `fn` launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with profile(activities=activities) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+    except RuntimeError as e:  # no CUPTI: the aten ops still tell the backend
+        if not cuda:
+            raise
+        seen = profiled(fn, cuda=False)
+        return {**seen, "kernels_error": str(e).splitlines()[0][:200]}
+    names = {e.name for e in prof.events()}
+    ops = sorted(n for n in names if n.startswith("aten::") and ATTN_OP.search(n))
+    kernels = sorted(
+        {n[:160] for n in names if not n.startswith("aten::") and ATTN_KERNEL.search(n)}
+    )
+    return {"backend": backend_of(ops), "ops": ops, "kernels": kernels}
+
+
+def sdpa_backends(spec: Any, dtype: Any, device: str, count: int, start: int) -> Json:
+    """Each SDPA backend alone on blocks.attention_part's call: whether it takes it, and what
+    it ran (a lower-right causal bias may pick its kernel itself)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    D, S = spec.head_dim, start + count
+    q = torch.randn(1, spec.num_heads, count, D, dtype=dtype, device=device)
+    k = torch.randn(1, spec.num_kv_heads, S, D, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    causal: Json = (
+        {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(count, S)}
+    )
+    out: Json = {}
+    for backend in SDPBackend.__members__.values():
+        if backend.name in ("ERROR", "OVERRIDEABLE"):
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel([backend]):
+                    seen = profiled(
+                        lambda: F.scaled_dot_product_attention(
+                            q, k, v, scale=D**-0.5, enable_gqa=True, **causal
+                        ),
+                        device == "cuda",
+                    )
+                out[backend.name] = {"ok": True, "ran": seen["backend"]}
+            except RuntimeError as e:
+                why = [str(w.message).splitlines()[0][:200] for w in caught]
+                why = [w for w in why if not w.startswith("No viable backend")][:4]
+                out[backend.name] = {"ok": False, "why": why or [str(e).splitlines()[0][:200]]}
+    return out
+
+
+def attention_of(ctx: Ctx, dtype: str) -> Json:
+    """A one-layer model's prefill, profiled at start 0 and after a prefix, and each SDPA
+    backend tried alone on the same shapes."""
+    import torch
+    from tandem.nodes.model import load_index
+
+    index = load_index(small_model(ctx, "attn", ctx.sizes.attn_model, dtype))
+    spec, n = index.spec, ctx.sizes.attn_tokens
+    ids, half = tokens(n, spec.vocab_size), n // 2
+    engine = engine_at(index, index.total_bytes, ctx.device, ctx.sizes.chunk)
+    try:
+        list(engine.prefill(ids[:16]))  # warm-up: the resident load, lazy CUDA init
+        prefix = [(kv.k, kv.v) for kv in engine.prefill(ids[:half])]
+        start0 = profiled(lambda: list(engine.prefill(ids)), ctx.cuda)
+        later = profiled(
+            lambda: list(engine.prefill(ids[half:], start=half, prefix=prefix)), ctx.cuda
+        )
+    finally:
+        engine.close()
+    tdtype = getattr(torch, dtype)
+    start0["backends"] = sdpa_backends(spec, tdtype, ctx.device, n, 0)
+    later["backends"] = sdpa_backends(spec, tdtype, ctx.device, n - half, half)
+    say(f"attention {dtype}: start 0 → {start0['backend']}, start > 0 → {later['backend']}")
+    return {
+        "shape": {
+            "heads": spec.num_heads,
+            "kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+        },
+        "start_0": {"start": 0, "tokens": n, **start0},
+        "start_gt_0": {"start": half, "tokens": n - half, **later},
+    }
+
+
+def attention_section(ctx: Ctx) -> Json:
+    """Which kernel a real prefill's attention runs, at start 0 and after a prefix."""
+    out = {dtype: attempt(attention_of, ctx, dtype) for dtype in ("bfloat16", "float32")}
+    ran = [out[d].get(c, {}).get("backend") for d in out for c in ("start_0", "start_gt_0")]
+    out["ok"] = all(r not in (None, "unknown") for r in ran)
+    if ctx.cuda:  # issue 17 defect 1: bf16 on CUDA must not fall back to MATH
+        out["ok"] = out["ok"] and "MATH" not in ran[:2]
+    return out
