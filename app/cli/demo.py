@@ -198,11 +198,11 @@ class DemoCluster:
             while True:
                 self.check_alive()
                 p, d = await asyncio.gather(prefill.probe(), decode.probe())
-                if p.ok and d.ok and d.cluster is not None:
-                    if any(x.trusted and "prefill" in x.roles for x in d.cluster.peers):
-                        nodes = (decode, prefill)
-                        self.pins = {c.url: c.cert_fingerprint for c in nodes if c.cert_fingerprint}
-                        return
+                peers = d.cluster.peers if p.ok and d.ok and d.cluster is not None else ()
+                if any(x.trusted and "prefill" in x.roles for x in peers):
+                    nodes = (decode, prefill)
+                    self.pins = {c.url: c.cert_fingerprint for c in nodes if c.cert_fingerprint}
+                    return
                 if time.monotonic() > deadline:
                     raise DemoError(f"the demo nodes were not ready after {timeout:.0f} s")
                 await asyncio.sleep(0.3)
