@@ -122,6 +122,13 @@ def _import_in_order(
     return {name: out if isinstance(out, str) else set(out) for name, out in rows}
 
 
+def loaded_after_import(module: str) -> set[str]:
+    """Top-level names in sys.modules after `import module` alone, in a new interpreter."""
+    got = _import_in_order([module])[module]
+    assert not isinstance(got, str), got
+    return got
+
+
 def _unexpected(loaded: set[str], allowed: frozenset[str]) -> set[str]:
     if allowed:
         return (loaded & DEPENDENCIES) - allowed

@@ -17,7 +17,8 @@ import numpy as np
 import openai
 import pytest
 import torch
-from tandem.nodes.contract.frames import FrameReader, FrameWriter, Header, LayerFrame, ProtocolError
+from tandem.nodes.contract.frame_reader import FrameReader
+from tandem.nodes.contract.frames import FrameWriter, Header, LayerFrame, ProtocolError
 from tandem.nodes.contract.http import PROTO, KVFormat, kv_format_of
 from tandem.nodes.decode.kv import CacheBuilder, KVShape
 from tandem.nodes.decode.prompt_cache import PromptCache

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_import_boundaries import MLX, TORCH, TUI, _loaded_after_import
+from tests.test_import_boundaries import loaded_after_import as _loaded_after_import
+
+TORCH = frozenset({"torch"})
+MLX = frozenset({"mlx", "mlx_lm"})
+TUI = frozenset({"textual"})
 
 BOUNDARIES: dict[str, frozenset[str]] = {
     "tandem.app.tui.app": TORCH | MLX,

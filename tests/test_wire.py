@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tandem.nodes.contract.frame_reader import FrameReader
 from tandem.nodes.contract.frames import (
     PROTO,
     Done,
     ErrorFrame,
     Frame,
-    FrameReader,
     FrameWriter,
     Header,
     LayerFrame,

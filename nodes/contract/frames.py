@@ -6,9 +6,9 @@ payloads are JSON; a layer payload is a safetensors blob, metadata `{"layer": "i
 header's `kv_bits` is 8 or 4, mlx's affine quantized form (`Header.tensors`): `k` and `v` as
 packed uint32 words `[1, n_kv_heads, count, head_dim·bits/32]` and `k_scales`, `k_biases`,
 `v_scales`, `v_biases` `[1, n_kv_heads, count, head_dim/kv_group_size]` in the header's dtype.
-`FrameWriter` produces a valid stream; `FrameReader` checks one as it is read in place, each
-payload straight into a buffer of its own (`get_buffer`): the receive path copies no big
-chunk on the event loop. Stdlib and numpy only: both the torch and the mlx side import this.
+This module holds the format: the frame records, the header's checks, the encoders and
+`FrameWriter`, which produces a valid stream; `frame_reader.FrameReader` checks one as it is
+read. Stdlib and numpy only: both the torch and the mlx side import this.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from tandem.nodes.contract.http import KV_BITS, KV_GROUP_SIZES, PROTO
-from tandem.nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of, parse_header
+from tandem.nodes.model.safetensors_format import RawTensor, encode_parts, nbytes_of
 
 try:  # ISA-L's crc32 is zlib's, at tens of GB/s instead of a few: the receive path's biggest cost
     from isal.isal_zlib import crc32
@@ -175,7 +174,7 @@ class FrameWriter:
     """Builds one stream in order: `start()`, `layer(0..layers-1)`, then `done()` (or `error()`)."""
 
     def __init__(self, header: Header) -> None:
-        _check_header(header)
+        check_header(header)
         self.header = header
         self.crc32 = 0  # chained over layer payloads so far
         self.next_layer = 0
@@ -221,19 +220,19 @@ class FrameWriter:
 
 # Values from the wire are checked for type before they go into a message: the repr of
 # deeply nested JSON could itself raise RecursionError.
-def _check_uint(value: object, what: str, least: int = 0) -> int:
+def check_uint(value: object, what: str, least: int = 0) -> int:
     if type(value) is not int or value < least:
         raise ProtocolError(f"{what} must be an integer >= {least}")
     return value
 
 
-def _check_str(value: object, what: str) -> str:
+def check_str(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise ProtocolError(f"{what} must be a string")
     return value
 
 
-def _check_proto(proto: object) -> None:
+def check_proto(proto: object) -> None:
     if type(proto) is not int or proto != PROTO:
         shown = (
             proto if type(proto) is int else "missing" if proto is None else type(proto).__name__
@@ -241,17 +240,17 @@ def _check_proto(proto: object) -> None:
         raise ProtocolError(f"protocol version {shown}, this node speaks {PROTO}")
 
 
-def _check_header(h: Header) -> None:
-    _check_proto(h.proto)
-    _check_str(h.fingerprint, "header fingerprint")
-    _check_str(h.request_id, "header request_id")
-    if _check_str(h.dtype, "header dtype") not in WIRE_DTYPES:
+def check_header(h: Header) -> None:
+    check_proto(h.proto)
+    check_str(h.fingerprint, "header fingerprint")
+    check_str(h.request_id, "header request_id")
+    if check_str(h.dtype, "header dtype") not in WIRE_DTYPES:
         raise ProtocolError(f"header dtype {h.dtype!r} is not one of {WIRE_DTYPES}")
     for name, least in _HEADER_SIZES.items():
-        _check_uint(getattr(h, name), f"header {name}", least)
-    if _check_uint(h.kv_bits, "header kv_bits") not in (0, *KV_BITS):
+        check_uint(getattr(h, name), f"header {name}", least)
+    if check_uint(h.kv_bits, "header kv_bits") not in (0, *KV_BITS):
         raise ProtocolError(f"header kv_bits {h.kv_bits} is not one of {(0, *KV_BITS)}")
-    group = _check_uint(h.kv_group_size, "header kv_group_size")
+    group = check_uint(h.kv_group_size, "header kv_group_size")
     if not h.kv_bits and group:
         raise ProtocolError(f"header kv_group_size {group} for full-precision KV (kv_bits 0)")
     if h.kv_bits:
@@ -262,223 +261,6 @@ def _check_header(h: Header) -> None:
             )
         if h.head_dim * h.kv_bits % 32:
             raise ProtocolError(f"head_dim {h.head_dim} does not pack into 32-bit words")
-
-
-def _load_json(payload: bytes, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(payload)
-    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and bad JSON
-        raise ProtocolError(f"{what} frame is not JSON ({type(e).__name__})") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{what} frame is not a JSON object")
-    return obj
-
-
-def _fields(obj: dict[str, Any], cls: type, what: str) -> dict[str, Any]:
-    """The values of `cls`'s fields from a JSON object; extra keys are ignored."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    missing = [k for k in names if k not in obj]
-    if missing:
-        raise ProtocolError(f"{what} frame lacks {missing}")
-    return {k: obj[k] for k in names}
-
-
-class FrameReader:
-    """Incremental, validating decoder that reads in place, as `asyncio.BufferedProtocol`
-    does: `get_buffer()` says where the next bytes go (the rest of a prefix, or of a payload
-    in a buffer of its own, from `alloc` for a layer), `buffer_updated(n)` says that n bytes
-    landed there and returns the frames they complete; `finish()` at the end of the stream.
-    """
-
-    def __init__(
-        self,
-        max_layer_extra: int = LAYER_EXTRA_BYTES,
-        alloc: Callable[[int], bytearray] = bytearray,
-    ) -> None:
-        self.max_layer_extra = max_layer_extra
-        self.header: Header | None = None
-        self.crc32 = 0
-        self.next_layer = 0
-        self.alloc = alloc
-        self._prefix = bytearray(PREFIX.size)  # the pending prefix, `_prefix_n` bytes in
-        self._prefix_n = 0
-        self._pending: tuple[int, int] | None = None  # (kind, length) once a prefix is read
-        self._target: memoryview | None = None  # the pending payload, `_filled` bytes in
-        self._filled = 0
-        self._payload_crc = 0  # the crc32 chain including the pending layer's bytes so far
-        self._ended: Done | ErrorFrame | None = None
-        self._failed = False
-
-    @property
-    def mid_frame(self) -> bool:
-        """Whether some bytes of a frame not yet complete have been read."""
-        return self._prefix_n > 0 or self._pending is not None
-
-    def finish(self) -> None:
-        """End of stream: raises ProtocolError unless it ended cleanly on done or error."""
-        if self._failed:
-            raise ProtocolError("reader already failed")
-        if self.mid_frame:
-            raise ProtocolError("stream ends inside a frame (truncated)")
-        if self._ended is None:
-            raise ProtocolError("stream ends without a done frame")
-
-    def get_buffer(self) -> memoryview:
-        """Where the stream's next bytes go (at least one byte; fill any part of it)."""
-        if self._failed:
-            raise ProtocolError("reader already failed")
-        if self._ended is not None:
-            return memoryview(self._prefix)  # whatever lands here is an error
-        if self._pending is None:
-            return memoryview(self._prefix)[self._prefix_n :]
-        assert self._target is not None
-        return self._target[self._filled :]
-
-    def buffer_updated(self, nbytes: int) -> list[Frame]:
-        """`nbytes` landed at the start of `get_buffer()`; return the frames they complete."""
-        if self._failed:
-            raise ProtocolError("reader already failed")
-        try:
-            frames: list[Frame] = []
-            if nbytes and self._ended is not None:
-                raise ProtocolError(f"data after the {self._end_name()} frame")
-            if self._pending is None:
-                if not self._prefix_got(nbytes):
-                    return frames
-                kind, n = self._pending  # type: ignore[misc]  # _prefix_got set it
-                buffer = self.alloc(n) if kind == KIND_LAYER else bytearray(n)
-                self._target = memoryview(buffer)[:n]  # a pooled buffer may be longer
-                self._payload_got(self._target[:0], frames)  # an empty payload is complete
-                return frames
-            assert self._target is not None
-            self._payload_got(self._target[self._filled : self._filled + nbytes], frames)
-            return frames
-        except ProtocolError:
-            self._failed = True
-            raise
-
-    def _prefix_got(self, nbytes: int) -> bool:
-        """`nbytes` more of the prefix are in: whether it is whole (then a payload is pending)."""
-        if nbytes and self._prefix_n == 0:
-            self._check_kind(self._prefix[0])  # fail on the first byte, not the ninth
-        self._prefix_n += nbytes
-        if self._prefix_n < PREFIX.size:
-            return False
-        kind, n = PREFIX.unpack_from(self._prefix)
-        self._check_length(kind, n)  # before buffering any of the payload
-        self._prefix_n = 0
-        self._pending = (kind, n)
-        self._filled, self._payload_crc = 0, self.crc32
-        return True
-
-    def _payload_got(self, piece: memoryview, frames: list[Frame]) -> None:
-        """`piece`, the pending payload's next bytes, is in place; decode a complete frame."""
-        assert self._pending is not None
-        kind, n = self._pending
-        if kind == KIND_LAYER and len(piece):
-            self._payload_crc = crc32(piece, self._payload_crc)
-        self._filled += len(piece)
-        if self._filled < n:
-            return
-        assert self._target is not None
-        payload, self._target = self._target, None
-        self._pending = None
-        frames.append(self._decode(kind, payload))
-
-    def _end_name(self) -> str:
-        return "done" if isinstance(self._ended, Done) else "error"
-
-    def _check_kind(self, kind: int) -> None:
-        if kind not in (KIND_HEADER, KIND_LAYER, KIND_DONE, KIND_ERROR):
-            raise ProtocolError(f"unknown frame kind {kind}")
-        if self.header is None and kind not in (KIND_HEADER, KIND_ERROR):
-            raise ProtocolError(f"first frame must be a header, got kind {kind}")
-        if self.header is not None and kind == KIND_HEADER:
-            raise ProtocolError("a second header frame")
-
-    def _check_length(self, kind: int, n: int) -> None:
-        if kind == KIND_LAYER:
-            assert self.header is not None  # _check_kind saw to it
-            limit = max_layer_payload(self.header, self.max_layer_extra)
-        else:
-            limit = MAX_JSON_BYTES
-        if n > limit:
-            raise ProtocolError(f"oversized frame: kind {kind}, {n} bytes, limit {limit}")
-
-    def _decode(self, kind: int, view: memoryview) -> Frame:
-        if kind == KIND_LAYER:
-            return self._decode_layer(view)
-        payload = bytes(view)  # JSON: at most MAX_JSON_BYTES
-        if kind == KIND_HEADER:
-            obj = _load_json(payload, "header")
-            _check_proto(obj.get("proto"))  # first: another version may have other keys
-            header = Header(**_fields(obj, Header, "header"))
-            _check_header(header)
-            self.header = header
-            return header
-        if kind == KIND_DONE:
-            done = Done(**_fields(_load_json(payload, "done"), Done, "done"))
-            _check_uint(done.layers, "done layers")
-            _check_uint(done.crc32, "done crc32")
-            assert self.header is not None
-            if done.layers != self.header.layers or self.next_layer != self.header.layers:
-                raise ProtocolError(
-                    f"done after {self.next_layer} layers says {done.layers}, "
-                    f"header says {self.header.layers}"
-                )
-            if done.crc32 != self.crc32:
-                raise ProtocolError(f"crc32 mismatch: done says {done.crc32}, got {self.crc32}")
-            self._ended = done
-            return done
-        error = ErrorFrame(**_fields(_load_json(payload, "error"), ErrorFrame, "error"))
-        _check_str(error.code, "error code")
-        _check_str(error.message, "error message")
-        self._ended = error
-        return error
-
-    def _decode_layer(self, payload: memoryview) -> LayerFrame:
-        h = self.header
-        assert h is not None
-        try:
-            entries, metadata, data_start = parse_header(_blob_header(payload))
-        # parse_header raises SafetensorsError (a ValueError) for what it checks; hostile
-        # JSON can still surface as these (deep nesting, Infinity, metadata not an object).
-        except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:
-            raise ProtocolError(f"layer frame is not a safetensors blob ({e})") from None
-        want = h.tensors()
-        if set(entries) != set(want):
-            raise ProtocolError(f"layer blob holds {sorted(entries)}, want {sorted(want)}")
-        for e in entries.values():
-            dtype, shape = want[e.name]
-            if e.dtype != dtype or e.shape != shape:
-                raise ProtocolError(
-                    f"layer tensor {e.name}: {e.dtype}{list(e.shape)}, "
-                    f"header says {dtype}{list(shape)}"
-                )
-            if data_start + e.end > len(payload):
-                raise ProtocolError(f"layer tensor {e.name} runs past the end of the blob")
-        layer = metadata.get("layer")
-        if layer is None:
-            raise ProtocolError('layer blob lacks its {"layer": "i"} metadata')
-        if layer != str(self.next_layer):
-            raise ProtocolError(f"layer {layer!r} out of order, want {self.next_layer}")
-        if self.next_layer >= h.layers:
-            raise ProtocolError(f"more layers than the header's {h.layers}")
-        self.crc32 = self._payload_crc
-        self.next_layer += 1
-        parts = {
-            name: payload[data_start + e.begin : data_start + e.end] for name, e in entries.items()
-        }
-        return LayerFrame(self.next_layer - 1, parts["k"], parts["v"], payload, parts)
-
-
-def _blob_header(payload: memoryview) -> bytes:
-    """The leading bytes of a safetensors blob that hold its header (length and JSON)."""
-    head = bytes(payload[:8])
-    if len(head) < 8:
-        return head  # parse_header says what is wrong
-    (n,) = struct.unpack("<Q", head)
-    return bytes(payload[: 8 + n]) if 8 + n <= len(payload) else head
 
 
 def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
