@@ -24,7 +24,8 @@ from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.prefill import engine as engine_module
 from tandem.nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
-from tandem.nodes.prefill.plan import Load, make_plan
+from tandem.nodes.prefill.loads import Load
+from tandem.nodes.prefill.plan import make_plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes
 
 from tests.conftest import MakeTiny
@@ -522,7 +523,7 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
     and the K/V are bit for bit the same."""
     import errno
 
-    from tandem.nodes.prefill.plan import direct_span
+    from tandem.nodes.prefill.loads import direct_span
     from tandem.nodes.prefill.stream import movers
 
     model = tiny_model(arch="qwen2", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512)

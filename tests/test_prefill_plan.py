@@ -16,7 +16,8 @@ from safetensors.numpy import load_file
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.spec import ModelSpec
-from tandem.nodes.prefill.plan import ALIGN, Load, Part, Plan, direct_span, make_plan
+from tandem.nodes.prefill.loads import ALIGN, Load, Part, direct_span
+from tandem.nodes.prefill.plan import Plan, make_plan
 from tandem.nodes.prefill.stream.movers import aligned_empty, open_direct, read_load
 
 from tests.conftest import MakeTiny

@@ -42,15 +42,13 @@ from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
 from tandem.nodes.prefill.blocks import (
     LayerState,
-    apply_rope,
     attention_part,
-    inv_freq,
     mlp_part,
-    rms_norm,
-    rope_tables,
 )
 from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
-from tandem.nodes.prefill.plan import DIRECT_ALIGN, Load, Part, Plan
+from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Part
+from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.rope import apply_rope, inv_freq, rms_norm, rope_tables
 from tandem.nodes.prefill.stream.movers import N_STAGING, READ_CHUNK, READ_THREADS, CpuMover
 from tandem.nodes.prefill.stream.streamer import TORCH_DTYPES, lower_this_thread
 from torch.nn.attention.bias import causal_lower_right

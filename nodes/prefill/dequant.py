@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from tandem.nodes.model.quant import Quant
-from tandem.nodes.prefill.plan import ALIGN  # the plan sizes the scratch with the same alignment
+from tandem.nodes.prefill.loads import ALIGN  # the plan sizes the scratch with the same alignment
 
 BLOCK_ELEMENTS = 1 << 21  # values per row block: temporaries of a few MiB
 

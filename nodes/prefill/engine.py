@@ -28,14 +28,14 @@ from tandem.nodes.prefill.blocks import (
     LayerState,
     activation_bytes,
     attention_part,
-    inv_freq,
     mlp_part,
     out_rows_part,
-    rope_tables,
 )
 from tandem.nodes.prefill.dequant import DequantizedWeights, dequantize
 from tandem.nodes.prefill.kv_quant import Scratch, quantize_all
-from tandem.nodes.prefill.plan import Load, Part, Plan, make_plan
+from tandem.nodes.prefill.loads import Load, Part
+from tandem.nodes.prefill.plan import Plan, make_plan
+from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stream.movers import FillTimes, HostArena, HostTier, Mover, make_mover
 from tandem.nodes.prefill.stream.streamer import (
     TORCH_DTYPES,

@@ -16,103 +16,32 @@ plus a fixed resident set — never LRU, which evicts exactly the layer needed n
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from tandem.nodes.model.errors import ModelError
-from tandem.nodes.model.index import ModelIndex, TensorEntry
+from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
+from tandem.nodes.prefill.cut import (
+    attn_parts,
+    dequantized_bytes,
+    dequantized_sizes,
+    mlp_parts,
+    out_row_parts,
+    whole_layer,
+)
+from tandem.nodes.prefill.loads import (
+    Load,
+    Part,
+    layout,
+    slot_size,
+)
 
-ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
-DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this
-DIRECT_MIN = 64 * 1024  # smaller pieces (norms, biases) are not worth a span of their own
 MAX_RING_SLOTS = 3  # whole-layer slots
 RING_LOADS = 4  # a cut layer: loads in flight, each at most a RING_LOADS-th of the ring
 MIN_SLICE = 4096  # bytes: the smallest load a quantized plan tries before giving up
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A tensor, or a row range of it, as it lands in slot memory: one run of its file."""
-
-    key: str  # short name, e.g. "self_attn.q_proj.weight"
-    entry: TensorEntry
-    rows: tuple[int, int] | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        shape = list(self.entry.shape)
-        if self.rows is not None:
-            shape[0] = self.rows[1] - self.rows[0]
-        return tuple(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.entry.itemsize
-
-    def span(self) -> tuple[int, int]:
-        """(absolute file offset, byte count) of this piece in its file."""
-        e = self.entry
-        if self.rows is None:
-            return e.offset, e.nbytes
-        row_bytes = math.prod(e.shape[1:]) * e.itemsize
-        r0, r1 = self.rows
-        return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
-
-
-Op = Literal["attn", "qkv", "o", "mlp", "gate_up", "down"]
-
-
-@dataclass(frozen=True)
-class Part:
-    """One compute step over rows [lo, hi) of its op:
-
-    - "attn": the whole attention, o_proj included (lo, hi: all KV heads);
-    - "qkv": attention over KV heads [lo, hi), its heads' output kept for "o";
-    - "o": o_proj's rows (output features) [lo, hi), added into those residual columns;
-    - "mlp": the whole MLP (lo, hi: all intermediate features);
-    - "gate_up": gate/up rows [lo, hi), the activation kept for "down";
-    - "down": down_proj's rows [lo, hi), added into those residual columns.
-    """
-
-    layer: int
-    op: Op
-    lo: int
-    hi: int
-    first: bool  # first part of this op in the layer ("qkv", "gate_up": computes the norm)
-    last: bool  # last part of this op ("o", "down": the kept output is done with)
-    pieces: tuple[Piece, ...]
-
-
-@dataclass(frozen=True)
-class Load:
-    """What one slot holds at a time, with each piece's byte offset inside the slot."""
-
-    seq: int  # position in the per-request order
-    layer: int
-    parts: tuple[Part, ...]
-    offsets: tuple[int, ...]  # per piece of all parts, flattened, bytes from the slot start
-    nbytes: int  # aligned size
-    first_of_layer: bool
-    last_of_layer: bool
-    resident: bool
-    direct: bool = False  # laid out for O_DIRECT reads (see `_layout`)
-
-    @property
-    def pieces(self) -> tuple[Piece, ...]:
-        return tuple(p for part in self.parts for p in part.pieces)
-
-    @property
-    def weight_bytes(self) -> int:
-        """The tensor bytes in this load (`nbytes` adds alignment padding)."""
-        return sum(p.nbytes for p in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -154,166 +83,13 @@ class Plan:
         return {1: "layer", 2: "part"}.get(n, "slice")
 
 
-def _matrix(
-    index: ModelIndex, i: int, module: str, rows: tuple[int, int] | None = None
-) -> list[Piece]:
-    """The pieces holding rows of layer i's `module` weight: the float matrix, or its packed
-    words, scales and biases (a quantized matrix's rows are whole rows of all three)."""
-    t, quant = index.layers[i], index.quant(i, module)
-    if quant is None:
-        return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows)]
-    return [
-        Piece(f"{module}.{name}", t[f"{module}.{name}"], rows=rows)
-        for name in ("weight", "scales", "biases")
-    ]
-
-
-def _bounds(total: int, n: int) -> list[int]:
-    """Cuts of [0, total) into about n even ranges (fewer when n > total)."""
-    return sorted({round(g * total / n) for g in range(n + 1)})
-
-
-def _attn(index: ModelIndex, i: int, groups: int, with_o: bool) -> list[Part]:
-    """Attention in `groups` KV-head groups: one "attn" part holding o_proj too (`with_o`,
-    groups == 1), else "qkv" parts."""
-    spec, t = index.spec, index.layers[i]
-    rep, hd = spec.num_heads // spec.num_kv_heads, spec.head_dim
-    bounds = _bounds(spec.num_kv_heads, groups)
-    parts = []
-    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        q_rows, kv_rows = (lo * rep * hd, hi * rep * hd), (lo * hd, hi * hd)
-        pieces = [Piece("input_layernorm.weight", t["input_layernorm.weight"])] if g == 0 else []
-        pieces += [
-            *_matrix(index, i, "self_attn.q_proj", rows=q_rows),
-            *_matrix(index, i, "self_attn.k_proj", rows=kv_rows),
-            *_matrix(index, i, "self_attn.v_proj", rows=kv_rows),
-        ]
-        if spec.attention_bias:
-            pieces += [
-                Piece("self_attn.q_proj.bias", t["self_attn.q_proj.bias"], rows=q_rows),
-                Piece("self_attn.k_proj.bias", t["self_attn.k_proj.bias"], rows=kv_rows),
-                Piece("self_attn.v_proj.bias", t["self_attn.v_proj.bias"], rows=kv_rows),
-            ]
-        if spec.qk_norm:
-            pieces += [
-                Piece("self_attn.q_norm.weight", t["self_attn.q_norm.weight"]),
-                Piece("self_attn.k_norm.weight", t["self_attn.k_norm.weight"]),
-            ]
-        if with_o:
-            pieces += _matrix(index, i, "self_attn.o_proj")
-        last = g == len(bounds) - 2
-        parts.append(Part(i, "attn" if with_o else "qkv", lo, hi, g == 0, last, tuple(pieces)))
-    return parts
-
-
-def _mlp(index: ModelIndex, i: int, groups: int, with_down: bool) -> list[Part]:
-    """The MLP in `groups` intermediate row ranges: one "mlp" part holding down_proj
-    (`with_down`, groups == 1), else "gate_up" parts."""
-    t = index.layers[i]
-    bounds = _bounds(index.spec.intermediate_size, groups)
-    parts = []
-    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
-        pieces = [norm] if g == 0 else []
-        pieces += [
-            *_matrix(index, i, "mlp.gate_proj", rows=(lo, hi)),
-            *_matrix(index, i, "mlp.up_proj", rows=(lo, hi)),
-        ]
-        if with_down:
-            pieces += _matrix(index, i, "mlp.down_proj")
-        last = g == len(bounds) - 2
-        parts.append(
-            Part(i, "mlp" if with_down else "gate_up", lo, hi, g == 0, last, tuple(pieces))
-        )
-    return parts
-
-
-def _out_rows(index: ModelIndex, i: int, op: Literal["o", "down"], groups: int) -> list[Part]:
-    """o_proj's or down_proj's output rows (the residual's columns) in `groups` ranges."""
-    module = "self_attn.o_proj" if op == "o" else "mlp.down_proj"
-    bounds = _bounds(index.spec.hidden_size, groups)
-    parts = []
-    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        pieces = tuple(_matrix(index, i, module, rows=(lo, hi)))
-        parts.append(Part(i, op, lo, hi, g == 0, g == len(bounds) - 2, pieces))
-    return parts
-
-
-def _whole(index: ModelIndex, i: int) -> list[Part]:
-    return _attn(index, i, 1, with_o=True) + _mlp(index, i, 1, with_down=True)
-
-
-def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]:
-    """Bytes of each of a part's quantized matrices once dequantized to the compute dtype."""
-    sizes = []
-    for piece in part.pieces:
-        quant = index.quant(part.layer, piece.key.removesuffix(".weight"))
-        if quant is not None and piece.key.endswith(".weight"):
-            rows, words = piece.shape
-            sizes.append(_round_up(rows * words * 32 // quant.bits * itemsize, ALIGN))
-    return sizes
-
-
-def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
-    """Scratch that holds all of a part's quantized matrices dequantized at once."""
-    return sum(dequantized_sizes(index, part, itemsize))
-
-
-def _direct_ok(piece: Piece) -> bool:
-    """Whether a direct layout gives `piece` an O_DIRECT span of its own."""
-    return (
-        piece.nbytes >= DIRECT_MIN
-        and piece.span()[0] % piece.entry.itemsize == 0  # typed views stay valid
-    )
-
-
-def direct_span(piece: Piece, offset: int) -> tuple[int, int, int] | None:
-    """(file offset, slot offset, length) of the aligned O_DIRECT read that lands `piece` at
-    `offset` in a `DIRECT_ALIGN`-aligned slot of a `direct` load, or None."""
-    if not _direct_ok(piece):
-        return None
-    file_offset, n = piece.span()
-    head = file_offset % DIRECT_ALIGN
-    if (offset - head) % DIRECT_ALIGN:
-        return None
-    return file_offset - head, offset - head, _round_up(head + n, DIRECT_ALIGN)
-
-
-def _layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
-    """Each piece's offset in slot memory, and the bytes the slot needs.
-
-    Pieces start `ALIGN`-aligned. With `direct`, a piece sits at its file offset modulo
-    `DIRECT_ALIGN`, inside a span of whole aligned blocks of its own: the disk then DMAs it
-    straight into the slot (O_DIRECT), no copy through the page cache, which on a CPU prefill
-    is CPU time taken from compute. Under 8 KiB per piece of at least `DIRECT_MIN` bytes;
-    smaller ones are read as before.
-    """
-    offsets, cursor = [], 0
-    for piece in pieces:
-        if direct and _direct_ok(piece):
-            file_offset, n = piece.span()
-            head = file_offset % DIRECT_ALIGN
-            start = _round_up(cursor, DIRECT_ALIGN)
-            offsets.append(start + head)
-            cursor = start + _round_up(head + n, DIRECT_ALIGN)
-        else:
-            start = _round_up(cursor, ALIGN)
-            offsets.append(start)
-            cursor = start + piece.nbytes
-    return offsets, _round_up(cursor, ALIGN)
-
-
-def _size(parts: list[Part] | tuple[Part, ...], direct: bool) -> int:
-    return _layout([p for part in parts for p in part.pieces], direct)[1]
-
-
 def _layer_groups(
     index: ModelIndex, i: int, max_bytes: int, direct: bool
 ) -> list[list[Part]] | None:
     """The coarsest split of layer i whose every load fits `max_bytes`; None if none does.
     An op that fits one load stays whole; a cut one takes the fewest row ranges that fit."""
-    whole = _whole(index, i)
-    if _size(whole, direct) <= max_bytes:
+    whole = whole_layer(index, i)
+    if slot_size(whole, direct) <= max_bytes:
         return [whole]
     spec = index.spec
 
@@ -323,13 +99,13 @@ def _layer_groups(
         From the estimate up, each try scaled by how far its largest part overshot (at least
         5% more ranges): a few dozen tries of O(ranges) each, even for 28672 rows. An
         average row (or head) that does not fit ends it at once."""
-        size = _size(make(1), direct)
+        size = slot_size(make(1), direct)
         if size / limit > max_bytes:
             return None
         g = max(1, size // max_bytes)
         while True:
             parts = make(g)
-            worst = max(_size([p], direct) for p in parts)
+            worst = max(slot_size([p], direct) for p in parts)
             if worst <= max_bytes:
                 return parts
             if g >= limit:
@@ -339,20 +115,21 @@ def _layer_groups(
     def op(whole: list[Part], cut: Callable[[int], list[Part]], limit: int,
            out: Literal["o", "down"]) -> list[Part] | None:  # fmt: skip
         """The op whole if it fits, else cut: its first matrices, then its output rows."""
-        if _size(whole, direct) <= max_bytes:
+        if slot_size(whole, direct) <= max_bytes:
             return whole
         first = fewest(cut, limit)
         if first is None:
             return None
-        rows = fewest(lambda g: _out_rows(index, i, out, g), spec.hidden_size)
+        rows = fewest(lambda g: out_row_parts(index, i, out, g), spec.hidden_size)
         return first + rows if rows is not None else None
 
-    attn = op(_attn(index, i, 1, with_o=True), lambda g: _attn(index, i, g, with_o=False),
-              spec.num_kv_heads, "o")  # fmt: skip
+    attn = op(attn_parts(index, i, 1, with_o=True),
+              lambda g: attn_parts(index, i, g, with_o=False), spec.num_kv_heads, "o")  # fmt: skip
     if attn is None:
         return None
-    mlp = op(_mlp(index, i, 1, with_down=True), lambda g: _mlp(index, i, g, with_down=False),
-             spec.intermediate_size, "down")  # fmt: skip
+    mlp = op(mlp_parts(index, i, 1, with_down=True),
+             lambda g: mlp_parts(index, i, g, with_down=False), spec.intermediate_size,
+             "down")  # fmt: skip
     if mlp is None:
         return None
     return [[p] for p in attn + mlp]
@@ -366,7 +143,7 @@ def _loads(
         if i in resident:  # a resident layer is one load into its own region
             groups = [[part for g in groups for part in g]]
         for j, parts in enumerate(groups):
-            offsets, size = _layout([p for part in parts for p in part.pieces], direct)
+            offsets, size = layout([p for part in parts for p in part.pieces], direct)
             loads.append(
                 Load(
                     seq=len(loads),
@@ -432,7 +209,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     `RING_LOADS`-th of the ring, so loads come out of roughly equal size and several are in
     flight — with two slots, attention in one and the MLP in the other, the MLP's copy would
     wait for the previous MLP's compute. `direct` lays loads out for O_DIRECT reads
-    (`_layout`).
+    (`layout`).
 
     A quantized model's loads hold its packed bytes as stored; each part is dequantized into
     a scratch of the compute dtype, counted in the budget beside the ring and the resident
@@ -455,8 +232,8 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
             f"budget {budget} B ({weights} B after {reserve} B of activations) is smaller than"
             f" the largest tensor ({largest} B); raise --budget"
         )
-    whole = [[_whole(index, i)] for i in range(n)]
-    layer_bytes = [_size(w[0], direct) for w in whole]
+    whole = [[whole_layer(index, i)] for i in range(n)]
+    layer_bytes = [slot_size(w[0], direct) for w in whole]
     scratch = _scratch(index, whole, itemsize)
     if sum(layer_bytes) + scratch <= weights:
         resident = tuple(range(n))
@@ -481,7 +258,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
                 groups.append(layer)
             if len(groups) < n:
                 continue
-            slot = max(_size(g, direct) for layer in groups for g in layer)
+            slot = max(slot_size(g, direct) for layer in groups for g in layer)
             scratch = _scratch(index, groups, itemsize) if quantized else 0
             if min_slots * slot + scratch > weights:  # then one matrix at a time (see engine)
                 scratch = _scratch(index, groups, itemsize, whole_parts=False)
@@ -491,7 +268,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
             cap = MAX_RING_SLOTS if slot >= max(layer_bytes) else 2 * RING_LOADS
             n_slots = max(min_slots, min(cap, room // slot))
             if quantized:  # resident layers keep their slices: sizes as laid out that way
-                sizes = [_size([p for g in layer for p in g], direct) for layer in groups]
+                sizes = [slot_size([p for g in layer for p in g], direct) for layer in groups]
             else:
                 sizes = layer_bytes
             resident = _resident_set(sizes, weights - n_slots * slot - scratch)
@@ -501,7 +278,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
                 if quantized:  # all of its slices, in one load
                     groups[i] = [[p for g in groups[i] for p in g]]
                 else:  # whole parts: exactly the layer_bytes[i] counted above
-                    groups[i] = [_whole(index, i)]
+                    groups[i] = [whole_layer(index, i)]
             loads = _loads(groups, resident, direct)
             return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")

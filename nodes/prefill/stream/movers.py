@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from tandem.nodes.prefill.plan import DIRECT_ALIGN, Load, Piece, Plan, direct_span
+from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Piece, direct_span
+from tandem.nodes.prefill.plan import Plan
 
 log = logging.getLogger(__name__)
 PAGE = os.sysconf("SC_PAGE_SIZE")

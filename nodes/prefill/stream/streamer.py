@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from tandem.nodes.prefill.plan import Load, Plan
+from tandem.nodes.prefill.loads import Load
+from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes, Mover
 
 log = logging.getLogger(__name__)
