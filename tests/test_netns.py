@@ -24,7 +24,7 @@ from tests.discovery_support import (
     trusted_by,
 )
 from tests.netns_relay import RelayProcess, read_log
-from tests.nodeproc import free_port, wait_healthy
+from tests.nodeproc import free_port, stop_all, wait_healthy
 
 pytestmark = pytest.mark.netns
 TOKEN = "netns-test-token-0123456789"
@@ -121,8 +121,7 @@ class Lab:
         return node
 
     def close(self) -> None:
-        for node in self.nodes:
-            node.stop(timeout=5.0)
+        stop_all(self.nodes, timeout=5.0)  # their mDNS goodbyes overlap
         for name in self.namespaces:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 

@@ -1,22 +1,23 @@
 """One tandem node process: roles + one aiohttp app + peers (DESIGN.md `tandem node`).
 
-`create_app(config)` builds the app; the heavy halves are imported only for their role
-(torch for prefill, mlx for decode), so a Mac decode node starts without torch and a CUDA
-prefill node without mlx. Background work lives in `cleanup_ctx` and is cancelled on exit.
+`create_app(config)` builds the app: the node's own routes (`routes.py`), its roles' routes,
+the error middleware (`errors.py`) and auth; `serve` runs it behind the connection limits
+(`connections.py`). The heavy halves are imported only for their role (torch for prefill,
+mlx for decode), so a Mac decode node starts without torch and a CUDA prefill node without
+mlx. Background work lives in `cleanup_ctx` and is cancelled on exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import secrets
 import signal
 import socket
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,7 +28,7 @@ from tandem.nodes import __version__
 from tandem.nodes.cluster.discovery import Advert, Discovery, url_for
 from tandem.nodes.cluster.peers import PeerTable
 from tandem.nodes.contract.cluster import Health, Peer
-from tandem.nodes.contract.events import EventBus, sse
+from tandem.nodes.contract.events import EventBus
 from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
@@ -38,23 +39,17 @@ from tandem.nodes.contract.http import (
     DEFAULT_REMOTE_TIMEOUT_S,
     MAX_BODY_BYTES,
     PROTO,
-    BadBody,
     KVFormat,
     check_group_size,
-    error_body,
-    read_json,
 )
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.trust.auth import (
-    CONFIRM_PATH,
-    HELLO_PATH,
-    auth_middleware,
-    check_bind,
-    is_loopback,
-)
-from tandem.nodes.trust.hello import HelloRefused, HelloResponder
+from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
+from tandem.nodes.serve.errors import json_errors
+from tandem.nodes.serve.routes import NodeRoutes
+from tandem.nodes.trust.auth import auth_middleware, check_bind, is_loopback
+from tandem.nodes.trust.hello import HelloResponder
 from tandem.nodes.trust.tls import Identity, TLSError, load_or_create, server_context
 
 if TYPE_CHECKING:  # the heavy halves load only for their role
@@ -62,7 +57,6 @@ if TYPE_CHECKING:  # the heavy halves load only for their role
     from tandem.nodes.prefill.server import PrefillService
 
 log = logging.getLogger(__name__)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Role = Literal["prefill", "decode"]
 
 
@@ -97,6 +91,7 @@ class NodeConfig:
     kv_group_size: int = DEFAULT_KV_GROUP_SIZE
     tls: bool = False  # serve HTTPS on loopback too (beyond loopback it always does)
     tls_dir: Path | None = None  # where this node's certificate and key live (per port)
+    limits: EdgeLimits = field(default_factory=EdgeLimits)  # what one client connection holds
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -181,74 +176,6 @@ def _mem_bytes() -> int:
         return 0
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE].health().to_json())
-
-
-def _sockname(request: web.Request) -> Any:
-    """This side's address of the request's connection (what a plain hello binds)."""
-    transport = request.transport
-    return transport.get_extra_info("sockname") if transport else None
-
-
-async def hello(request: web.Request) -> web.Response:
-    """Hello v2, the callee's answer (nodes/trust/hello.py)."""
-    node = request.app[NODE]
-    try:
-        answer = node.hello.answer(read_json(await request.read()), _sockname(request))
-    except web.HTTPRequestEntityTooLarge:
-        return web.json_response(
-            error_body("request body too large", "request_too_large"), status=413
-        )
-    except (BadBody, ValueError) as e:
-        return web.json_response(error_body(str(e), "bad_request"), status=400)
-    return web.json_response(answer)
-
-
-async def hello_confirm(request: web.Request) -> web.Response:
-    """Hello v2, the caller's proof: 200 once it verifies, else 401."""
-    node = request.app[NODE]
-    try:
-        caller = node.hello.confirm(read_json(await request.read()), _sockname(request))
-    except web.HTTPRequestEntityTooLarge:
-        return web.json_response(
-            error_body("request body too large", "request_too_large"), status=413
-        )
-    except (BadBody, ValueError) as e:
-        return web.json_response(error_body(str(e), "bad_request"), status=400)
-    except HelloRefused as e:
-        return web.json_response(error_body(str(e), "unauthorized"), status=401)
-    return web.json_response({"id": node.id, "caller": caller, "proven": True})
-
-
-async def events(request: web.Request) -> web.StreamResponse:
-    node = request.app[NODE]
-    since: float | None = None
-    if "since" in request.query:
-        try:
-            since = float(request.query["since"])
-            if not math.isfinite(since):
-                raise ValueError(since)
-        except ValueError:
-            return web.json_response(
-                error_body("since must be a number", "bad_request"), status=400
-            )
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
-    await response.write(b": tandem events\n\n")
-    async for event in node.events.subscribe(since):
-        await response.write(sse(event))
-    return response
-
-
-async def cluster(request: web.Request) -> web.Response:
-    node = request.app[NODE]
-    peers = [p.to_json() for p in node.peers.peers.values()]
-    return web.json_response({"self": node.self_peer().to_json(), "peers": peers})
-
-
 def create_app(config: NodeConfig) -> web.Application:
     """The node's aiohttp application; models load in its startup context."""
     check_bind(config.host, config.token)
@@ -259,11 +186,7 @@ def create_app(config: NodeConfig) -> web.Application:
         client_max_size=MAX_BODY_BYTES,
     )
     app[NODE] = node
-    app.router.add_get("/health", health)
-    app.router.add_post(HELLO_PATH, hello)
-    app.router.add_post(CONFIRM_PATH, hello_confirm)
-    app.router.add_get("/v1/events", events)
-    app.router.add_get("/v1/cluster", cluster)
+    NodeRoutes(node).add_routes(app)
     if "prefill" in config.roles:
         node.prefill = _prefill_service(node)
         app.router.add_post("/v1/prefill", node.prefill.handle)
@@ -287,21 +210,6 @@ def _identity(config: NodeConfig) -> Identity | None:
     me = socket.gethostname()
     hosts = (config.host, me, f"{me.split('.')[0]}.local", "localhost", "127.0.0.1", "::1")
     return load_or_create(config.tls_dir, config.name or f"tandem-{config.node_id}", hosts)
-
-
-@web.middleware
-async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own refusals (404, 405, 413, ...) in the one error body, never text/plain."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        body = error_body(e.reason, code.get(e.status, "http_error"))
-        return web.json_response(body, status=e.status, headers={
-            k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")
-        })  # fmt: skip
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -410,7 +318,9 @@ async def serve(config: NodeConfig) -> None:
         raise ListenError(f"cannot serve TLS: {e}") from None
     identity = app[NODE].identity
     # handler_cancellation: a client that disconnects cancels its handler (and its decode).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    runner = EdgeRunner(
+        app, config.limits, handler_cancellation=True, access_log=None, shutdown_timeout=2.0
+    )
     await runner.setup()
     tls = server_context(identity) if identity is not None else None
     site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)

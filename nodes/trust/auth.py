@@ -102,9 +102,12 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def bearer_ok(header: str | None, token: str) -> bool:
-    if not header or not header.startswith("Bearer "):
+    """`Authorization: Bearer TOKEN`, exactly (RFC 6750): the scheme, one space, the token,
+    nothing before or after (no second space, no trailing whitespace), in constant time."""
+    if header is None:
         return False
-    return hmac.compare_digest(header[len("Bearer ") :].strip().encode(), token.encode())
+    want = f"Bearer {token}".encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(header.encode("utf-8", "surrogatepass"), want)
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -129,7 +132,9 @@ def auth_middleware(token: str | None, own_id: str) -> web.middleware:
             return await handler(request)
         if not any(h in request.headers for h in SIGNED_HEADERS):
             return _unauthorized("missing or wrong bearer token")
-        body = await request.read()  # aiohttp keeps it: the handler reads the same bytes
+        # aiohttp keeps the bytes for the handler; past the size limit its 413 reaches the
+        # node's outer error middleware (nodes/serve/errors.py)
+        body = await request.read()
         try:
             caller = verifier.verify(
                 request.method, request.path, request.query, body, request.headers

@@ -161,7 +161,8 @@ class Verifier:
             raise SignatureError(f"{SIGNATURE} must be 64 lower-case hex digits")
         if not hmac.compare_digest(utf8(callee), utf8(self.own_id)):
             raise SignatureError(
-                f"the request is signed for node {callee[:MAX_ID_CHARS]!r}, this is {self.own_id!r}"
+                # the header is not quoted back: no header value reaches a reply or a log
+                f"the request is signed for node {CALLEE}, not for this one ({self.own_id!r})"
             )
         t = int(stamp)
         if abs(now - t) > self.window_s:
