@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ __all__ = [
     "free_port",
     "remote_pair",
     "start_node",
+    "stop_all",
     "unverified_tls",
     "wait_healthy",
     "wait_trusted",
@@ -139,20 +140,34 @@ def remote_pair(
     prefill = start_node(
         tmp, model, "prefill", "--budget", budget, *prefill_args, token=token, wait=False
     )
+    nodes = [prefill]
     try:
         decode = start_node(
             tmp, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
             token=token, wait=False,
         )  # fmt: skip
-        try:
-            wait_healthy(prefill)
-            wait_healthy(decode)
-            wait_trusted(decode)
-            yield prefill, decode
-        finally:
-            decode.stop()
+        nodes.insert(0, decode)
+        wait_healthy(prefill)
+        wait_healthy(decode)
+        wait_trusted(decode)
+        yield prefill, decode
     finally:
-        prefill.stop()
+        stop_all(nodes)
+
+
+def stop_all(nodes: Iterable[NodeProc], sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    """Signal every node still running, then wait for them all (up to `timeout` in all, then
+    kill): their shutdowns (engine closes, mDNS goodbyes) overlap instead of adding up."""
+    procs = [n.proc for n in nodes if n.proc.poll() is None]
+    for proc in procs:
+        proc.send_signal(sig)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stop_process(

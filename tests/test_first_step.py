@@ -1,6 +1,6 @@
-"""The last prompt token's pass run a layer at a time (nodes/decode/first_step.py) is the model's
-own step, bit for bit: the same logits and the same caches as `model(token, cache)`, for every
-architecture and form the decode node loads, and on quantized caches."""
+"""The last prompt token's pass run a layer at a time (nodes/decode/families/llama.py) is the
+model's own step, bit for bit: the same logits and the same caches as `model(token, cache)`,
+for every architecture and form the decode node loads, and on quantized caches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
-from tandem.nodes.decode.first_step import FirstStep
+from tandem.nodes.decode.families.llama import FirstStep
 
 from tests.conftest import MakeTiny
 

@@ -20,8 +20,8 @@ import openai
 import pytest
 from safetensors.numpy import load_file
 from tandem.app.cli.real_model import RealModel
-from tandem.nodes.decode.quality import Quality
 
+from tests.handoff_quality import Quality
 from tests.nodeproc import ROOT, NodeProc, remote_pair
 
 TOKEN = "real-model-token-0123456789"
@@ -224,7 +224,7 @@ def _handoff_quality(model_dir: Path, split: tuple[int, int], budget: str, tmp: 
     """The prefill engine's KV of the first `split[0]` tokens of a real English text (through
     `tandem prefill`), then the text's next tokens up to `split[1]`, read teacher-forced by
     mlx-lm, against mlx-lm's own prefill of the same model."""
-    from tandem.nodes.decode.quality import handoff_quality
+    from tests.handoff_quality import handoff_quality
 
     model, tokenizer = _mlx_load(model_dir)
     text = tokenizer.encode(CORPUS)  # 780-odd tokens
@@ -287,8 +287,9 @@ def test_eight_bit_kv_handoff_is_within_one_percent_of_mlx_lms_own(real_model: R
     cache of the same prompt (`generate(kv_bits=8, quantized_kv_start=0)`'s cache)."""
     from tandem.nodes.contract.http import KVFormat
     from tandem.nodes.decode import kv
-    from tandem.nodes.decode.quality import handoff_quality
     from tandem.nodes.prefill.engine import PrefillEngine
+
+    from tests.handoff_quality import from_quantized, handoff_quality
 
     model_dir = real_model.path("float32")
     model, tokenizer = _mlx_load(model_dir)
@@ -305,7 +306,7 @@ def test_eight_bit_kv_handoff_is_within_one_percent_of_mlx_lms_own(real_model: R
             ]
         finally:
             engine.close()
-        return kv.from_quantized(layers, fmt)
+        return from_quantized(layers, fmt)
 
     quality = handoff_quality(model, handed_off, prompt, continuation, fmt)
     print(

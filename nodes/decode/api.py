@@ -15,16 +15,13 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from tandem.nodes.contract.http import SSE_DONE, BadBody, error_body, read_json, sse_encode
+from tandem.nodes.contract.http import SSE_DONE, ApiError, error_body, sse_encode
 from tandem.nodes.decode import openai_api as oa
-from tandem.nodes.decode.openai_api import ApiError, Completion
+from tandem.nodes.decode.openai_api import Completion
 from tandem.nodes.decode.service import DecodeService, Finished, GenerationFailed
+from tandem.nodes.serve.errors import read_json_body
 
 log = logging.getLogger(__name__)
-
-
-def error_response(status: int, message: str, code: str, headers: Any = None) -> web.Response:
-    return web.json_response(error_body(message, code), status=status, headers=headers)
 
 
 class DecodeApi:
@@ -45,42 +42,31 @@ class DecodeApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
-        try:
-            body = await json_body(request)
-            messages = oa.messages_of(body)
-            sampling = oa.sampling_of(body, s.max_tokens_limit)
-            kv_format = s.kv_format_in(body)
-            tokens = await s.host.call(s.host.chat_tokens, messages)
-            context = s.spec.max_position_embeddings
-            req = oa.completion(body, tokens, sampling, True, context, kv_format)
-        except ApiError as e:
-            return error_response(e.status, str(e), e.code, e.headers)
+        body = await json_body(request)
+        messages = oa.messages_of(body)
+        sampling = oa.sampling_of(body, s.max_tokens_limit)
+        kv_format = s.kv_format_in(body)
+        tokens = await s.host.call(s.host.chat_tokens, messages)
+        context = s.spec.max_position_embeddings
+        req = oa.completion(body, tokens, sampling, True, context, kv_format)
         return await self._respond(request, req)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
-        try:
-            body = await json_body(request)
-            prompt = oa.prompt_of(body, s.spec.vocab_size)
-            sampling = oa.sampling_of(body, s.max_tokens_limit)
-            kv_format = s.kv_format_in(body)
-            tokens = (
-                prompt if isinstance(prompt, list) else await s.host.call(s.host.encode, prompt)
-            )
-            context = s.spec.max_position_embeddings
-            req = oa.completion(body, tokens, sampling, False, context, kv_format)
-        except ApiError as e:
-            return error_response(e.status, str(e), e.code, e.headers)
+        body = await json_body(request)
+        prompt = oa.prompt_of(body, s.spec.vocab_size)
+        sampling = oa.sampling_of(body, s.max_tokens_limit)
+        kv_format = s.kv_format_in(body)
+        tokens = prompt if isinstance(prompt, list) else await s.host.call(s.host.encode, prompt)
+        context = s.spec.max_position_embeddings
+        req = oa.completion(body, tokens, sampling, False, context, kv_format)
         return await self._respond(request, req)
 
     async def _respond(self, request: web.Request, req: Completion) -> web.StreamResponse:
-        try:
-            async with self.service.admitted():
-                if req.stream:
-                    return await self._stream(request, req)
-                return await self._whole(req)
-        except ApiError as e:
-            return error_response(e.status, str(e), e.code, e.headers)
+        async with self.service.admitted():  # ApiError 503 when the queue is full
+            if req.stream:
+                return await self._stream(request, req)
+            return await self._whole(req)
 
     async def _whole(self, req: Completion) -> web.Response:
         text: list[str] = []
@@ -96,7 +82,7 @@ class DecodeApi:
                         return web.json_response(body)
                     text.append(item)
         except GenerationFailed as e:
-            return error_response(500, str(e), "generation_failed")
+            raise ApiError(500, str(e), "generation_failed") from None
         raise AssertionError("a completion ends with Finished")  # pragma: no cover
 
     async def _stream(self, request: web.Request, req: Completion) -> web.StreamResponse:
@@ -129,14 +115,7 @@ class DecodeApi:
 
 async def json_body(request: web.Request) -> dict[str, Any]:
     """A request's JSON object body; ApiError (400/413) for anything else."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, "request body too large", "request_too_large") from None
-    try:
-        body = read_json(raw)
-    except BadBody as e:
-        raise ApiError(400, str(e)) from None
+    body = await read_json_body(request, "invalid_request_error")
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object")
     return body

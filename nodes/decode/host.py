@@ -1,38 +1,35 @@
-"""The decode node's model: mlx-lm weights and tokenizer, owned by one thread.
+"""The decode node's model: mlx-lm weights and tokenizer, owned by one device thread.
 
-Everything that touches mlx runs on `ModelHost.thread` (a single-worker executor); async code
-reaches it with `await host.call(fn, ...)`, and a generation through `host.generation(...)`:
-an async iterator of text pieces whose mlx work is awaited on every way out. Generation checks
-a cancel flag between tokens, so a client that disconnects stops its decode within one token.
+Everything that touches mlx runs on `ModelHost.thread` (a `DeviceThread`); async code reaches
+it with `await host.call(fn, ...)`, and a generation through `host.generation(...)`: an async
+iterator of text pieces (a `DeviceStream`) whose mlx work is awaited on every way out, and
+whose `result` is the `Generation`. Generation checks its cancel event between tokens, so a
+client that disconnects stops its decode within one token.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 import mlx.core as mx
-from mlx_lm import load as mlx_load
-from mlx_lm.generate import generation_stream
-from mlx_lm.sample_utils import make_sampler
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import kv
-from tandem.nodes.decode.first_step import FirstStep
+from tandem.nodes.decode import lm
+from tandem.nodes.decode.families.base import LayerStepper
 from tandem.nodes.decode.openai_api import Sampling
 from tandem.nodes.model.errors import ModelError
+from tandem.nodes.serve.device import DeviceStream, DeviceThread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: same chunks, same numbers
+# text pieces reach the event loop at most this often (batched): a wake-up per token, a
+# syscall on the mlx thread and a turn of the loop, was what the decode did beyond mlx-lm's
+TEXT_FLUSH_S = 1 / 30
 
 
 @dataclass
@@ -70,23 +67,23 @@ class ModelHost:
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
-        self.thread = concurrent.futures.ThreadPoolExecutor(1, "tandem-mlx")
+        self.thread = DeviceThread("tandem-mlx")
         self.model: Any = None
         self.tokenizer: Any = None
 
     async def start(self) -> None:
         try:
-            self.model, self.tokenizer = await self.call(mlx_load, str(self.model_dir))
+            self.model, self.tokenizer = await self.call(lm.load, self.model_dir)
         except Exception as e:  # mlx-lm raises many kinds; the user needs one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelError(f"{self.model_dir}: mlx-lm cannot load this model: {first}") from e
         log.info("decode model loaded from %s", self.model_dir)
 
     def close(self) -> None:
-        self.thread.shutdown(wait=True, cancel_futures=True)
+        self.thread.close()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+        return await self.thread.call(fn, *args)
 
     @property
     def num_layers(self) -> int:
@@ -100,79 +97,82 @@ class ModelHost:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def new_cache(self) -> kv.Caches:
-        return kv.new_caches(self.model)
+    def new_cache(self) -> lm.Caches:
+        return lm.new_caches(self.model)
 
-    def first_step(self, token: int, caches: kv.Caches) -> FirstStep | None:
-        """The last prompt token's pass, to run a layer at a time as `caches` fill (None
-        where the model's structure is not one `FirstStep` knows)."""
-        return FirstStep.for_model(self.model, token, caches)
+    def measure_prefill(self, count: int) -> float:
+        """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
+        return lm.prefill_seconds(self.model, count)
 
     def generation(
         self,
         prompt: Sequence[int],
-        caches: kv.Caches,
+        caches: lm.Caches,
         params: Sampling,
         on_token: Callable[[int], None] | None = None,
         kv_format: KVFormat | None = None,
-        first: FirstStep | None = None,
-    ) -> GenerationStream:
+        first: LayerStepper | None = None,
+    ) -> DeviceStream[str]:
         """`async with host.generation(...) as gen: async for text in gen: ...`, then
-        `gen.result`: `generate` on the mlx thread, its text pieces as they come."""
-        return GenerationStream(self, prompt, caches, params, on_token, kv_format, first)
-
-    def measure_prefill(self, count: int) -> float:
-        """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
-        vocab = self.model.args.vocab_size if hasattr(self.model, "args") else 256
-        tokens = mx.array([[(7 * i + 3) % vocab for i in range(count)]])
-        self.model(tokens[:, :8], cache=self.new_cache())  # warm-up: first call allocates
-        mx.eval(self.model.parameters())
-        cache = self.new_cache()
-        t0 = time.perf_counter()
-        out = self.model(tokens, cache=cache)
-        mx.eval(out)
-        kv.evaluate(cache)
-        return max(time.perf_counter() - t0, 1e-9)
+        `gen.result` (the `Generation`): `texts` on the mlx thread, its pieces as they come."""
+        cancel = threading.Event()
+        return self.thread.stream(
+            self.texts, list(prompt), caches, params, cancel, on_token, kv_format, first,
+            cancel=cancel, flush_s=TEXT_FLUSH_S,
+        )  # fmt: skip
 
     def generate(
         self,
         prompt: Sequence[int],
-        cache: list[Any] | None,
+        cache: lm.Caches | None,
         params: Sampling,
         cancel: threading.Event,
         on_text: Callable[[str], None] | None = None,
         on_token: Callable[[int], None] | None = None,
         kv_format: KVFormat | None = None,
-        first: FirstStep | None = None,
+        first: LayerStepper | None = None,
     ) -> Generation:
-        """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1).
+        """On the mlx thread: `texts` to its end, each piece to `on_text`."""
+        pieces = self.texts(prompt, cache, params, cancel, on_token, kv_format, first)
+        while True:
+            try:
+                text = next(pieces)
+            except StopIteration as done:
+                return done.value
+            if on_text is not None:
+                on_text(text)
+
+    def texts(
+        self,
+        prompt: Sequence[int],
+        cache: lm.Caches | None,
+        params: Sampling,
+        cancel: threading.Event,
+        on_token: Callable[[int], None] | None = None,
+        kv_format: KVFormat | None = None,
+        first: LayerStepper | None = None,
+    ) -> Generator[str, None, Generation]:
+        """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1);
+        yields text pieces, returns the `Generation`.
 
         After a remote prefill `prompt` is just `[t_{n-1}]`, or empty with `first`: that
         token's pass already ran, a layer at a time as the cache filled. Token for token and
         text for text this is mlx-lm's own `stream_generate`, except that the first token is
-        handed out as soon as it is sampled: mlx-lm's pipelined loop computes token 2 before it
-        yields token 1, which on a CPU stream puts a whole decode step into time to first
-        token.
-        """
+        handed out as soon as it is sampled (`lm.token_steps`)."""
         if params.seed is not None:
             mx.random.seed(params.seed)
-        sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
+        sample = lm.sampler(params.temperature, params.top_p)
         cache = cache if cache is not None else self.new_cache()
         eos = set(self.tokenizer.eos_token_ids)
-        detokenizer = self.tokenizer.detokenizer
+        text = _Text(self.tokenizer.detokenizer, params.stop)
         out = Generation()
         t0 = time.perf_counter()
-        pending = ""  # text held back while it could still be the start of a stop string
-        hold = max((len(s) for s in params.stop), default=0)
-        tokens = self._tokens(
-            mx.array(list(prompt)), cache, sampler, params.max_tokens, kv_format, first
-        )
+        tokens = self._tokens(mx.array(list(prompt)), cache, sample, params.max_tokens,
+                              kv_format, first)  # fmt: skip
         for token in tokens:
             if cancel.is_set():
                 raise Cancelled
             out.token_at.append(time.perf_counter())
-            if out.tokens == 0:
-                out.first_token_s = out.token_at[0] - t0
             out.tokens += 1
             out.token_ids.append(token)
             if on_token is not None:
@@ -180,183 +180,76 @@ class ModelHost:
             if token in eos:
                 out.finish_reason = "stop"
                 break
-            detokenizer.add_token(token)
-            pending += detokenizer.last_segment
-            if (stop_at := _find_stop(pending, params.stop)) is not None:
-                self._emit(out, pending[:stop_at], on_text)
+            piece, stopped = text.add(token, last=out.tokens == params.max_tokens)
+            if piece:
+                out.text += piece
+                yield piece
+            if stopped:
                 out.finish_reason = "stop"
-                return self._done(out, t0)
+                return _done(out, t0)
             if out.tokens == params.max_tokens:
                 break
-            ready = len(pending) - (hold - 1 if hold else 0)
-            if ready > 0:
-                self._emit(out, pending[:ready], on_text)
-                pending = pending[ready:]
-        detokenizer.finalize()  # an eos or the token limit: flush what the detokenizer holds
-        pending += detokenizer.last_segment
-        if (stop_at := _find_stop(pending, params.stop)) is not None:
-            pending, out.finish_reason = pending[:stop_at], "stop"
-        self._emit(out, pending, on_text)
-        return self._done(out, t0)
-
-    @staticmethod
-    def _done(out: Generation, t0: float) -> Generation:
-        out.decode_s = time.perf_counter() - t0 - out.first_token_s
-        return out
+        piece, stopped = text.finish()  # an eos or the token limit: flush what is held
+        out.finish_reason = "stop" if stopped else out.finish_reason
+        if piece:
+            out.text += piece
+            yield piece
+        return _done(out, t0)
 
     def _tokens(
         self,
         prompt: mx.array,
-        cache: list[Any],
-        sampler: Callable[..., mx.array],
+        cache: lm.Caches,
+        sampler: lm.Sampler,
         max_tokens: int,
         kv_format: KVFormat | None = None,
-        first: FirstStep | None = None,
+        first: LayerStepper | None = None,
     ) -> Iterator[int]:
-        """mlx-lm's `generate_step`, op for op: the prompt in 2048-token steps, then one token
-        per step, each step queued (`async_eval`) before the previous token is handed out.
-
-        The one change: the first token is handed out as soon as it is sampled. mlx-lm queues
-        token 2 first, and where `async_eval` does the work on the spot (mlx's CPU backend)
-        that puts a whole decode step into time to first token."""
-
-        def sample(logits: mx.array) -> mx.array:
-            kv.quantize_when_due(cache, kv_format)  # after the call, as mlx-lm does
-            return sampler(logits - mx.logsumexp(logits, keepdims=True))
-
-        def step(tokens: mx.array) -> mx.array:
-            return sample(self.model(tokens[None], cache=cache)[:, -1, :])
-
-        with mx.stream(generation_stream):
-            if first is not None:  # the last prompt token's pass ran as the cache filled
-                y = sample(first.logits())
-            else:
-                while prompt.size > 1:
-                    n = min(PREFILL_STEP, prompt.size - 1)
-                    self.model(prompt[:n][None], cache=cache)
-                    kv.quantize_when_due(cache, kv_format)
-                    kv.evaluate(cache)
-                    prompt = prompt[n:]
-                    mx.clear_cache()
-                y = step(prompt)
-        yield int(y.item())
-        if max_tokens < 2:
-            return
-        with mx.stream(generation_stream):
-            y = step(y)
-        mx.async_eval(y)
-        for n in range(2, max_tokens + 1):
-            following = None
-            if n < max_tokens:  # the next step computes while this token is handed out
-                with mx.stream(generation_stream):
-                    following = step(y)
-                mx.async_eval(following)
-            yield int(y.item())
-            if following is None:
-                return
-            if n % 256 == 0:
-                mx.clear_cache()
-            y = following
-
-    @staticmethod
-    def _emit(out: Generation, text: str, on_text: Callable[[str], None] | None) -> None:
-        if text:
-            out.text += text
-            if on_text is not None:
-                on_text(text)
+        """Token ids, as mlx-lm's `generate_step` makes them (`lm.token_steps`)."""
+        logits = first.logits() if first is not None else None
+        return lm.token_steps(self.model, prompt, cache, sampler, max_tokens, kv_format, logits)
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for s in stops if s and (i := text.find(s)) >= 0]
-    return min(hits) if hits else None
+def _done(out: Generation, t0: float) -> Generation:
+    out.first_token_s = out.token_at[0] - t0 if out.token_at else 0.0
+    out.decode_s = time.perf_counter() - t0 - out.first_token_s
+    return out
 
 
-_END = object()  # the generation finished (or failed): its result is in the job
+class _Text:
+    """The detokenizer's text, held back while it could still be the start of a stop
+    string; cut at the first stop string."""
 
+    def __init__(self, detokenizer: Any, stops: Sequence[str]) -> None:
+        self.detokenizer, self.stops = detokenizer, [s for s in stops if s]
+        self.pending = ""
+        self.hold = max((len(s) for s in self.stops), default=0)
 
-class GenerationStream:
-    """One generation on the mlx thread as an async iterator of its text pieces.
+    def add(self, token: int, last: bool) -> tuple[str, bool]:
+        """(text ready to hand out, whether a stop string ended it) after `token`. The last
+        token's text stays held for `finish`."""
+        self.detokenizer.add_token(token)
+        self.pending += self.detokenizer.last_segment
+        if (stop_at := self._find_stop()) is not None:
+            ready, self.pending = self.pending[:stop_at], ""
+            return ready, True
+        if last:
+            return "", False
+        ready = len(self.pending) - (self.hold - 1 if self.hold else 0)
+        if ready <= 0:
+            return "", False
+        out, self.pending = self.pending[:ready], self.pending[ready:]
+        return out, False
 
-    Leaving the `async with` block by any way (the end, an error, a cancelled request) sets
-    the cancel flag and waits for the mlx thread to let go of the caches: no generation runs
-    on after its request, and none is left unawaited."""
+    def finish(self) -> tuple[str, bool]:
+        self.detokenizer.finalize()
+        self.pending += self.detokenizer.last_segment
+        if (stop_at := self._find_stop()) is not None:
+            return self.pending[:stop_at], True
+        return self.pending, False
 
-    def __init__(
-        self,
-        host: ModelHost,
-        prompt: Sequence[int],
-        caches: kv.Caches,
-        params: Sampling,
-        on_token: Callable[[int], None] | None,
-        kv_format: KVFormat | None = None,
-        first: FirstStep | None = None,
-    ) -> None:
-        self._host = host
-        self._args = (list(prompt), caches, params)
-        self._on_token = on_token
-        self._kv_format = kv_format
-        self._first = first
-        self.cancel = threading.Event()
-        self._texts: asyncio.Queue[object] = asyncio.Queue()
-        self._job: asyncio.Future[Generation] | None = None
-        self.result: Generation | None = None
-
-    async def __aenter__(self) -> GenerationStream:
-        loop = asyncio.get_running_loop()
-
-        def put(item: object) -> None:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading
-                loop.call_soon_threadsafe(self._texts.put_nowait, item)
-
-        def run() -> Generation:
-            try:
-                prompt, caches, params = self._args
-                return self._host.generate(
-                    prompt,
-                    caches,
-                    params,
-                    self.cancel,
-                    put,
-                    self._on_token,
-                    self._kv_format,
-                    self._first,
-                )
-            finally:
-                put(_END)
-
-        self._job = loop.run_in_executor(self._host.thread, run)
-        return self
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> str:
-        item = await self._texts.get()
-        if item is _END:
-            assert self._job is not None
-            self.result = await self._job  # raises what the generation raised
-            raise StopAsyncIteration
-        assert isinstance(item, str)
-        return item
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cancel.set()
-        if self._job is None:
-            return
-        cancelled = False
-        while not self._job.done():  # wait for the mlx thread even while being cancelled
-            try:
-                await asyncio.shield(self._job)
-            except asyncio.CancelledError:
-                cancelled = True
-            except Exception:  # its error is the body's to report, below
-                break
-        if not self._job.cancelled():
-            self._job.exception()  # retrieved: never "exception was never retrieved"
-        if cancelled:
-            raise asyncio.CancelledError
+    def _find_stop(self) -> int | None:
+        if not self.stops:
+            return None
+        hits = [i for s in self.stops if (i := self.pending.find(s)) >= 0]
+        return min(hits) if hits else None

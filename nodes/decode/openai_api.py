@@ -15,34 +15,16 @@ from typing import Any
 
 from tandem.nodes.contract.http import (
     DEFAULT_KV_GROUP_SIZE,
+    ApiError,
     KVFormat,
     KVKernel,
     check_group_size,
-    error_body,
     kv_format_of,
 )
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 256
 SEED_RANGE = (0, 2**63 - 1)
-
-
-class ApiError(Exception):
-    """A request refused with an HTTP status and an OpenAI-style error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str = "invalid_request_error",
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return error_body(str(self), self.code)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.contract.prefix import best_prefix
-from tandem.nodes.decode import kv
+from tandem.nodes.decode import kv, lm
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 
@@ -26,7 +26,7 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
-    caches: kv.Caches
+    caches: lm.Caches
     nbytes: int
     kv_format: KVFormat | None  # a request reuses only caches held as it asks
 
@@ -46,7 +46,7 @@ class PromptCache:
 
     def lookup(
         self, tokens: Sequence[int], kv_format: KVFormat | None = None
-    ) -> tuple[int, kv.Caches | None]:
+    ) -> tuple[int, lm.Caches | None]:
         """(k, caches holding 0..k-1) for the longest stored prefix of `tokens[:-1]`.
 
         At most n-1 positions are reused: the last prompt token must be fed to decode.
@@ -60,14 +60,14 @@ class PromptCache:
                 return 0, None
             self._entries.move_to_end((form, best))
             entry = held[best]
-        return best_k, kv.clone_prefix(entry.caches, best_k)
+        return best_k, lm.clone_prefix(entry.caches, best_k)
 
-    def store(self, tokens: Sequence[int], caches: kv.Caches) -> None:
+    def store(self, tokens: Sequence[int], caches: lm.Caches) -> None:
         """Keep `caches` (holding exactly `tokens`), dropping entries it makes redundant."""
         key = tuple(tokens)
-        if not key or kv.positions(caches) != len(key):
+        if not key or lm.positions(caches) != len(key):
             return
-        nbytes = kv.nbytes(caches)
+        nbytes = lm.nbytes(caches)
         kv_format = kv.format_of(caches)
         form = _form(kv_format)
         with self._lock:

@@ -14,24 +14,21 @@ import random
 import sys
 import time
 
-import mlx.core as mx
-from mlx_lm import load
-from mlx_lm.generate import stream_generate
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.decode import lm
 
 
 def decode_rate(
     model_dir: str, tokens: int, max_tokens: int, kv_bits: int | None = None, kv_group: int = 64
 ) -> dict[str, float]:
-    model, tokenizer = load(model_dir)
+    model, tokenizer = lm.load(model_dir)
     vocab = model.args.vocab_size
     prompt = [random.Random(0).randrange(vocab) for _ in range(tokens)]
+    kv_format = KVFormat(kv_bits, kv_group) if kv_bits is not None else None
     times = [
         time.perf_counter()
-        for _ in stream_generate(
-            model, tokenizer, mx.array(prompt), max_tokens=max_tokens, kv_bits=kv_bits,
-            kv_group_size=kv_group, quantized_kv_start=0,
-        )
-    ]  # fmt: skip  # one response per token; the last one carries the final token
+        for _ in lm.reference_tokens(model, tokenizer, prompt, max_tokens, kv_format=kv_format)
+    ]  # one response per token; the last one carries the final token
     if len(times) < 3:
         raise SystemExit("need at least 3 decoded tokens to measure a rate")
     return {"decode_tok_s": (len(times) - 2) / (times[-1] - times[1]), "tokens": len(times)}

@@ -8,26 +8,28 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
 from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
+from tandem.nodes.contract.frame_reader import FrameReader
 from tandem.nodes.contract.frames import (
     PREFIX,
     Done,
     ErrorFrame,
     Frame,
-    FrameReader,
     Header,
     LayerFrame,
     ProtocolError,
 )
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import kv
+from tandem.nodes.decode import kv, lm
+from tandem.nodes.decode.families.base import DecodeFamily
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.kv import KVShape
+from tandem.nodes.model.spec import LayerKind
 from tandem.nodes.serve import http_stream
 from tandem.nodes.serve.http_stream import HttpError
 from tandem.nodes.serve.kv_link import arrival_seconds
@@ -128,21 +130,24 @@ class RemotePrefill:
         peers: PeerTable,
         events: EventBus,
         buffers: BufferPool | None = None,
+        family: DecodeFamily | None = None,
+        kinds: Sequence[LayerKind] | None = None,
     ) -> None:
         self.host, self.expect, self.fingerprint = host, expect, fingerprint
         self.peers, self.events = peers, events  # peers sign each request for its callee
         self.buffers = buffers or BufferPool()
+        self.family, self.kinds = family, kinds  # how frames fill each layer's cache
 
     async def __call__(
         self,
         url: str,
         call: PrefillCall,
-        caches: kv.Caches,
+        caches: lm.Caches,
         events: EventBus | None = None,
         on_layer: Callable[[int], None] | None = None,
     ) -> RemoteResult:
         """Fill `caches` from the prefill node at `url`; RemotePrefillError on any failure
-        (the caches may then hold a partial prefix: `kv.trim_to` them). `on_layer(i)` runs on
+        (the caches may then hold a partial prefix: `lm.trim_to` them). `on_layer(i)` runs on
         the mlx thread right after layer i is in its cache."""
         events = events or self.events
         body = PrefillBody(
@@ -231,7 +236,7 @@ class _Assembler:
     def __init__(
         self,
         client: RemotePrefill,
-        caches: kv.Caches,
+        caches: lm.Caches,
         events: EventBus,
         call: PrefillCall,
         on_layer: Callable[[int], None] | None = None,
@@ -246,9 +251,10 @@ class _Assembler:
         if isinstance(frame, ErrorFrame):
             raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
         if isinstance(frame, Header):
+            client = self.client
             self.builder = kv.CacheBuilder(
-                frame, self.caches, self.client.expect, self.call.start, self.call.count,
-                self.call.kv_format,
+                frame, self.caches, client.expect, self.call.start, self.call.count,
+                self.call.kv_format, client.family, client.kinds,
             )  # fmt: skip
             self.task = asyncio.create_task(self._apply_all(), name="kv-assembly")
         elif isinstance(frame, LayerFrame):

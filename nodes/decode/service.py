@@ -30,13 +30,15 @@ from tandem.nodes.contract.http import (
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_QUEUE,
     DEFAULT_REMOTE_TIMEOUT_S,
+    ApiError,
     KVFormat,
 )
-from tandem.nodes.decode import kv
-from tandem.nodes.decode.first_step import FirstStep
+from tandem.nodes.decode import kv, lm
+from tandem.nodes.decode.families import family_for
+from tandem.nodes.decode.families.base import LayerStepper
 from tandem.nodes.decode.host import Cancelled, Generation, ModelHost
 from tandem.nodes.decode.kv import KVShape
-from tandem.nodes.decode.openai_api import ApiError, Completion, kv_format_in
+from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
 from tandem.nodes.decode.router import LocalRate, Mode, choose
@@ -44,7 +46,6 @@ from tandem.nodes.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most
-WATCH_S = 0.2  # how often a waiting remote prefill looks at its peer's state
 
 
 class GenerationFailed(Exception):
@@ -58,7 +59,7 @@ class PrefillInfo:
     tokens: int = 0
     seconds: float = 0.0
     kv_bytes: int = 0
-    first: FirstStep | None = None  # the last prompt token's pass, already run
+    first: LayerStepper | None = None  # the last prompt token's pass, already run
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ class DecodeService:
         # a request's bits without a group size take the node's (its own bits may be 16)
         self.kv_group_size = kv_group_size
         self.kv_kernel = kv.device_kernel()  # whose rounding quantized K/V must match
-        self.remote = RemotePrefill(host, expect, fingerprint, peers, events)
+        self.family = family_for(spec.family)  # fills caches from frames, steps the last token
+        self.remote = RemotePrefill(host, expect, fingerprint, peers, events, family=self.family,
+                                    kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
         self.model_name = spec.name
@@ -171,7 +174,7 @@ class DecodeService:
         try:
             caches, info = await self._prefill(req)
             ticker = _TokenTicker(self.events, rid)
-            held = kv.positions(caches)  # positions already in the cache
+            held = lm.positions(caches)  # positions already in the cache
             gen = self.host.generation(
                 req.tokens[held:], caches, req.sampling, ticker.tick, req.kv_format, info.first
             )
@@ -201,17 +204,38 @@ class DecodeService:
         return kv_format_in(body, self.kv_format, self.kv_kernel, self.spec.head_dim,
                             self.kv_group_size)  # fmt: skip
 
-    def _remember(self, tokens: list[int], caches: kv.Caches) -> None:
+    def _remember(self, tokens: list[int], caches: lm.Caches) -> None:
         """On the mlx thread: keep this conversation's KV for its next turn."""
-        if kv.positions(caches) <= len(tokens):
-            self.prompt_cache.store(tokens[: kv.positions(caches)], caches)
+        if lm.positions(caches) <= len(tokens):
+            self.prompt_cache.store(tokens[: lm.positions(caches)], caches)
 
-    async def _prefill(self, req: Completion) -> tuple[kv.Caches, PrefillInfo]:
+    def _prepare(
+        self, tokens: list[int], fmt: KVFormat | None
+    ) -> tuple[int, lm.Caches, LayerStepper | None]:
+        """On the mlx thread, in one hop: caches holding the longest cached prefix 0..k-1 of
+        `tokens` (new caches where none is cached) and the last token's layer-at-a-time pass
+        over them (used by a remote prefill; None where the family has none)."""
+        k, reused = self.prompt_cache.lookup(tokens, fmt)
+        caches = reused if reused is not None else self.host.new_cache()
+        return k, caches, self.family.stepper(self.host.model, tokens[-1], caches)
+
+    def _restore(
+        self, caches: lm.Caches, before: lm.Caches, k: int, last: int
+    ) -> LayerStepper | None:
+        """On the mlx thread: the caches as a failed remote prefill found them (each layer's
+        own cache object again: a quantized stream replaces a float layer's with a quantized
+        copy, whose float original is left as it was), trimmed to their first k positions,
+        and a fresh pass of the `last` token over them. A local prefill then runs as mlx-lm's
+        would, on float K/V, quantizing after the prompt."""
+        caches[:] = before
+        lm.trim_to(caches, k)
+        return self.family.stepper(self.host.model, last, caches)
+
+    async def _prefill(self, req: Completion) -> tuple[lm.Caches, PrefillInfo]:
         """Caches holding positions 0..k-1, k = n-1 after a remote prefill; mlx-lm prefills
         whatever the cache lacks locally. The prompt cache supplies a reused prefix first."""
         rid, n, fmt = req.request_id, len(req.tokens) - 1, req.kv_format
-        k, reused = await self.host.call(self.prompt_cache.lookup, req.tokens, fmt)
-        caches = reused if reused is not None else await self.host.call(self.host.new_cache)
+        k, caches, first = await self.host.call(self._prepare, req.tokens, fmt)
         new = n - k  # positions that need a prefill
         decision = choose(
             self.mode, new, self.expect.bytes_per_token(fmt), self.spec.num_layers,
@@ -235,9 +259,9 @@ class DecodeService:
         call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
         before = list(caches)  # a quantized stream swaps layers' caches for quantized ones
         try:
-            result, first = await self._remote(peer.address, call, caches, req.tokens[-1])
+            result, first = await self._remote(peer.address, call, caches, first, req.tokens[-1])
         except RemotePrefillError as e:
-            await self.host.call(_restore, caches, before, k)
+            await self.host.call(self._restore, caches, before, k, req.tokens[-1])
             log.warning("remote prefill failed, prefilling locally: %s", e)
             publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
             return caches, PrefillInfo("local", None, new)
@@ -253,23 +277,28 @@ class DecodeService:
         if first is not None and first.complete:
             info.first = first
         elif first is not None:  # not every layer ran: the last token goes through whole
-            await self.host.call(kv.trim_to, caches, n)
+            await self.host.call(lm.trim_to, caches, n)
         return caches, info
 
     async def _remote(
-        self, address: str, call: PrefillCall, caches: kv.Caches, last: int
-    ) -> tuple[RemoteResult, FirstStep | None]:
+        self,
+        address: str,
+        call: PrefillCall,
+        caches: lm.Caches,
+        first: LayerStepper | None,
+        last: int,
+    ) -> tuple[RemoteResult, LayerStepper | None]:
         """The remote prefill, asked again (after its Retry-After, with jitter) while the node
         is busy, at most MAX_ATTEMPTS times within the timeout; given up the moment the peer
-        table stops trusting the node. With it, the pass of the prompt's `last` token, a layer
-        at a time as the layers land (None where the model does not allow it)."""
+        table stops trusting the node. With it, `first`: the pass of the prompt's `last`
+        token, a layer at a time as the layers land (a fresh one for each attempt)."""
         deadline = time.monotonic() + self.remote_timeout_s
         before = list(caches)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             left = deadline - time.monotonic()
             timed = replace(call, timeout_s=max(1.0, left))
             try:
-                return await self._watched(address, timed, caches, last)
+                return await self._watched(address, timed, caches, first), first
             except RemotePrefillError as e:
                 wait = e.retry_after
                 if wait is None or attempt == MAX_ATTEMPTS:
@@ -277,34 +306,32 @@ class DecodeService:
                 wait *= random.uniform(1.0, 1.5)
                 if time.monotonic() + wait >= deadline:
                     raise
-                await self.host.call(_restore, caches, before, call.start)
+                first = await self.host.call(self._restore, caches, before, call.start, last)
                 log.info("prefill node busy, asking again in %.1f s", wait)
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _watched(
-        self, address: str, call: PrefillCall, caches: kv.Caches, last: int
-    ) -> tuple[RemoteResult, FirstStep | None]:
-        """`self.remote(...)`, abandoned as soon as the peer is no longer trusted."""
-        first = await self.host.call(self.host.first_step, last, caches)
+        self, address: str, call: PrefillCall, caches: lm.Caches, first: LayerStepper | None
+    ) -> RemoteResult:
+        """`self.remote(...)`, abandoned the moment the peer table stops trusting the peer."""
         on_layer = first.advance if first is not None else None
         task = asyncio.create_task(
             self.remote(address, call, caches, on_layer=on_layer), name="remote-prefill"
         )
-        try:
-            while not task.done():
+        with self.peers.until_untrusted(address) as lost:
+            untrusted = asyncio.create_task(lost.wait(), name="peer-trust")
+            try:
+                await asyncio.wait({task, untrusted}, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
                 peer = self.peers.peers.get(address)
-                if peer is None or not peer.trusted:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    reason = peer.reason if peer is not None else "gone"
-                    raise RemotePrefillError(f"{address} is no longer trusted ({reason})")
-                await asyncio.wait({task}, timeout=WATCH_S)
-            return task.result(), first
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                reason = peer.reason if peer is not None else "gone"
+                raise RemotePrefillError(f"{address} is no longer trusted ({reason})")
+            finally:
+                for t in (task, untrusted):
+                    t.cancel()
+                await asyncio.gather(task, untrusted, return_exceptions=True)
 
     def _tandem(
         self, req: Completion, info: PrefillInfo, gen: Generation, ttft_s: float
@@ -341,12 +368,3 @@ class _TokenTicker:
 
     def flush(self, total: int) -> None:
         self.events.publish(TokenEvent(self.rid, count=total))
-
-
-def _restore(caches: kv.Caches, before: kv.Caches, k: int) -> None:
-    """The caches as a failed remote prefill found them: each layer's own cache object again
-    (a quantized stream replaces a float layer's with a quantized copy, whose float original
-    is left as it was), trimmed to its first k positions. A local prefill then runs as
-    mlx-lm's would, on float K/V, quantizing after the prompt."""
-    caches[:] = before
-    kv.trim_to(caches, k)

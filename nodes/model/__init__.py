@@ -3,9 +3,10 @@
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, TensorEntry, load_index
-from tandem.nodes.model.spec import ModelSpec, RopeScaling, load_spec
+from tandem.nodes.model.spec import LayerKind, ModelSpec, RopeScaling, load_spec
 
 __all__ = [
+    "LayerKind",
     "ModelError",
     "ModelIndex",
     "ModelSpec",

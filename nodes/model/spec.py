@@ -1,5 +1,9 @@
 """Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3).
 
+A new family adds its `model_type` to `FAMILIES` (and `_ARCHITECTURES`), reads its own keys
+here, and says what each layer is (`LayerKind`); each side maps the type to its code in one
+registry line (`nodes/prefill/families`, `nodes/decode/families`).
+
 Config traps (DESIGN.md, "Facts"): `rope_theta` may stand at the top level or only inside
 `rope_parameters`; a missing `tie_word_embeddings` means different things per family.
 """
@@ -49,6 +53,31 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LayerKind:
+    """What a layer's attention keeps, which both sides build their per-layer state from.
+
+    - "full": K/V of every position (decode: a `KVCache`);
+    - "sliding": K/V of the last `window` positions only (decode: a
+      `RotatingKVCache(max_size=window)`);
+    - "linear": no K/V, a fixed-size state (linear attention: conv and recurrent arrays).
+    """
+
+    kind: Literal["full", "sliding", "linear"] = "full"
+    window: int | None = None  # positions kept: "sliding" only
+
+    def __post_init__(self) -> None:
+        if (self.kind == "sliding") != (self.window is not None):
+            raise ValueError(
+                f"a {self.kind} layer takes {'a' if self.kind == 'sliding' else 'no'} window"
+            )
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window {self.window} is not positive")
+
+
+FULL = LayerKind()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the prefill and decode sides need to know about a model's shape."""
 
@@ -73,6 +102,13 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization: QuantConfig = field(default_factory=lambda: QuantConfig(None, {}), hash=False)
+    layer_kinds: tuple[LayerKind, ...] = ()  # one per layer; () reads as all "full"
+
+    def __post_init__(self) -> None:
+        if not self.layer_kinds:  # today's families: every layer attends to every position
+            object.__setattr__(self, "layer_kinds", (FULL,) * self.num_layers)
+        if len(self.layer_kinds) != self.num_layers:
+            raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.num_layers} layers")
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,5 +1,5 @@
-"""Handoff quality, teacher-forced: how well a handed-off prompt cache predicts a fixed real
-continuation, against mlx-lm's own prefill of the same prompt on the same model.
+"""Test helper. Handoff quality, teacher-forced: how well a handed-off prompt cache predicts a
+fixed real continuation, against mlx-lm's own prefill of the same prompt on the same model.
 
 For bf16 and quantized models greedy text is the wrong judge (torch and mlx round differently,
 so near-tied logits flip; DESIGN.md): both caches read the same continuation instead, and we
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import kv
-from tandem.nodes.decode.host import PREFILL_STEP
+from tandem.nodes.decode import lm
+from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,24 @@ def own_prefill(
 ) -> list[Any]:
     """mlx-lm's own cache of `prompt_head` (tokens 0..n-2), in generate's prefill steps,
     quantized as `generate(kv_bits=..., quantized_kv_start=0)` does when `kv_format` says."""
-    cache = kv.new_caches(model)
-    for start in range(0, len(prompt_head), PREFILL_STEP):
-        model(mx.array([list(prompt_head[start : start + PREFILL_STEP])]), cache=cache)
-        kv.quantize_when_due(cache, kv_format)
-        kv.evaluate(cache)
+    cache = lm.new_caches(model)
+    step = lm.PREFILL_STEP
+    for start in range(0, len(prompt_head), step):
+        model(mx.array([list(prompt_head[start : start + step])]), cache=cache)
+        lm.quantize_when_due(cache, kv_format)
+        lm.evaluate(cache)
     return cache
+
+
+def from_quantized(layers: list[dict[str, mx.array]], kv_format: KVFormat) -> lm.Caches:
+    """Quantized caches holding each layer's packed K and V (`Header.tensors` names), filled
+    as the decode node fills them from frames."""
+    caches = [
+        fill_quantized(KVCache(), LayerArrays(i, parts), kv_format)
+        for i, parts in enumerate(layers)
+    ]
+    lm.evaluate(caches)
+    return caches
 
 
 def handoff_quality(

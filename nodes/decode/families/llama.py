@@ -1,17 +1,17 @@
-"""The prompt's last token through the model one layer at a time, as a remote prefill's layers
-land, so that the first token is sampled the moment the last layer is in.
+"""The dense family (Llama, Mistral, Qwen2, Qwen3): every layer full attention, the model
+`model.model` = embed_tokens → layers → norm, then `lm_head` (or the tied embedding).
 
-After a remote prefill the decode node still owes one forward pass: the last prompt token,
-whose logits give the first token. Layer i of that pass needs only layer i's cache, so it
-runs as soon as frame i is in (on the mlx thread, between frames); what remains when the
-last frame lands is one layer, the final norm and the head, not a whole decode step. On
-mlx's CPU backend with a quantized cache that step alone was a fifth of the time to first
-token.
+Its stepper runs the prompt's last token through the model one layer at a time, as a remote
+prefill's layers land, so that the first token is sampled the moment the last layer is in.
+Layer i of that pass needs only layer i's cache, so it runs as soon as frame i is in (on the
+mlx thread, between frames); what remains when the last frame lands is one layer, the final
+norm and the head, not a whole decode step. On mlx's CPU backend with a quantized cache that
+step alone was a fifth of the time to first token.
 
-The ops are the model's own modules in the model's own order — `Model.__call__` on one
-token, cut between layers — so the logits are the same bits as `model(token, cache)`. Models
-whose structure this does not know (sliding-window layers, other wrappers) get no
-`FirstStep`, and the decode node runs the step whole, as before.
+The ops are the model's own modules in the model's own order — mlx-lm's `Model.__call__` on
+one token, cut between layers — so the logits are the same bits as `model(token, cache)`.
+A model whose structure is not this one (sliding-window layers, other wrappers) gets no
+stepper, and the decode node runs the step whole.
 """
 
 from __future__ import annotations
@@ -19,23 +19,32 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
-from mlx_lm.models.base import create_attention_mask
-from tandem.nodes.decode import kv
+from tandem.nodes.decode import lm
+from tandem.nodes.decode.families.base import DecodeFamily, LayerStepper
+
+
+class DenseFamily(DecodeFamily):
+    name = "dense"
+
+    def stepper(self, model: Any, token: int, caches: lm.Caches) -> LayerStepper | None:
+        return FirstStep.for_model(model, token, caches)
 
 
 class FirstStep:
-    def __init__(self, model: Any, token: int, caches: kv.Caches) -> None:
+    """`Model.__call__(token[None], caches)` cut between layers."""
+
+    def __init__(self, model: Any, token: int, caches: lm.Caches) -> None:
         self.model, self.inner, self.caches = model, model.model, caches
         self.layers = _layers(self.inner)
-        with mx.stream(generation_stream):
+        with mx.stream(lm.STREAM):
             self.h = self.inner.embed_tokens(mx.array([[token]]))  # [1, 1, hidden]
         self.mask: Any = None
         self.layers_done = 0
 
     @classmethod
-    def for_model(cls, model: Any, token: int, caches: kv.Caches) -> FirstStep | None:
-        """A first step for `model`, or None where its structure is not the one known here."""
+    def for_model(cls, model: Any, token: int, caches: lm.Caches) -> FirstStep | None:
+        """A layer-at-a-time pass of `token` after `caches`, or None where `model`'s
+        structure is not the one known here."""
         inner = getattr(model, "model", None)
         layers = _layers(inner)
         known = (
@@ -52,9 +61,9 @@ class FirstStep:
         """On the mlx thread, once layer `layer`'s cache holds the prompt: run that layer."""
         if layer != self.layers_done:
             raise ValueError(f"layer {layer} before layer {self.layers_done}")
-        with mx.stream(generation_stream):
+        with mx.stream(lm.STREAM):
             if layer == 0:  # as the model makes it: from the first layer's cache
-                self.mask = create_attention_mask(self.h, self.caches[0])
+                self.mask = lm.attention_mask(self.h, self.caches[0])
             self.h = self.layers[layer](self.h, self.mask, cache=self.caches[layer])
         mx.eval(self.h)  # now, while the next frame is still on the wire
         self.layers_done += 1

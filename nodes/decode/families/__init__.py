@@ -1,0 +1,23 @@
+"""Decode families, one file per family; a model's `model_type` picks one here.
+
+Adding a family: its file (a `DecodeFamily` subclass), its `model_type` in the model spec's
+parser (`nodes/model/spec.py`), and one line below. A type without a line gets the base
+family: full-attention layers filled, the last token's step run whole.
+"""
+
+from __future__ import annotations
+
+from tandem.nodes.decode.families.base import DecodeFamily
+from tandem.nodes.decode.families.llama import DenseFamily
+
+FAMILIES: dict[str, DecodeFamily] = {
+    "llama": DenseFamily(),
+    "mistral": DenseFamily(),
+    "qwen2": DenseFamily(),
+    "qwen3": DenseFamily(),
+}
+
+
+def family_for(model_type: str) -> DecodeFamily:
+    """The decode family of a model type (the base family for a type not listed)."""
+    return FAMILIES.get(model_type) or DecodeFamily()

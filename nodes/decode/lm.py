@@ -1,0 +1,279 @@
+"""mlx-lm, seen from tandem: the one module that imports `mlx_lm`.
+
+Loading, the cache classes and mlx-lm's token loop are reached here and nowhere else, written
+against mlx-lm's public API wherever one exists: a cache's `state` (read and set), `offset`,
+`update_and_fetch`, `trim`, `to_quantized`, `nbytes`; `make_prompt_cache` (a model's own
+`make_cache()`, a mixed list for models whose layers differ); `generate_step`'s op order.
+tests/test_lm.py runs this module's generation beside `mlx_lm.stream_generate` on the same
+cache, so an mlx-lm upgrade that moves one of these fails there first.
+
+A layer's cache has a kind: `full` (every position's K/V: `KVCache`, or `QuantizedKVCache`
+once quantized), `sliding` (a window of K/V: `RotatingKVCache`) or `linear` (a fixed-size
+state: `ArraysCache`). Decode families (`families/`) fill each kind from a layer's frames.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm import load as _load
+from mlx_lm.generate import (
+    generation_stream,
+    maybe_quantize_kv_cache,
+    stream_generate,
+    wired_limit,
+)
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+from mlx_lm.sample_utils import make_sampler
+from tandem.nodes.contract.http import KVFormat
+
+Caches = list[Any]  # one mlx-lm cache per layer
+Sampler = Callable[[mx.array], mx.array]  # log-probabilities [1, vocab] -> token [1]
+CacheKind = Literal["full", "sliding", "linear", "other"]
+PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: same chunks, same numbers
+STREAM = generation_stream  # mlx-lm's own stream for generation (thread-local)
+
+
+def load(model_dir: str | Path) -> tuple[Any, Any]:
+    """(model, tokenizer) as mlx-lm loads them."""
+    return _load(str(model_dir))
+
+
+def new_caches(model: Any) -> Caches:
+    """The model's own cache list (`make_cache()` where it has one: kinds may differ)."""
+    return make_prompt_cache(model)
+
+
+def sampler(temperature: float, top_p: float) -> Sampler:
+    return make_sampler(temp=temperature, top_p=top_p)
+
+
+def attention_mask(h: mx.array, cache: Any) -> Any:
+    """The mask mlx-lm's models make for hidden states `h` [B, L, D] after `cache`."""
+    return create_attention_mask(h, cache)
+
+
+# ---------------------------------------------------------------- caches
+
+
+def kind(cache: Any) -> CacheKind:
+    if isinstance(cache, KVCache | QuantizedKVCache):
+        return "full"
+    if isinstance(cache, RotatingKVCache):
+        return "sliding"
+    if isinstance(cache, ArraysCache):
+        return "linear"
+    return "other"
+
+
+def size(cache: Any) -> int:
+    """Token positions a cache holds."""
+    # QuantizedKVCache's `size()` says 0 in mlx-lm 0.32: its `offset` is the count
+    return cache.offset if isinstance(cache, QuantizedKVCache) else cache.size()
+
+
+def quantized_form(cache: Any) -> tuple[int, int] | None:
+    """(bits, group size) of a quantized cache; None for any other."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.bits, cache.group_size
+    return None
+
+
+def to_quantized(cache: Any, kv_format: KVFormat) -> Any:
+    """A float cache's positions quantized as mlx-lm does (`to_quantized`); a quantized one
+    as it is."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache
+    return cache.to_quantized(group_size=kv_format.group_size, bits=kv_format.bits)
+
+
+def quantize_when_due(caches: Caches, kv_format: KVFormat | None) -> None:
+    """mlx-lm's own step: float caches become quantized (`quantized_kv_start=0`)."""
+    if kv_format is not None:
+        maybe_quantize_kv_cache(caches, 0, kv_format.group_size, kv_format.bits)
+
+
+def append(cache: Any, k: mx.array, v: mx.array) -> None:
+    """Append float K, V [1, n_kv, count, D] to a full-attention float cache."""
+    cache.update_and_fetch(k, v)
+
+
+def append_quantized(cache: Any, keys: Sequence[mx.array], values: Sequence[mx.array]) -> None:
+    """Append already-quantized positions (words, scales, biases, each [1, n_kv, count, ·]) to
+    a quantized cache, as its `update_and_fetch` would after quantizing them itself; through
+    the cache's `state` (keys, values, offset, group size, bits in mlx-lm 0.32)."""
+    old_k, old_v, prev, group, bits = cache.state
+    if old_k is None:
+        new_k, new_v = tuple(keys), tuple(values)
+    else:
+        new_k = tuple(_cat(old, x, prev) for old, x in zip(old_k, keys, strict=True))
+        new_v = tuple(_cat(old, x, prev) for old, x in zip(old_v, values, strict=True))
+    cache.state = (new_k, new_v, prev + keys[0].shape[2], group, bits)
+
+
+def _cat(old: mx.array, new: mx.array, prev: int) -> mx.array:
+    return mx.concatenate([old[..., :prev, :], new], axis=2)
+
+
+def copy_prefix(cache: Any, k: int) -> Any:
+    """A new full-attention cache of the same form holding positions 0..k-1 of `cache`
+    (fresh arrays: the source stays as it is)."""
+    form = quantized_form(cache)
+    if form is not None:
+        new = QuantizedKVCache(group_size=form[1], bits=form[0])
+        if k:
+            keys, values = cache.state[:2]
+            append_quantized(new, [x[..., :k, :] for x in keys], [x[..., :k, :] for x in values])
+        return new
+    if kind(cache) != "full":
+        raise ValueError(f"a {type(cache).__name__} cannot be cut at a position")
+    new = KVCache()
+    if k:
+        keys, values = cache.state[:2]
+        new.update_and_fetch(keys[..., :k, :], values[..., :k, :])
+    return new
+
+
+def positions(caches: Caches) -> int:
+    """Token positions the caches hold (every layer holds the same)."""
+    return size(caches[0]) if caches else 0
+
+
+def nbytes(caches: Caches) -> int:
+    return sum(c.nbytes for c in caches)
+
+
+def clone_prefix(caches: Caches, k: int) -> Caches:
+    """New caches holding positions 0..k-1 of `caches`, of the same form, evaluated."""
+    out = [copy_prefix(c, k) for c in caches]
+    evaluate(out)
+    return out
+
+
+def trim_to(caches: Caches, k: int) -> None:
+    """Drop whatever lies beyond position k (a failed remote prefill's partial layers)."""
+    for c in caches:
+        if size(c) > k:
+            if not c.is_trimmable():
+                raise ValueError(f"a {type(c).__name__} cannot be trimmed")
+            c.trim(size(c) - k)
+
+
+def evaluate(caches: Caches) -> None:
+    """Materialise the caches' arrays (mlx is lazy)."""
+    mx.eval([c.state for c in caches])
+
+
+# ---------------------------------------------------------------- generation
+
+
+def prefill(
+    model: Any, prompt: mx.array, caches: Caches, kv_format: KVFormat | None = None
+) -> mx.array:
+    """`generate_step`'s prompt loop: all but the last token into `caches`, in
+    PREFILL_STEP-token steps; returns what is left (the last token)."""
+    with mx.stream(STREAM):
+        while prompt.size > 1:
+            n = min(PREFILL_STEP, prompt.size - 1)
+            model(prompt[:n][None], cache=caches)
+            quantize_when_due(caches, kv_format)
+            evaluate(caches)
+            prompt = prompt[n:]
+            mx.clear_cache()
+    return prompt
+
+
+def token_steps(
+    model: Any,
+    prompt: mx.array,
+    caches: Caches,
+    sample: Sampler,
+    max_tokens: int,
+    kv_format: KVFormat | None = None,
+    first_logits: mx.array | None = None,
+) -> Iterator[int]:
+    """mlx-lm's `generate_step`, op for op: the prompt in PREFILL_STEP-token steps, then one
+    token per step, each step queued (`async_eval`) before the previous token is handed out.
+
+    The one change: the first token is handed out as soon as it is sampled. mlx-lm queues
+    token 2 first, and where `async_eval` does the work on the spot (mlx's CPU backend) that
+    puts a whole decode step into time to first token. With `first_logits` ([1, vocab]: the
+    last prompt token's pass already ran) `prompt` is not read."""
+
+    def step(tokens: mx.array) -> mx.array:
+        with mx.stream(STREAM):
+            logits = model(tokens[None], cache=caches)[:, -1, :]
+            quantize_when_due(caches, kv_format)  # after the call, as mlx-lm does
+            return sample(logits - mx.logsumexp(logits, keepdims=True))
+
+    # as `stream_generate` does: on a Mac the weights stay wired in memory while it runs
+    with wired_limit(model, [STREAM]):
+        if first_logits is not None:
+            with mx.stream(STREAM):
+                quantize_when_due(caches, kv_format)
+                y = sample(first_logits - mx.logsumexp(first_logits, keepdims=True))
+        else:
+            y = step(prefill(model, prompt, caches, kv_format))
+        yield int(y.item())
+        if max_tokens < 2:
+            return
+        y = step(y)
+        mx.async_eval(y)
+        for n in range(2, max_tokens + 1):
+            following = None
+            if n < max_tokens:  # the next step computes while this token is handed out
+                following = step(y)
+                mx.async_eval(following)
+            yield int(y.item())
+            if following is None:
+                return
+            if n % 256 == 0:
+                mx.clear_cache()
+            y = following
+
+
+def reference_tokens(
+    model: Any,
+    tokenizer: Any,
+    prompt: Sequence[int],
+    max_tokens: int,
+    caches: Caches | None = None,
+    kv_format: KVFormat | None = None,
+) -> Iterator[int]:
+    """mlx-lm's own `stream_generate` (greedy unless its defaults change), one token id per
+    response: what this module's generation is checked against, and the bench's reference.
+    With `kv_format`, mlx-lm quantizes its cache from the start (`quantized_kv_start=0`)."""
+    quant = {"kv_bits": None}
+    if kv_format is not None:
+        quant = {"kv_bits": kv_format.bits, "kv_group_size": kv_format.group_size,
+                 "quantized_kv_start": 0}  # fmt: skip
+    for response in stream_generate(
+        model, tokenizer, mx.array(list(prompt)), max_tokens=max_tokens, prompt_cache=caches,
+        **quant,
+    ):  # fmt: skip
+        yield response.token
+
+
+def prefill_seconds(model: Any, count: int) -> float:
+    """Seconds mlx takes to prefill `count` tokens into a scratch cache (after a warm-up:
+    the first call allocates)."""
+    vocab = model.args.vocab_size if hasattr(model, "args") else 256
+    tokens = mx.array([[(7 * i + 3) % vocab for i in range(count)]])
+    model(tokens[:, :8], cache=new_caches(model))
+    mx.eval(model.parameters())
+    caches = new_caches(model)
+    t0 = time.perf_counter()
+    mx.eval(model(tokens, cache=caches))
+    evaluate(caches)
+    return max(time.perf_counter() - t0, 1e-9)

@@ -1,0 +1,104 @@
+"""nodes/decode/lm.py, the one module that reaches into mlx-lm, against mlx-lm itself: its
+token loop, its cache copies and its quantized-cache appends give the same token stream as
+`mlx_lm.stream_generate` on the same cache (greedy, float32). An mlx-lm upgrade that moves a
+cache's `state` or the loop's op order fails here first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.decode import lm
+from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
+
+from tests.conftest import MakeTiny
+
+PROMPT = [(11 * i + 5) % 500 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: MakeTiny) -> tuple[Any, Any]:
+    return lm.load(tiny_model(arch="llama", layers=2, head_dim=64))
+
+
+def _greedy(x: mx.array) -> mx.array:
+    return mx.argmax(x, axis=-1)
+
+
+def _prefilled(model: Any) -> lm.Caches:
+    caches = lm.new_caches(model)
+    lm.prefill(model, mx.array(PROMPT), caches)  # all but the last token
+    return caches
+
+
+def _theirs(model: Any, tokenizer: Any, caches: lm.Caches, n: int) -> list[int]:
+    return list(lm.reference_tokens(model, tokenizer, PROMPT[-1:], n, caches))
+
+
+def _ours(model: Any, caches: lm.Caches, n: int, fmt: KVFormat | None = None) -> list[int]:
+    return list(lm.token_steps(model, mx.array(PROMPT[-1:]), caches, _greedy, n, fmt))
+
+
+def _until_eos(tokens: list[int], tokenizer: Any) -> list[int]:
+    """mlx-lm's stream reports an eos and stops; so does ours."""
+    eos = set(tokenizer.eos_token_ids)
+    ends = [i for i, t in enumerate(tokens) if t in eos]
+    return tokens[: ends[0] + 1] if ends else tokens
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 12])
+def test_token_steps_equal_stream_generate_on_a_copied_cache(loaded: Any, n: int) -> None:
+    model, tokenizer = loaded
+    caches = _prefilled(model)
+    assert lm.positions(caches) == len(PROMPT) - 1
+    copy = lm.clone_prefix(caches, lm.positions(caches))  # through `state` and a fresh cache
+    want = _theirs(model, tokenizer, caches, n)
+    assert _until_eos(_ours(model, copy, n), tokenizer) == want
+
+
+def test_a_cache_cut_shorter_decodes_as_mlx_lm_after_the_same_prefix(loaded: Any) -> None:
+    model, tokenizer = loaded
+    caches = _prefilled(model)
+    lm.trim_to(caches, 20)
+    copy = lm.clone_prefix(caches, 20)
+    assert lm.positions(copy) == 20
+    want = list(lm.reference_tokens(model, tokenizer, PROMPT[20:], 6, caches))
+    got = list(lm.token_steps(model, mx.array(PROMPT[20:]), copy, _greedy, 6))
+    assert _until_eos(got, tokenizer) == want
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_appended_quantized_positions_decode_as_mlx_lms_own_quantized_cache(
+    loaded: Any, bits: int
+) -> None:
+    """A quantized cache filled by `append_quantized` (two appends, as two turns' frames) is
+    the cache mlx-lm's `to_quantized` makes of the same positions."""
+    model, tokenizer = loaded
+    fmt = KVFormat(bits, 64)
+    theirs = [lm.to_quantized(c, fmt) for c in _prefilled(model)]
+    ours = [lm.to_quantized(c, fmt) for c in lm.new_caches(model)]  # empty, quantized
+    for layer, (mine, src) in enumerate(zip(ours, theirs, strict=True)):
+        keys, values = src.state[:2]
+        for lo, hi in ((0, 25), (25, len(PROMPT) - 1)):
+            parts = {
+                name: x[..., lo:hi, :]
+                for prefix, arrays in (("k", keys), ("v", values))
+                for name, x in zip(
+                    (prefix, f"{prefix}_scales", f"{prefix}_biases"), arrays, strict=True
+                )
+            }
+            assert fill_quantized(mine, LayerArrays(layer, parts), fmt) is mine
+    lm.evaluate(ours)
+    assert [lm.size(c) for c in ours] == [lm.size(c) for c in theirs]
+    want = _theirs(model, tokenizer, theirs, 8)
+    assert _until_eos(_ours(model, ours, 8, fmt), tokenizer) == want
+
+
+def test_each_layers_cache_kind(loaded: Any) -> None:
+    model, _ = loaded
+    caches = lm.new_caches(model)
+    assert [lm.kind(c) for c in caches] == ["full", "full"]
+    assert lm.kind(lm.to_quantized(caches[0], KVFormat(8, 64))) == "full"
+    assert lm.quantized_form(lm.to_quantized(caches[0], KVFormat(4, 32))) == (4, 32)
