@@ -15,14 +15,13 @@ from pathlib import Path
 
 import torch
 from tandem.nodes.model.safetensors_format import RawTensor, encode
-
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 
 
 def tensor_bytes(t: torch.Tensor) -> tuple[str, bytes]:
     """(safetensors dtype, raw row-major bytes); bf16 as raw bits, never through float32."""
     t = t.detach().to("cpu").contiguous()
-    dtype = _ST_DTYPES[t.dtype]
+    dtype = SAFETENSORS_DTYPES[t.dtype]
     raw = t.view(torch.uint16) if t.dtype == torch.bfloat16 else t
     return dtype, raw.numpy().tobytes()
 

@@ -27,6 +27,7 @@ from tandem.nodes.contract.http import (
     ApiError,
     check_group_size,
 )
+from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import (
     LayerKV,
     PrefillEngine,
@@ -43,7 +44,6 @@ from tandem.nodes.serve.throttle import PacedSender
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-tandem-kv"
-_WIRE_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 def raw_bytes(t: torch.Tensor) -> memoryview:
@@ -172,7 +172,7 @@ class PrefillService:
             proto=PROTO,
             fingerprint=self.fingerprint,
             request_id=req.request_id,
-            dtype=_WIRE_DTYPE[self.engine.dtype],
+            dtype=SAFETENSORS_DTYPES[self.engine.dtype],
             layers=spec.num_layers,
             start=req.start,
             count=count,

@@ -21,18 +21,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.loads import Load
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes, Mover
 
 log = logging.getLogger(__name__)
-
-TORCH_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "U32": torch.int32,  # packed quantized words: the bits are all that matter
-}
 
 
 class StreamCancelled(Exception):
