@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tandem.nodes.contract.cluster import Peer
+from tandem.nodes.contract.units import gbps_to_Bps
 
 Mode = Literal["auto", "always", "never"]
 DEFAULT_LATENCY_S = 0.002
 OPTIMISTIC_REMOTE_TOK_S = 5000.0
-OPTIMISTIC_LINK_BPS = 1e9 / 8  # 1 Gbit/s
+OPTIMISTIC_LINK_BPS = gbps_to_Bps(1.0)  # bytes/s: 1 Gbit/s
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import asyncio
 import time
 
 from aiohttp import web
+from tandem.nodes.contract.units import gbps_to_Bps
 
 PIECE_S = 1e-3  # seconds of the emulated link per piece
 MIN_PIECE = 4096  # bytes
@@ -37,7 +38,7 @@ async def _wait_until(t: float) -> None:
 
 class PacedSender:
     def __init__(self, net_gbps: float | None) -> None:
-        self.rate = net_gbps * 1e9 / 8 if net_gbps else None  # bytes/s
+        self.rate = gbps_to_Bps(net_gbps) if net_gbps else None  # bytes/s
 
     async def send(self, response: web.StreamResponse, data: bytes | memoryview) -> None:
         if not self.rate:
