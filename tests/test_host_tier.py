@@ -8,8 +8,9 @@ import pytest
 import torch
 from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill.plan import make_plan
-from tandem.nodes.prefill.stream import movers
-from tandem.nodes.prefill.stream.movers import CpuMover, HostTier
+from tandem.nodes.prefill.stream import reads
+from tandem.nodes.prefill.stream.host import HostTier
+from tandem.nodes.prefill.stream.movers import CpuMover
 
 from tests.conftest import MakeTiny
 
@@ -30,16 +31,16 @@ def test_a_read_that_fails_halfway_is_read_again_not_used_as_weights(
     plain.fill(0, good, load)
     plain.close()
 
-    real_read = movers.read_load
+    real_read = reads.read_load
 
     def fails_halfway(fds: dict[str, int], ld: object, dest: torch.Tensor, *a: object) -> int:
         dest.fill_(0xAB)  # what a failed read leaves behind
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(movers, "read_load", fails_halfway)
+    monkeypatch.setattr(reads, "read_load", fails_halfway)
     with pytest.raises(OSError):
         mover.fill(0, region, load)
-    monkeypatch.setattr(movers, "read_load", real_read)
+    monkeypatch.setattr(reads, "read_load", real_read)
     region.zero_()
     times = mover.fill(0, region, load)
     assert times.disk_bytes == load.weight_bytes  # read again from disk, not taken as held

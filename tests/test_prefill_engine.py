@@ -524,7 +524,7 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
     import errno
 
     from tandem.nodes.prefill.loads import direct_span
-    from tandem.nodes.prefill.stream import movers
+    from tandem.nodes.prefill.stream import reads
 
     model = tiny_model(arch="qwen2", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512)
     index = load_index(model)
@@ -541,13 +541,13 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
         direct.streamer.mover._reader.direct_files
     )  # no read was refused: these K/V came by O_DIRECT
     if how == "page_cache":
-        monkeypatch.setattr(movers, "open_direct", lambda files: {})
+        monkeypatch.setattr(reads, "open_direct", lambda files: {})
     else:
 
         def refuse(*args: object) -> None:
             raise OSError(errno.EINVAL, "Invalid argument")
 
-        monkeypatch.setattr(movers, "_pread_direct", refuse)
+        monkeypatch.setattr(reads, "_pread_direct", refuse)
     other = open_engine(model, budget=budget)
     assert other.plan == direct.plan
     got = run(other, tokens)

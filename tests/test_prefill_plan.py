@@ -18,7 +18,8 @@ from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.spec import ModelSpec
 from tandem.nodes.prefill.loads import ALIGN, Load, Part, direct_span
 from tandem.nodes.prefill.plan import Plan, make_plan
-from tandem.nodes.prefill.stream.movers import aligned_empty, open_direct, read_load
+from tandem.nodes.prefill.stream.host import aligned_empty
+from tandem.nodes.prefill.stream.reads import open_direct, read_load
 
 from tests.conftest import MakeTiny
 

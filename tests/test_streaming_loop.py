@@ -29,14 +29,9 @@ from tandem.nodes.prefill.blocks import LayerState, out_rows_part
 from tandem.nodes.prefill.engine import PrefillEngine, PromptTooLong, prompt_activations
 from tandem.nodes.prefill.loads import DIRECT_ALIGN
 from tandem.nodes.prefill.plan import RING_LOADS, make_plan
-from tandem.nodes.prefill.stream import movers
-from tandem.nodes.prefill.stream.movers import (
-    HostArena,
-    HostTier,
-    aligned_empty,
-    open_direct,
-    read_load,
-)
+from tandem.nodes.prefill.stream import reads
+from tandem.nodes.prefill.stream.host import HostArena, HostTier, aligned_empty
+from tandem.nodes.prefill.stream.reads import open_direct, read_load
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import start_node
@@ -135,7 +130,7 @@ def test_reads_in_flight_land_the_same_bytes(
 ) -> None:
     """With a pool of readers and O_DIRECT spans cut into many small reads, every load lands
     exactly the bytes of one read at a time through the page cache."""
-    monkeypatch.setattr(movers, "READ_CHUNK", 2 * DIRECT_ALIGN)
+    monkeypatch.setattr(reads, "READ_CHUNK", 2 * DIRECT_ALIGN)
     plan = make_plan(index, model_bytes(index) // 3, direct=direct)
     files = [str(f) for f in index.files]
     fds = {f: os.open(f, os.O_RDONLY) for f in files}
@@ -143,7 +138,7 @@ def test_reads_in_flight_land_the_same_bytes(
     if direct and not direct_fds:
         pytest.skip("this file system refuses O_DIRECT")
     try:
-        with ThreadPoolExecutor(movers.READ_THREADS) as pool:
+        with ThreadPoolExecutor(reads.READ_THREADS) as pool:
             for ld in plan.loads:
                 want = aligned_empty(ld.nbytes).fill_(0)
                 got = aligned_empty(ld.nbytes).fill_(0)
@@ -186,7 +181,7 @@ def test_weights_read_through_the_page_cache_are_dropped_after(
     larger than RAM would otherwise evict exactly the pages needed next. (A model of its
     own: no other test's reads are in its files' cache.)"""
     index = load_index(tiny_model(layers=3, hidden=256, heads=4, kv_heads=2, intermediate=768))
-    monkeypatch.setattr(movers, "open_direct", lambda files: {})  # all through the cache
+    monkeypatch.setattr(reads, "open_direct", lambda files: {})  # all through the cache
     for f in index.files:  # start from a cold cache: what is cached after, the pass left
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)

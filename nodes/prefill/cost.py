@@ -49,7 +49,8 @@ from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, 
 from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Part
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.rope import apply_rope, inv_freq, rms_norm, rope_tables
-from tandem.nodes.prefill.stream.movers import N_STAGING, READ_CHUNK, READ_THREADS, CpuMover
+from tandem.nodes.prefill.stream.movers import N_STAGING, CpuMover
+from tandem.nodes.prefill.stream.reads import READ_CHUNK, READ_THREADS
 from tandem.nodes.prefill.stream.streamer import TORCH_DTYPES, lower_this_thread
 from torch.nn.attention.bias import causal_lower_right
 

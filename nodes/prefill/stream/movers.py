@@ -1,13 +1,8 @@
 """Movers put a load's bytes into slot memory: disk → host → device.
 
-Both movers read straight into preallocated memory with `preadv` at the safetensors offsets —
-no tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap of the weights
-(which only moves the disk reads into compute time). Every piece is one run of its file (the
-plan cuts matrices by rows only). Loads laid out for it (`Load.direct`) are read with
-O_DIRECT, several reads in flight (`READ_THREADS`): the disk DMAs into the destination, and
-the page cache neither costs a copy nor fills with weights the cyclic access would evict
-anyway. Whatever did pass through the page cache is dropped after the read
-(`POSIX_FADV_DONTNEED`), except for the host tier's loads, which are kept in memory instead.
+Both read with `reads.Reader` (O_DIRECT straight into preallocated memory, several reads in
+flight, the page cache dropped behind them) and keep the host tier's loads in system RAM
+(`host.HostTier`).
 
 - `CpuMover`: the slot *is* host memory; the loader thread reads into it. `--link-gbps`
   emulates a slower link: the whole fill (disk included) takes at least bytes / rate.
@@ -18,11 +13,6 @@ anyway. Whatever did pass through the page cache is dropped after the read
   the disk read of load j+1 overlaps the PCIe copy of load j. Copy times come from CUDA events
   read at the end of the request (`finish`), never from a wait per load.
 
-Host memory that a copy reads from (staging, host tier) is one `HostArena` per use, taken up
-front at its exact size and pinned once (`cudaHostRegister`): torch's pinned allocator rounds
-every request up to a power of two, allocates on first use (an implicit device sync, and a
-failure mid-request) and keeps what it took.
-
 fastsafetensors and runai-model-streamer were considered for the CUDA reader: both allocate
 their own device tensors per file or per tensor, which does not fit a fixed slot pool with
 row slices. Plain `preadv` into pinned staging keeps the pool the only device memory.
@@ -30,30 +20,18 @@ row slices. Plain `preadv` into pinned staging keeps the pool the only device me
 
 from __future__ import annotations
 
-import errno
-import logging
-import os
 import time
-import weakref
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Piece, direct_span
+from tandem.nodes.contract.units import gbps_to_Bps
+from tandem.nodes.prefill.loads import Load
 from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.stream.host import HostArena, HostTier, aligned_empty
+from tandem.nodes.prefill.stream.reads import Reader
 
-log = logging.getLogger(__name__)
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-READ_THREADS = 4  # reads in flight per load: NVMe wants a queue, one preadv at a time is not one
-READ_CHUNK = 8 << 20  # bytes: O_DIRECT spans are cut into reads of at most this
 N_STAGING = 2  # CUDA: pinned buffers, so the disk fills one while the other crosses PCIe
-
-
-class PinError(RuntimeError):
-    """Host memory could not be pinned (at start-up: never halfway through a request)."""
 
 
 @dataclass
@@ -62,238 +40,6 @@ class FillTimes:
     h2d_s: float = 0.0  # host → device copy (CUDA: 0 here, measured by events in `finish`)
     nbytes: int = 0
     disk_bytes: int = 0  # of nbytes, how many came from disk (the rest from the host tier)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class HostArena:
-    """One block of host memory, taken up front and handed out in `DIRECT_ALIGN`-aligned
-    pieces (O_DIRECT reads land in them). With `pin`, registered with CUDA once, at exactly
-    its size: `pinned_bytes` is what is really pinned."""
-
-    def __init__(self, sizes: list[int], pin: bool = False) -> None:
-        total = sum(_round_up(n, DIRECT_ALIGN) for n in sizes)
-        self._mem = aligned_empty(total)
-        self._cursor = 0
-        self.nbytes = total
-        self.pinned_bytes = 0
-        self._unpin: weakref.finalize | None = None
-        if pin and total:
-            code = int(torch.cuda.cudart().cudaHostRegister(self._mem.data_ptr(), total, 0))
-            if code != 0:
-                raise PinError(
-                    f"cannot pin {total / 2**30:.2f} GiB of host memory for staging and the host"
-                    f" tier (cudaError {code}); lower --host-budget or --budget"
-                )
-            self.pinned_bytes = total
-            # unregistered before the memory goes back, even for an arena never closed: freed
-            # memory left registered makes the next registration at that address fail
-            self._unpin = weakref.finalize(self, _unregister, self._mem)
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """The next `nbytes` of the arena (uint8, aligned)."""
-        start = self._cursor
-        end = start + _round_up(nbytes, DIRECT_ALIGN)
-        if end > self.nbytes:
-            raise ValueError(f"host arena of {self.nbytes} B cannot hand out {nbytes} B more")
-        self._cursor = end
-        return self._mem[start : start + nbytes]
-
-    def close(self) -> None:
-        """Unpin (once); the caller has made sure no copy into or out of it is in flight."""
-        if self._unpin is not None:
-            self._unpin()
-        self.pinned_bytes = 0
-
-
-def _unregister(mem: torch.Tensor) -> None:
-    code = int(torch.cuda.cudart().cudaHostUnregister(mem.data_ptr()))
-    if code != 0:
-        log.warning("cudaHostUnregister of %d B failed (cudaError %d)", mem.numel(), code)
-
-
-class HostTier:
-    """Loads kept in host memory across requests (`--host-budget`): VRAM first, system RAM
-    second, disk last. A fixed set chosen up front — the access is cyclic, so never LRU.
-    Everything else is read from disk each pass and dropped from the page cache right after
-    (`POSIX_FADV_DONTNEED`), so the weights do not crowd out the tier or thrash the cache."""
-
-    def __init__(self, loads: list[Load], budget: int, pin: bool = False) -> None:
-        self.budget = budget
-        self.members: set[int] = set()
-        chosen: list[Load] = []
-        used = 0
-        for load in loads:  # the first streamed loads: a fixed set, in cycle order
-            if used + load.nbytes > budget:
-                break
-            self.members.add(load.seq)
-            chosen.append(load)
-            used += load.nbytes
-        self.bytes = used
-        self._arena = HostArena([ld.nbytes for ld in chosen], pin)  # all of it now, pinned once
-        self._buffers = {ld.seq: self._arena.take(ld.nbytes) for ld in chosen}
-        self._holding: set[int] = set()  # loads whose buffer holds a complete read
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self._arena.pinned_bytes
-
-    def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
-        """(host buffer for a member load or None, whether it already holds the load)."""
-        buf = self._buffers.get(load.seq)
-        return buf, buf is not None and load.seq in self._holding
-
-    def hold(self, load: Load) -> None:
-        """The load's buffer now holds it: called only once its read has succeeded, so a read
-        that failed halfway is read again next time, never used as weights."""
-        if load.seq in self.members:
-            self._holding.add(load.seq)
-
-    def close(self) -> None:
-        self._buffers.clear()
-        self._holding.clear()
-        self._arena.close()
-
-
-def advise(
-    fds: dict[str, int], load: Load, advice: int, skip: Callable[[Piece, int], bool] | None = None
-) -> None:
-    """posix_fadvise over the file range of each of a load's pieces (not those `skip` names)."""
-    for piece, off in zip(load.pieces, load.offsets, strict=True):
-        if skip is None or not skip(piece, off):
-            start, n = piece.span()
-            os.posix_fadvise(fds[str(piece.entry.file)], start, n, advice)
-
-
-def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
-    """Drop what `load` read through the page cache: every page its pieces touch. The kernel
-    drops only the pages a range covers whole, and a row range of a cut matrix mostly ends
-    inside a page it shares with the next range (which, if still to come, reads that one page
-    again)."""
-    for piece in load.pieces:
-        start, n = piece.span()
-        lo = start // PAGE * PAGE
-        hi = -(-(start + n) // PAGE) * PAGE
-        os.posix_fadvise(fds[str(piece.entry.file)], lo, hi - lo, os.POSIX_FADV_DONTNEED)
-
-
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """uint8 host memory whose first byte is `DIRECT_ALIGN`-aligned (O_DIRECT's rule)."""
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[skip : skip + nbytes]
-
-
-def open_direct(files: list[str]) -> dict[str, int]:
-    """O_DIRECT descriptors for the files that allow it (not tmpfs, not every FUSE)."""
-    fds: dict[str, int] = {}
-    if not hasattr(os, "O_DIRECT"):  # macOS: F_NOCACHE would be the analogue
-        return fds
-    for f in files:
-        try:
-            fds[f] = os.open(f, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            log.info("%s: no O_DIRECT here, reading through the page cache", f)
-    return fds
-
-
-def read_load(
-    fds: dict[str, int],
-    load: Load,
-    dest: torch.Tensor,
-    direct_fds: dict[str, int] | None = None,
-    pool: ThreadPoolExecutor | None = None,
-) -> int:
-    """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
-
-    With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned,
-    cut into `READ_CHUNK` reads; a file that refuses (EINVAL) drops back to the page cache for
-    good. With `pool`, the reads run in its threads, several in flight.
-    """
-    mem = memoryview(dest.numpy()).cast("B")
-    direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
-    reads: list[Callable[[], None]] = []
-    for piece, off in zip(load.pieces, load.offsets, strict=True):
-        name = str(piece.entry.file)
-        span = direct_span(piece, off) if direct and name in direct else None
-        if span is not None:
-            reads += _direct_reads(fds, direct, name, mem, span, off - span[1] + piece.nbytes, off)
-        else:
-            reads.append(_buffered_read(fds[name], mem, *piece.span(), off))
-    if pool is None or len(reads) < 2:
-        for read in reads:
-            read()
-    else:
-        for done in [pool.submit(read) for read in reads]:
-            done.result()  # every read finished (or raised) before the load is called in
-    return load.weight_bytes
-
-
-def _buffered_read(
-    fd: int, mem: memoryview, file_offset: int, n: int, at: int
-) -> Callable[[], None]:
-    def read() -> None:
-        _pread_exact(fd, mem[at : at + n], file_offset)
-
-    return read
-
-
-def _direct_reads(
-    fds: dict[str, int],
-    direct: dict[str, int] | None,
-    name: str,
-    mem: memoryview,
-    span: tuple[int, int, int],
-    need: int,
-    off: int,
-) -> list[Callable[[], None]]:
-    """The aligned O_DIRECT reads of one piece's span, `READ_CHUNK` each. Span-relative
-    bytes [off - at, need) are the piece's; the last read may run past the end of the file."""
-    assert direct is not None
-    file_offset, at, n = span
-    head = off - at
-
-    def chunk(lo: int, hi: int) -> Callable[[], None]:
-        def read() -> None:
-            fd = direct.get(name)
-            if fd is not None:
-                try:
-                    _pread_direct(fd, mem[at + lo : at + hi], file_offset + lo, min(hi, need) - lo)
-                    return
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    log.info("%s: O_DIRECT read refused, reading through the page cache", name)
-                    # kept open (other reads may hold it) under a name no piece uses
-                    if (refused := direct.pop(name, None)) is not None:
-                        direct[f"refused:{name}"] = refused
-            lo_, hi_ = max(lo, head), min(hi, need)  # this read's share of the piece
-            if hi_ > lo_:
-                _pread_exact(fds[name], mem[at + lo_ : at + hi_], file_offset + lo_)
-
-        return read
-
-    return [chunk(lo, min(lo + READ_CHUNK, n)) for lo in range(0, need, READ_CHUNK)]
-
-
-def _pread_direct(fd: int, buf: memoryview, offset: int, need: int) -> None:
-    """Aligned reads until `need` bytes are in (the span may run past the end of the file)."""
-    got = 0
-    while got < need:
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n <= 0:
-            raise OSError(f"short read at offset {offset + got}")
-        got += n
-
-
-def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
-    while len(buf):
-        n = os.preadv(fd, [buf], offset)
-        if n <= 0:
-            raise OSError(f"short read at offset {offset}")
-        buf, offset = buf[n:], offset + n
 
 
 class Mover(Protocol):
@@ -347,59 +93,13 @@ class Throttle:
         self.set(link_gbps)
 
     def set(self, link_gbps: float | None) -> None:
-        self.rate = link_gbps * 1e9 / 8 if link_gbps else None  # bytes/s
+        self.rate = gbps_to_Bps(link_gbps) if link_gbps else None  # bytes/s
 
     def wait(self, nbytes: int, started: float) -> None:
         if self.rate:
             left = nbytes / self.rate - (time.perf_counter() - started)
             if left > 0:
                 time.sleep(left)
-
-
-class _Reader:
-    """A mover's file descriptors (buffered and O_DIRECT) and its pool of read threads."""
-
-    def __init__(self, files: list[str], direct: bool) -> None:
-        self.fds = {f: os.open(f, os.O_RDONLY) for f in files}
-        for fd in self.fds.values():  # no readahead of its own: `prefetch` asks for exactly
-            # what comes next, while the kernel's would read on through a tensor's rows that
-            # an earlier load took and dropped, and they would stay cached
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self.direct = open_direct(files) if direct else {}
-        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-read")
-
-    @property
-    def direct_files(self) -> set[str]:
-        """The files still read with O_DIRECT (not refused)."""
-        return {f for f in self.direct if not f.startswith("refused:")}
-
-    def read(self, load: Load, dest: torch.Tensor, tier: HostTier | None) -> int:
-        """Read `load` into host memory `dest`; drop what went through the page cache unless
-        `dest` is the host tier's (then the tier is where the bytes are kept)."""
-        n = read_load(self.fds, load, dest, self.direct, self.pool)
-        if tier is None or load.seq not in tier.members:
-            drop_from_page_cache(self.fds, load)
-        return n
-
-    def prefetch(self, load: Load, tier: HostTier | None) -> None:
-        """Read-ahead for the pieces that go through the page cache. O_DIRECT spans skip it
-        (a hint there would be wasted); the rest — small norms, every piece where O_DIRECT
-        is refused — would otherwise wait on a synchronous disk read each (the descriptors
-        have no kernel readahead, `_Reader`)."""
-        if tier is not None and load.seq in tier.members:
-            return
-        direct = self.direct if load.direct else {}
-
-        def by_direct(piece: Piece, off: int) -> bool:
-            return str(piece.entry.file) in direct and direct_span(piece, off) is not None
-
-        advise(self.fds, load, os.POSIX_FADV_WILLNEED, by_direct)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-        for fd in [*self.fds.values(), *self.direct.values()]:
-            os.close(fd)
-        self.fds, self.direct = {}, {}
 
 
 class CpuMover:
@@ -415,7 +115,7 @@ class CpuMover:
         tier: HostTier | None = None,
     ) -> None:
         self.device = device or torch.device("cpu")
-        self._reader = _Reader(files, direct=self.device.type == "cpu")
+        self._reader = Reader(files, direct=self.device.type == "cpu")
         self.throttle = Throttle(link_gbps)
         self.tier = tier
 
@@ -480,7 +180,7 @@ class CudaMover:
         tier: HostTier | None = None,
     ) -> None:
         self.device = device
-        self._reader = _Reader(files, direct=True)
+        self._reader = Reader(files, direct=True)
         self.throttle = Throttle(link_gbps)
         self.tier = tier
         self._stream = torch.cuda.Stream(device=device)

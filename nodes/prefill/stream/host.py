@@ -1,0 +1,122 @@
+"""Host memory for the movers: `HostArena`, one block taken up front and pinned once, and
+`HostTier`, the loads kept in system RAM across requests.
+
+Host memory that a copy reads from (staging, host tier) is one `HostArena` per use, taken up
+front at its exact size and pinned once (`cudaHostRegister`): torch's pinned allocator rounds
+every request up to a power of two, allocates on first use (an implicit device sync, and a
+failure mid-request) and keeps what it took.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load
+
+log = logging.getLogger(__name__)
+
+
+class PinError(RuntimeError):
+    """Host memory could not be pinned (at start-up: never halfway through a request)."""
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class HostArena:
+    """One block of host memory, taken up front and handed out in `DIRECT_ALIGN`-aligned
+    pieces (O_DIRECT reads land in them). With `pin`, registered with CUDA once, at exactly
+    its size: `pinned_bytes` is what is really pinned."""
+
+    def __init__(self, sizes: list[int], pin: bool = False) -> None:
+        total = sum(_round_up(n, DIRECT_ALIGN) for n in sizes)
+        self._mem = aligned_empty(total)
+        self._cursor = 0
+        self.nbytes = total
+        self.pinned_bytes = 0
+        self._unpin: weakref.finalize | None = None
+        if pin and total:
+            code = int(torch.cuda.cudart().cudaHostRegister(self._mem.data_ptr(), total, 0))
+            if code != 0:
+                raise PinError(
+                    f"cannot pin {total / 2**30:.2f} GiB of host memory for staging and the host"
+                    f" tier (cudaError {code}); lower --host-budget or --budget"
+                )
+            self.pinned_bytes = total
+            # unregistered before the memory goes back, even for an arena never closed: freed
+            # memory left registered makes the next registration at that address fail
+            self._unpin = weakref.finalize(self, _unregister, self._mem)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The next `nbytes` of the arena (uint8, aligned)."""
+        start = self._cursor
+        end = start + _round_up(nbytes, DIRECT_ALIGN)
+        if end > self.nbytes:
+            raise ValueError(f"host arena of {self.nbytes} B cannot hand out {nbytes} B more")
+        self._cursor = end
+        return self._mem[start : start + nbytes]
+
+    def close(self) -> None:
+        """Unpin (once); the caller has made sure no copy into or out of it is in flight."""
+        if self._unpin is not None:
+            self._unpin()
+        self.pinned_bytes = 0
+
+
+def _unregister(mem: torch.Tensor) -> None:
+    code = int(torch.cuda.cudart().cudaHostUnregister(mem.data_ptr()))
+    if code != 0:
+        log.warning("cudaHostUnregister of %d B failed (cudaError %d)", mem.numel(), code)
+
+
+class HostTier:
+    """Loads kept in host memory across requests (`--host-budget`): VRAM first, system RAM
+    second, disk last. A fixed set chosen up front — the access is cyclic, so never LRU.
+    Everything else is read from disk each pass and dropped from the page cache right after
+    (`POSIX_FADV_DONTNEED`), so the weights do not crowd out the tier or thrash the cache."""
+
+    def __init__(self, loads: list[Load], budget: int, pin: bool = False) -> None:
+        self.budget = budget
+        self.members: set[int] = set()
+        chosen: list[Load] = []
+        used = 0
+        for load in loads:  # the first streamed loads: a fixed set, in cycle order
+            if used + load.nbytes > budget:
+                break
+            self.members.add(load.seq)
+            chosen.append(load)
+            used += load.nbytes
+        self.bytes = used
+        self._arena = HostArena([ld.nbytes for ld in chosen], pin)  # all of it now, pinned once
+        self._buffers = {ld.seq: self._arena.take(ld.nbytes) for ld in chosen}
+        self._holding: set[int] = set()  # loads whose buffer holds a complete read
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._arena.pinned_bytes
+
+    def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
+        """(host buffer for a member load or None, whether it already holds the load)."""
+        buf = self._buffers.get(load.seq)
+        return buf, buf is not None and load.seq in self._holding
+
+    def hold(self, load: Load) -> None:
+        """The load's buffer now holds it: called only once its read has succeeded, so a read
+        that failed halfway is read again next time, never used as weights."""
+        if load.seq in self.members:
+            self._holding.add(load.seq)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self._holding.clear()
+        self._arena.close()
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """uint8 host memory whose first byte is `DIRECT_ALIGN`-aligned (O_DIRECT's rule)."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
