@@ -17,14 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from tandem.nodes.cluster.discovery import (
-    Advert,
-    Discovery,
-    advertised_addresses,
-    read_service,
-    url_for,
-    zeroconf_interfaces,
-)
+from tandem.nodes.cluster.discovery import Discovery, advertised_addresses, zeroconf_interfaces
+from tandem.nodes.cluster.mdns_records import Advert, read_service, url_for
 from tandem.nodes.cluster.peers import PeerTable
 from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.http import PROTO, SERVICE_TYPE

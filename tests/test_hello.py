@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from tandem.app.tui.client import NodeClient, NodeError
-from tandem.nodes.cluster.discovery import Advert, read_service, url_for
+from tandem.nodes.cluster.mdns_records import Advert, read_service, url_for
 from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
 from tandem.nodes.contract.cluster import Cluster, Health, Peer
 from tandem.nodes.contract.http import PROTO, SERVICE_TYPE

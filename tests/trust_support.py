@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from tandem.nodes.cluster.discovery import url_for
+from tandem.nodes.cluster.mdns_records import url_for
 from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
 from tandem.nodes.trust.hello import HelloRefused, HelloResponder
 from tandem.nodes.trust.signing import SIGNATURE

@@ -15,16 +15,22 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import re
 import socket
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import ifaddr  # zeroconf's own interface lister, one of its dependencies
+from tandem.nodes.cluster.mdns_records import (
+    Address,
+    Advert,
+    Sighting,
+    address_rank,
+    read_service,
+    url_for,
+    usable_address,
+)
 from tandem.nodes.cluster.peers import PeerTable
-from tandem.nodes.contract.cluster import Health, Peer
 from tandem.nodes.contract.http import SERVICE_TYPE
 from tandem.nodes.trust.auth import is_loopback
 from tandem.nodes.trust.tls import aiohttp_pin
@@ -39,121 +45,20 @@ from zeroconf import (
 )
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
+__all__ = [  # the records are read from here too (the node, the TUI's browser)
+    "Advert", "Discovery", "Sighting", "advertised_addresses", "read_service", "url_for",
+    "zeroconf_interfaces",
+]  # fmt: skip
+
 log = logging.getLogger(__name__)
-MODEL_PREFIX_HEX = 16  # TXT `model`: enough to tell models apart; trust checks the full one
 HINT_AFTER_S = 10.0  # no other node by then: tell the user about --peer
 RESOLVE_TIMEOUT_MS = 3000
 PROBE_TIMEOUT_S = 1.5
 PROBE_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)  # a loopback-only node may still be starting
 ANY_HOSTS = {"": (4, 6), "0.0.0.0": (4,), "::": (6,)}  # asyncio binds "::" IPv6-only
 MAX_FOUND = 64  # mDNS is unauthenticated: bound what a flood of fake records can add
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 # zeroconf raises RuntimeError for an IPv6 address it finds on no interface
 ZEROCONF_SETUP_ERRORS = (OSError, RuntimeError, ValueError)
-_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass(frozen=True)
-class Advert:
-    """What this node tells the LAN about itself: the TXT keys plus where it listens."""
-
-    id: str
-    name: str
-    roles: tuple[str, ...]
-    proto: int
-    fingerprint: str
-    device: str
-    mem_bytes: int
-    host: str
-    port: int
-    cert_fingerprint: str = ""  # "" when serving plain HTTP
-
-    @classmethod
-    def from_health(cls, health: Health, host: str, port: int) -> Advert:
-        """The advert for a node whose `GET /health` says `health`."""
-        return cls(
-            id=health.id,
-            name=health.name,
-            roles=health.roles,
-            proto=health.proto,
-            fingerprint=health.fingerprint,
-            device=health.device,
-            mem_bytes=health.mem_bytes,
-            host=host,
-            port=port,
-            cert_fingerprint=health.cert_fingerprint,
-        )
-
-    def properties(self) -> dict[str, str]:
-        props = {
-            "id": self.id,
-            "name": self.name,
-            "roles": ",".join(self.roles),
-            "proto": str(self.proto),
-            "model": self.fingerprint[:MODEL_PREFIX_HEX],
-            "device": self.device,
-            "mem": str(self.mem_bytes),
-        }
-        if self.cert_fingerprint:  # the whole fingerprint: 64 hex, well inside a TXT string
-            props["cert"] = self.cert_fingerprint
-        return props
-
-    def instance_name(self) -> str:
-        """`NAME-ID8._tandem._tcp.local.`: two nodes given one `--name` still differ."""
-        suffix = f"-{self.id[:8]}"
-        label = self.name.replace(".", "-").encode()[: 63 - len(suffix)]
-        return f"{label.decode(errors='ignore')}{suffix}.{SERVICE_TYPE}"
-
-
-@dataclass(frozen=True)
-class Sighting:
-    """One node as its mDNS records describe it: a claim, until `/v1/hello` proves it."""
-
-    service: str
-    id: str
-    name: str
-    roles: tuple[str, ...]
-    proto: int
-    model: str  # fingerprint prefix
-    device: str
-    mem_bytes: int
-    port: int
-    addresses: tuple[str, ...]  # best first
-    cert_fingerprint: str = ""  # claimed; non-empty: it serves https://
-
-    @property
-    def urls(self) -> tuple[str, ...]:
-        return tuple(url_for(a, self.port, bool(self.cert_fingerprint)) for a in self.addresses)
-
-    def peer(self, url: str) -> Peer:
-        return Peer(
-            address=url,
-            id=self.id,
-            name=self.name,
-            roles=self.roles,
-            device=self.device,
-            mem_bytes=self.mem_bytes,
-            model={"name": "", "fingerprint": self.model},
-            proto=self.proto,
-            source="mdns",
-            cert_fingerprint=self.cert_fingerprint,
-        )
-
-
-def url_for(host: str, port: int, tls: bool = False) -> str:
-    """`http://host:port` (`https://` for a node serving TLS), an IPv6 literal in brackets."""
-    scheme = "https" if tls else "http"
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
-
-
-def _usable(ip: Address) -> bool:
-    # link-local IPv6 needs a zone index, which URLs and aiohttp handle poorly
-    return not (ip.is_unspecified or ip.is_multicast or (ip.version == 6 and ip.is_link_local))
-
-
-def _rank(ip: Address) -> int:
-    """Loopback first (a node on this machine; its id is checked), then IPv4, then IPv6."""
-    return 0 if ip.is_loopback else ip.version // 2  # 4 → 2, 6 → 3
 
 
 def advertised_addresses(host: str) -> list[str]:
@@ -164,9 +69,9 @@ def advertised_addresses(host: str) -> list[str]:
         for adapter in ifaddr.get_adapters():
             for a in adapter.ips:
                 ip = ipaddress.ip_address(a.ip if isinstance(a.ip, str) else a.ip[0])
-                if ip.version in families and _usable(ip) and ip not in found:
+                if ip.version in families and usable_address(ip) and ip not in found:
                     found.append(ip)
-        return [str(ip) for ip in sorted(found, key=_rank)]
+        return [str(ip) for ip in sorted(found, key=address_rank)]
     try:
         return [str(ipaddress.ip_address(host))]
     except ValueError:
@@ -181,38 +86,6 @@ def zeroconf_interfaces(host: str) -> tuple[InterfacesType, IPVersion | None]:
     if host in ANY_HOSTS:
         return InterfaceChoice.All, IPVersion.All
     return advertised_addresses(host), None  # zeroconf picks the version from the list
-
-
-def read_service(info: AsyncServiceInfo) -> Sighting | None:
-    """A sighting from resolved records, or None when they are not a tandem node's."""
-    props = info.decoded_properties
-    node_id = props.get("id") or ""
-    if not node_id or not info.port:
-        return None
-    ips = sorted(
-        (ip for ip in info.ip_addresses_by_version(IPVersion.All) if _usable(ip)), key=_rank
-    )
-    try:
-        proto = int(props.get("proto") or 0)
-        mem = int(props.get("mem") or 0)
-    except ValueError:
-        return None
-    cert = (props.get("cert") or "").lower()
-    if cert and not _FINGERPRINT.fullmatch(cert):
-        return None
-    return Sighting(
-        service=info.name,
-        id=node_id,
-        name=props.get("name") or "",
-        roles=tuple(r for r in (props.get("roles") or "").split(",") if r),
-        proto=proto,
-        model=props.get("model") or "",
-        device=props.get("device") or "",
-        mem_bytes=mem,
-        port=info.port,
-        addresses=tuple(str(ip) for ip in ips),
-        cert_fingerprint=cert,
-    )
 
 
 def _open_zeroconf(host: str) -> AsyncZeroconf:
