@@ -178,42 +178,59 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
     """
     if args.quantize is not None or args.recipe is not None:
         return quantize_model(out_dir, args)
-    if args.arch not in FAMILIES:
-        raise ModelError(f"unsupported architecture {args.arch!r}; choose from {FAMILIES}")
-    if args.vocab < 300:
-        raise ModelError("--vocab must be at least 300 (256 byte tokens plus merges and specials)")
-    if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:
-        raise ModelError("--heads must be a multiple of --kv-heads and 1 <= --shards <= --layers")
+    _check(args)
     head_dim = args.head_dim or args.hidden // args.heads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     bos, eos, im_end = 1, 0, 2  # the special tokens' ids in the trained vocabulary
     if with_tokenizer:
-        tokenizer_json = _train_tokenizer(args.vocab)
-        vocab = json.loads(tokenizer_json)["model"]["vocab"]
-        bos, eos, im_end = vocab["<|im_start|>"], vocab["<|endoftext|>"], vocab["<|im_end|>"]
-        (out / "tokenizer.json").write_text(tokenizer_json)
-        (out / "tokenizer_config.json").write_text(
-            _dump(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "bos_token": None,
-                    "eos_token": "<|im_end|>",
-                    "pad_token": "<|endoftext|>",
-                    "unk_token": None,
-                    "add_bos_token": False,
-                    "clean_up_tokenization_spaces": False,
-                    "model_max_length": args.max_position_embeddings,
-                    "chat_template": CHAT_TEMPLATE,
-                }
-            )
-        )
+        bos, eos, im_end = _write_tokenizer(out, args)
     (out / "config.json").write_text(_dump(_config(args, head_dim, im_end, bos)))
     (out / "generation_config.json").write_text(
         _dump({"bos_token_id": bos, "eos_token_id": [im_end, eos], "do_sample": False})
     )
+    _write_weights(out, args, head_dim)
+    return out
 
+
+def _check(args: MakeModelArgs) -> None:
+    """Refuse arguments no float model can be made from (ModelError)."""
+    if args.arch not in FAMILIES:
+        raise ModelError(f"unsupported architecture {args.arch!r}; choose from {FAMILIES}")
+    if args.vocab < 300:
+        raise ModelError("--vocab must be at least 300 (256 byte tokens plus merges and specials)")
+    if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:
+        raise ModelError("--heads must be a multiple of --kv-heads and 1 <= --shards <= --layers")
+
+
+def _write_tokenizer(out: Path, args: MakeModelArgs) -> tuple[int, int, int]:
+    """Train and write the tokenizer and its config; the ids of (bos, eos, im_end)."""
+    tokenizer_json = _train_tokenizer(args.vocab)
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    bos, eos, im_end = vocab["<|im_start|>"], vocab["<|endoftext|>"], vocab["<|im_end|>"]
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    (out / "tokenizer_config.json").write_text(
+        _dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": args.max_position_embeddings,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return bos, eos, im_end
+
+
+def _write_weights(out: Path, args: MakeModelArgs, head_dim: int) -> None:
+    """The weights as `args.shards` safetensors files (with an index when more than one),
+    replacing any left from an earlier model in `out`."""
     shards: list[dict[str, RawTensor]] = [{} for _ in range(args.shards)]
     for name, array in _weights(args, head_dim):
         dtype, data = float_bytes(array, args.dtype)
@@ -223,7 +240,7 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
         stale.unlink()
     if args.shards == 1:
         (out / "model.safetensors").write_bytes(encode(shards[0], meta))
-        return out
+        return
     weight_map: dict[str, str] = {}
     total = 0
     for k, tensors in enumerate(shards):
@@ -233,7 +250,6 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
         total += sum(len(t.data) for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(_dump(index))
-    return out
 
 
 def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:

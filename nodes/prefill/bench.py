@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,21 @@ def _rate(runs: list[tuple[int, float]]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+@dataclass
+class _Phases:
+    """What the phases of one bench measured (seconds: medians over `--repeat` runs)."""
+
+    compute_s: float
+    load_s: float
+    wall_s: float
+    loaded: list[PrefillStats]  # the load-only runs
+    last: PrefillStats  # the last overlapped run
+    rss: list[int]  # per overlapped run: peak RSS over the start (-1: not measurable)
+    link_gbps: float | None
+    quantize_s: float | None
+    side_by_side: dict[str, float]
+
+
 def bench(
     model: Path,
     tokens: int,
@@ -124,43 +140,68 @@ def bench(
     ids = rng.integers(0, index.spec.vocab_size, tokens).tolist()
     before = (lambda: evict_page_cache(index)) if cold else (lambda: None)
     try:
-        _run(engine, ids)  # warm-up: resident set, allocator, page cache (unless --cold)
-        compute_s = _median(
-            repeat, lambda: _run(engine, ids, synchronous=True).compute_busy_s, before
-        )
-        if link_gbps == "auto":  # the link at which loading takes as long as computing
-            per_pass = _run(engine, ids, compute=False).bytes_streamed
-            fixed = per_pass * 8 / compute_s / 1e9 if compute_s > 0 else None
-            engine.streamer.mover.throttle.set(fixed)
-        loaded: list[PrefillStats] = []
-
-        def load_run() -> float:
-            loaded.append(_run(engine, ids, compute=False))
-            return loaded[-1].wall_s
-
-        load_s = _median(repeat, load_run, before)
-        rss: list[int] = []
-        walls: list[PrefillStats] = []
-
-        def wall_run() -> float:
-            base = _rss()
-            reset = _reset_peak_rss()
-            stats = _run(engine, ids)
-            rss.append(_peak_rss() - base if reset else -1)
-            walls.append(stats)
-            return stats.wall_s
-
-        wall_s = _median(repeat, wall_run, before)
-        last = walls[-1]
-        side_by_side = _vs_resident(engine, ids, repeat, before) if vs_resident else {}
-        quantize_s = None
-        if kv_bits < 16:  # the wire's quantizing, timed inside the same overlapped runs
-            fmt = KVFormat(kv_bits)
-            quantize_s = _median(
-                repeat, lambda: _run(engine, ids, kv_format=fmt).quantize_s, before
-            )
+        auto = link_gbps == "auto"
+        phases = _phases(engine, ids, repeat, before, auto, fixed, kv_bits, vs_resident)
     finally:
         engine.close()
+    return _result(phases, engine, index, budget, tokens, kv_bits, cold, repeat)
+
+
+def _phases(
+    engine: PrefillEngine, ids: list[int], repeat: int, before: Callable[[], None],
+    auto_link: bool, fixed: float | None, kv_bits: int, vs_resident: bool,
+) -> _Phases:  # fmt: skip
+    """The bench's phases in order: warm-up, compute only, (the auto link), load only,
+    overlapped, (all resident), (quantizing for the wire)."""
+    _run(engine, ids)  # warm-up: resident set, allocator, page cache (unless --cold)
+    compute_s = _median(repeat, lambda: _run(engine, ids, synchronous=True).compute_busy_s, before)
+    if auto_link:  # the link at which loading takes as long as computing
+        per_pass = _run(engine, ids, compute=False).bytes_streamed
+        fixed = per_pass * 8 / compute_s / 1e9 if compute_s > 0 else None
+        engine.streamer.mover.throttle.set(fixed)
+    loaded: list[PrefillStats] = []
+
+    def load_run() -> float:
+        loaded.append(_run(engine, ids, compute=False))
+        return loaded[-1].wall_s
+
+    load_s = _median(repeat, load_run, before)
+    wall_s, walls, rss = _overlapped(engine, ids, repeat, before)
+    side_by_side = _vs_resident(engine, ids, repeat, before) if vs_resident else {}
+    quantize_s = None
+    if kv_bits < 16:  # the wire's quantizing, timed inside the same overlapped runs
+        fmt = KVFormat(kv_bits)
+        quantize_s = _median(repeat, lambda: _run(engine, ids, kv_format=fmt).quantize_s, before)
+    return _Phases(
+        compute_s, load_s, wall_s, loaded, walls[-1], rss, fixed, quantize_s, side_by_side
+    )
+
+
+def _overlapped(
+    engine: PrefillEngine, ids: list[int], repeat: int, before: Callable[[], None]
+) -> tuple[float, list[PrefillStats], list[int]]:
+    """The real, overlapped prefill: (median wall seconds, each run's stats, each run's peak
+    RSS over its start in bytes, -1 where the peak cannot be reset)."""
+    rss: list[int] = []
+    walls: list[PrefillStats] = []
+
+    def wall_run() -> float:
+        base = _rss()
+        reset = _reset_peak_rss()
+        stats = _run(engine, ids)
+        rss.append(_peak_rss() - base if reset else -1)
+        walls.append(stats)
+        return stats.wall_s
+
+    return _median(repeat, wall_run, before), walls, rss
+
+
+def _result(
+    p: _Phases, engine: PrefillEngine, index: ModelIndex, budget: int, tokens: int,
+    kv_bits: int, cold: bool, repeat: int,
+) -> dict[str, object]:  # fmt: skip
+    """The bench's JSON keys (`tandem bench prefill --json`)."""
+    last, wall_s, load_s, compute_s = p.last, p.wall_s, p.load_s, p.compute_s
     return {
         "wall_s": wall_s,
         "load_s": load_s,
@@ -169,30 +210,30 @@ def bench(
         "sequential_ratio": wall_s / (load_s + compute_s),
         "peak_weight_bytes": last.peak_weight_bytes,
         "peak_activation_bytes": last.peak_activation_bytes,
-        "peak_rss_delta_bytes": int(statistics.median(rss)),
+        "peak_rss_delta_bytes": int(statistics.median(p.rss)),
         "budget_bytes": budget,
         "model_bytes": index.total_bytes,
         "bytes_streamed": last.bytes_streamed,
         "disk_bytes": last.disk_bytes,
         # the loader's own rates, from the load-only runs: whether it runs near the link
-        "disk_Bps": _rate([(s.disk_bytes, s.disk_s) for s in loaded]),
+        "disk_Bps": _rate([(s.disk_bytes, s.disk_s) for s in p.loaded]),
         "copy_Bps": (  # on a CPU the read lands in the slot: there is no separate copy
-            _rate([(s.bytes_streamed, s.h2d_s) for s in loaded])
+            _rate([(s.bytes_streamed, s.h2d_s) for s in p.loaded])
             if engine.device.type != "cpu"
             else None
         ),
-        "loader_Bps": _rate([(s.bytes_streamed, s.load_busy_s) for s in loaded]),
+        "loader_Bps": _rate([(s.bytes_streamed, s.load_busy_s) for s in p.loaded]),
         "pinned_bytes": last.pinned_bytes,
         "kv_bits": kv_bits,
-        "quantize_s": quantize_s,
-        "quantize_share": quantize_s / wall_s if quantize_s is not None else None,
+        "quantize_s": p.quantize_s,
+        "quantize_share": p.quantize_s / wall_s if p.quantize_s is not None else None,
         "tokens": tokens,
         "tokens_per_s": tokens / wall_s,
-        "link_gbps": fixed,
+        "link_gbps": p.link_gbps,
         "device": str(engine.device),
         "cold": cold,
         "repeat": repeat,
-        **side_by_side,
+        **p.side_by_side,
     }
 
 
