@@ -143,7 +143,7 @@ async def _quantized_cut(
     prefill node does), then a hang-up: the decode node holds two layers it must let go."""
     import torch
     from tandem.nodes.contract.http import KVFormat
-    from tandem.nodes.prefill.engine import quantized_parts
+    from tandem.nodes.prefill.handover import quantized_parts
 
     h = dataclasses.replace(h, kv_bits=body["kv_bits"], kv_group_size=body["kv_group_size"])
     writer = FrameWriter(h)

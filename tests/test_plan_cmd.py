@@ -22,7 +22,7 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.bench import bench, make_random_model
-from tandem.nodes.prefill.engine import plan_for_prompts, prompt_activations
+from tandem.nodes.prefill.budget import plan_for_prompts, prompt_activations
 from tandem.nodes.prefill.plan import Plan, make_plan
 
 from tests.test_import_boundaries import loaded_after_import as _loaded_after_import

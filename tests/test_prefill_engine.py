@@ -22,8 +22,10 @@ import pytest
 import torch
 from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.prefill import engine as engine_module
-from tandem.nodes.prefill.engine import LayerKV, PrefillEngine, PrefillError
+from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.errors import PrefillError
+from tandem.nodes.prefill.families import llama as dense_family
+from tandem.nodes.prefill.handover import LayerKV
 from tandem.nodes.prefill.loads import Load
 from tandem.nodes.prefill.plan import make_plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes
@@ -459,13 +461,13 @@ def test_slow_compute_gives_identical_kv(
     tokens = prompt(150)
     fast = run(open_engine(llama_dir, budget=budget), tokens)
     rng = random.Random(3)
-    real_mlp = engine_module.mlp_part
+    real_mlp = dense_family.mlp_part
 
     def slow_mlp(*args: Any, **kwargs: Any) -> None:
         time.sleep(rng.uniform(0, 0.003))  # inside a load: its slot must stay put
         real_mlp(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "mlp_part", slow_mlp)
+    monkeypatch.setattr(dense_family, "mlp_part", slow_mlp)
     engine = open_engine(llama_dir, budget=budget)
     slow = []
     for layer in engine.prefill(tokens):

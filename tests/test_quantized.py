@@ -17,8 +17,8 @@ import torch
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.quant import Quant, parse_quantization
-from tandem.nodes.prefill.cut import dequantized_bytes, dequantized_sizes
 from tandem.nodes.prefill.dequant import dequantize
+from tandem.nodes.prefill.loads import dequantized_bytes, dequantized_sizes
 from tandem.nodes.prefill.plan import make_plan
 
 from tests.conftest import MakeTiny

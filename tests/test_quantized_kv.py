@@ -23,7 +23,7 @@ from tandem.nodes.contract.http import PROTO, KVFormat, kv_format_of
 from tandem.nodes.decode.kv import CacheBuilder, KVShape
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.model import fingerprint, load_index
-from tandem.nodes.prefill.engine import quantized_parts
+from tandem.nodes.prefill.handover import quantized_parts
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import NodeProc, remote_pair, start_node

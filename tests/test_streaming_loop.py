@@ -26,7 +26,9 @@ from tandem.nodes.model import fingerprint
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.prefill.blocks import LayerState, out_rows_part
-from tandem.nodes.prefill.engine import PrefillEngine, PromptTooLong, prompt_activations
+from tandem.nodes.prefill.budget import prompt_activations
+from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.errors import PromptTooLong
 from tandem.nodes.prefill.loads import DIRECT_ALIGN
 from tandem.nodes.prefill.plan import RING_LOADS, make_plan
 from tandem.nodes.prefill.stream import reads

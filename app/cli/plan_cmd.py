@@ -164,7 +164,7 @@ def _device(a: argparse.Namespace) -> tuple[Device, bool]:
 
 def _default_budget(index: ModelIndex, device: Device, here: bool, reserve: int) -> int:
     import torch
-    from tandem.nodes.prefill.engine import default_budget
+    from tandem.nodes.prefill.budget import default_budget
 
     if not here:
         raise PlanUsageError("--device cuda: no GPU here to size the budget from; give --budget")
@@ -229,7 +229,7 @@ def _layer_params(index: ModelIndex) -> int:
 def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) -> Report:
     from tandem.nodes.model.safetensors_format import ITEMSIZE
     from tandem.nodes.prefill import cost
-    from tandem.nodes.prefill.engine import longest_prompt
+    from tandem.nodes.prefill.budget import longest_prompt
 
     spec = index.spec
     device, here = _device(a)

@@ -60,7 +60,8 @@ def _checked_tokens(a: argparse.Namespace) -> list[int]:
 def run(a: argparse.Namespace) -> int:
     """Prefill, write the prompt cache and (with --stats-json) the engine's stats."""
     from tandem.nodes.prefill.cache_file import write_prompt_cache
-    from tandem.nodes.prefill.engine import PrefillEngine, PrefillError
+    from tandem.nodes.prefill.engine import PrefillEngine
+    from tandem.nodes.prefill.errors import PrefillError
 
     tokens = _checked_tokens(a)
     try:

@@ -156,13 +156,13 @@ def _phases(
     _run(engine, ids)  # warm-up: resident set, allocator, page cache (unless --cold)
     compute_s = _median(repeat, lambda: _run(engine, ids, synchronous=True).compute_busy_s, before)
     if auto_link:  # the link at which loading takes as long as computing
-        per_pass = _run(engine, ids, compute=False).bytes_streamed
+        per_pass = engine.stream_weights().bytes_streamed
         fixed = per_pass * 8 / compute_s / 1e9 if compute_s > 0 else None
         engine.streamer.mover.throttle.set(fixed)
     loaded: list[PrefillStats] = []
 
     def load_run() -> float:
-        loaded.append(_run(engine, ids, compute=False))
+        loaded.append(engine.stream_weights())
         return loaded[-1].wall_s
 
     load_s = _median(repeat, load_run, before)

@@ -1,7 +1,8 @@
 """What one slot holds: the pieces of a load, and where each lands in slot memory.
 
 A *load* is what one slot holds at a time: a whole layer, or one part of it (attention or
-MLP), or a slice of a part when even parts do not fit (`cut.py` cuts, `plan.py` places).
+MLP), or a slice of a part when even parts do not fit (the model's family cuts,
+`families/`; `plan.py` places).
 Every piece is one run of its file; laid out for O_DIRECT (`Load.direct`), a piece sits at
 its file offset modulo `DIRECT_ALIGN` inside whole aligned blocks, so the disk DMAs it
 straight into the slot.
@@ -13,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from tandem.nodes.model.index import TensorEntry
+from tandem.nodes.model.index import ModelIndex, TensorEntry
 
 ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this
@@ -147,3 +148,19 @@ def layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
 
 def slot_size(parts: list[Part] | tuple[Part, ...], direct: bool) -> int:
     return layout([p for part in parts for p in part.pieces], direct)[1]
+
+
+def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]:
+    """Bytes of each of a part's quantized matrices once dequantized to the compute dtype."""
+    sizes = []
+    for piece in part.pieces:
+        quant = index.quant(part.layer, piece.key.removesuffix(".weight"))
+        if quant is not None and piece.key.endswith(".weight"):
+            rows, words = piece.shape
+            sizes.append(round_up(rows * words * 32 // quant.bits * itemsize, ALIGN))
+    return sizes
+
+
+def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
+    """Scratch that holds all of a part's quantized matrices dequantized at once."""
+    return sum(dequantized_sizes(index, part, itemsize))

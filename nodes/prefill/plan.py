@@ -2,13 +2,10 @@
 into which slots, and which layers stay resident.
 
 A *load* is what one slot holds at a time: a whole layer, or one part of it (attention or
-MLP), or a slice of a part when even parts do not fit. A cut op is sliced by the rows of its
-matrices only: attention into KV-head groups (q/k/v rows) that write their heads' output,
-then o_proj's rows (output features) that add their columns of the residual; the MLP into
-intermediate rows of gate/up that write the activation, then down_proj's rows. Every piece is
-then one run of its file, read by O_DIRECT (a column slice was a strided copy out of the page
-cache, on the loader's critical path), and every residual value takes one rounding, as in
-an uncut layer.
+MLP), or a slice of a part when even parts do not fit (`loads.py`). How a layer is cut is its
+family's (`families/`: the dense family cuts by the rows of its matrices, so every piece is
+one run of its file, read by O_DIRECT); the planner asks each layer for the coarsest split
+that fits a slot, sizes the ring and picks the resident set.
 
 The access is cyclic (layer 0..L-1, then again), so the policy is a ring of slots fed in order
 plus a fixed resident set — never LRU, which evicts exactly the layer needed next.
@@ -16,25 +13,17 @@ plus a fixed resident set — never LRU, which evicts exactly the layer needed n
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
-from tandem.nodes.prefill.cut import (
-    attn_parts,
-    dequantized_bytes,
-    dequantized_sizes,
-    mlp_parts,
-    out_row_parts,
-    whole_layer,
-)
+from tandem.nodes.prefill.families import family_for
 from tandem.nodes.prefill.loads import (
     Load,
     Part,
+    dequantized_bytes,
+    dequantized_sizes,
     layout,
     slot_size,
 )
@@ -81,58 +70,6 @@ class Plan:
             return "resident"
         n = max(sum(1 for ld in streamed if ld.layer == i) for i in {ld.layer for ld in streamed})
         return {1: "layer", 2: "part"}.get(n, "slice")
-
-
-def _layer_groups(
-    index: ModelIndex, i: int, max_bytes: int, direct: bool
-) -> list[list[Part]] | None:
-    """The coarsest split of layer i whose every load fits `max_bytes`; None if none does.
-    An op that fits one load stays whole; a cut one takes the fewest row ranges that fit."""
-    whole = whole_layer(index, i)
-    if slot_size(whole, direct) <= max_bytes:
-        return [whole]
-    spec = index.spec
-
-    def fewest(make: Callable[[int], list[Part]], limit: int) -> list[Part] | None:
-        """About the fewest of up to `limit` ranges whose parts all fit; None if none do.
-
-        From the estimate up, each try scaled by how far its largest part overshot (at least
-        5% more ranges): a few dozen tries of O(ranges) each, even for 28672 rows. An
-        average row (or head) that does not fit ends it at once."""
-        size = slot_size(make(1), direct)
-        if size / limit > max_bytes:
-            return None
-        g = max(1, size // max_bytes)
-        while True:
-            parts = make(g)
-            worst = max(slot_size([p], direct) for p in parts)
-            if worst <= max_bytes:
-                return parts
-            if g >= limit:
-                return None
-            g = min(limit, max(g + 1, g * 21 // 20, math.ceil(g * worst / max_bytes)))
-
-    def op(whole: list[Part], cut: Callable[[int], list[Part]], limit: int,
-           out: Literal["o", "down"]) -> list[Part] | None:  # fmt: skip
-        """The op whole if it fits, else cut: its first matrices, then its output rows."""
-        if slot_size(whole, direct) <= max_bytes:
-            return whole
-        first = fewest(cut, limit)
-        if first is None:
-            return None
-        rows = fewest(lambda g: out_row_parts(index, i, out, g), spec.hidden_size)
-        return first + rows if rows is not None else None
-
-    attn = op(attn_parts(index, i, 1, with_o=True),
-              lambda g: attn_parts(index, i, g, with_o=False), spec.num_kv_heads, "o")  # fmt: skip
-    if attn is None:
-        return None
-    mlp = op(mlp_parts(index, i, 1, with_down=True),
-             lambda g: mlp_parts(index, i, g, with_down=False), spec.intermediate_size,
-             "down")  # fmt: skip
-    if mlp is None:
-        return None
-    return [[p] for p in attn + mlp]
 
 
 def _loads(
@@ -232,7 +169,8 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
             f"budget {budget} B ({weights} B after {reserve} B of activations) is smaller than"
             f" the largest tensor ({largest} B); raise --budget"
         )
-    whole = [[whole_layer(index, i)] for i in range(n)]
+    family = family_for(index.spec.family)
+    whole = [[family.whole_layer(index, i)] for i in range(n)]
     layer_bytes = [slot_size(w[0], direct) for w in whole]
     scratch = _scratch(index, whole, itemsize)
     if sum(layer_bytes) + scratch <= weights:
@@ -253,7 +191,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
         for target in targets:
             groups: list[list[list[Part]]] = []
             for i in range(n):  # stops at the first layer this target cannot cut
-                if (layer := _layer_groups(index, i, target, direct)) is None:
+                if (layer := family.layer_groups(index, i, target, direct)) is None:
                     break
                 groups.append(layer)
             if len(groups) < n:
@@ -278,7 +216,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
                 if quantized:  # all of its slices, in one load
                     groups[i] = [[p for g in groups[i] for p in g]]
                 else:  # whole parts: exactly the layer_bytes[i] counted above
-                    groups[i] = [whole_layer(index, i)]
+                    groups[i] = [family.whole_layer(index, i)]
             loads = _loads(groups, resident, direct)
             return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")

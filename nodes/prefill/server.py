@@ -28,13 +28,9 @@ from tandem.nodes.contract.http import (
     check_group_size,
 )
 from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
-from tandem.nodes.prefill.engine import (
-    LayerKV,
-    PrefillEngine,
-    PrefillError,
-    PromptTooLong,
-    quantized_parts,
-)
+from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
+from tandem.nodes.prefill.handover import LayerKV, quantized_parts
 from tandem.nodes.prefill.prefix_cache import PrefixCache
 from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
 from tandem.nodes.serve.device import DeviceThread

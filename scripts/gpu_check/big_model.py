@@ -18,7 +18,7 @@ def model_section(ctx: Ctx) -> Json:
     """The big random model (written to the work directory) and the plans it gets."""
     import torch
     from tandem.nodes.model import load_index
-    from tandem.nodes.prefill.engine import default_budget
+    from tandem.nodes.prefill.budget import default_budget
     from tandem.nodes.prefill.plan import make_plan
 
     torch.set_num_threads(max(1, (os.cpu_count() or 4) // 4))  # it runs beside other sections
@@ -142,7 +142,7 @@ def bench_section(ctx: Ctx) -> Json:
             for phase in ("warm", "cold"):
                 if phase == "cold":
                     evict_page_cache(index)
-                list(engine.prefill(ids, compute=False))
+                engine.stream_weights()
                 loader[phase] = stream_rates(engine)
             loader["plan"] = plan_json(engine.plan)
         finally:

@@ -91,7 +91,7 @@ def stream_rates(engine: Any) -> Json:
 def measured_run(engine: Any, ids: list[int], cuda: bool) -> Json:
     """One request: its wall time and memory, or the OOM or refusal it met."""
     import torch
-    from tandem.nodes.prefill.engine import PrefillError
+    from tandem.nodes.prefill.errors import PrefillError
 
     try:
         layers = sum(1 for _ in engine.prefill(ids))

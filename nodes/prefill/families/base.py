@@ -1,0 +1,120 @@
+"""What a prefill family does with a layer, and what every family shares.
+
+A family is one architecture's prefill side (mlx-lm keeps one file per architecture; so do
+we; its decode side is `nodes/decode/families/`). It does three jobs, per layer:
+
+- `layer_groups`: what the layer's loads are: its weights as `Part`s (`loads.py`), grouped
+  into loads that each fit a slot of `max_bytes` (the planner, `plan.py`, asks for the
+  coarsest split that fits, and places the loads in the ring or the resident set);
+- `new_state` and `compute`: the layer's working state, and one part computed over it (the
+  engine hands the parts over in load order, each part's weights as views into its slot);
+- `handover`: what the layer hands the decode node once its attention is done, by the
+  layer's kind (`LayerKind` from the model spec): a "full" layer its K/V of the new
+  positions; a "sliding" layer the window of K/V its decode cache keeps; a "linear" layer
+  its fixed-size state.
+
+Mixtures of experts: `routed` names the parts that load only when the router sends tokens to
+them. The planner leaves them out of the ring's fixed order and the streamer fetches them on
+demand; no family here routes yet (issue 36 adds the streamer's side).
+
+`PrefillFamily` hands over "full" layers and refuses the other kinds (a `PrefillError`),
+which the families that have them override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tandem.nodes.model.index import ModelIndex
+from tandem.nodes.model.spec import LayerKind, ModelSpec
+from tandem.nodes.prefill.blocks import LayerState
+from tandem.nodes.prefill.errors import PrefillError
+from tandem.nodes.prefill.loads import Part
+
+
+@dataclass(frozen=True)
+class Pass:
+    """What every part of one request's prefill computes with."""
+
+    index: ModelIndex
+    start: int  # the first new position (positions 0..start-1 come from the prefix)
+    chunk: int  # tokens per attention query block and MLP block (bounds activations)
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, D] of the new positions
+    scratch: torch.Tensor  # uint8 device bytes a quantized part dequantizes into
+    dtype: torch.dtype  # the compute dtype
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.index.spec
+
+
+class PrefillFamily:
+    """A family's prefill side: the interface, and the parts every family shares."""
+
+    name = "base"
+
+    def layer_groups(
+        self, index: ModelIndex, layer: int, max_bytes: int, direct: bool
+    ) -> list[list[Part]] | None:
+        """The coarsest split of `layer` into loads of at most `max_bytes` each (a load's
+        parts in compute order), or None when none fits."""
+        raise NotImplementedError
+
+    def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
+        """The layer's parts uncut, as one load (a resident layer, or a budget that holds it)."""
+        raise NotImplementedError
+
+    def routed(self, index: ModelIndex, layer: int) -> Sequence[Part]:
+        """Parts loaded only when routed to (a mixture of experts); none here."""
+        return ()
+
+    def new_state(
+        self,
+        p: Pass,
+        kind: LayerKind,
+        layer: int,
+        count: int,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> LayerState:
+        """The layer's state for `count` new tokens after `p.start` positions: K/V buffers
+        [1, n_kv, start + count, D] holding the prefix's `prefix` (K, V) [1, n_kv, start, D]."""
+        spec, device = p.spec, p.scratch.device
+        shape = (1, spec.num_kv_heads, p.start + count, spec.head_dim)
+        k = torch.empty(shape, dtype=p.dtype, device=device)
+        v = torch.empty(shape, dtype=p.dtype, device=device)
+        if p.start:
+            assert prefix is not None
+            pk, pv = prefix
+            if tuple(pk.shape) != (1, spec.num_kv_heads, p.start, spec.head_dim):
+                raise PrefillError(f"prefix K of layer {layer} has shape {tuple(pk.shape)}")
+            k[:, :, : p.start] = pk.to(device, p.dtype)
+            v[:, :, : p.start] = pv.to(device, p.dtype)
+        return LayerState(k, v)
+
+    def compute(
+        self,
+        p: Pass,
+        part: Part,
+        weights: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        state: LayerState,
+    ) -> bool:
+        """Run `part` over the hidden states h [T, H] (in place) with its `weights` (views
+        into the slot, quantized matrices still packed). True when it finished what the
+        layer hands over (its attention): the engine takes the handover then, while the
+        rest of the layer computes."""
+        raise NotImplementedError
+
+    def handover(
+        self, p: Pass, kind: LayerKind, layer: int, state: LayerState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the layer hands over once `compute` said so: a "full" layer's K and V of the
+        new positions [1, n_kv, count, D] (views into its state)."""
+        if kind.kind != "full":
+            raise PrefillError(
+                f"layer {layer}: a {kind.kind} layer is not handed over by the {self.name} "
+                "prefill family"
+            )
+        return state.k[:, :, p.start :], state.v[:, :, p.start :]

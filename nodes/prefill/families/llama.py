@@ -1,0 +1,231 @@
+"""The dense transformer family: Llama, Mistral, Qwen2, Qwen3 (and every family whose layer is
+theirs: RMSNorm, attention with RoPE, a SwiGLU MLP, each a residual branch).
+
+Loads: a layer is cut by the rows of its matrices only. Attention splits into KV-head groups
+(q/k/v rows) that write their heads' output, then o_proj's rows (output features) that add
+their columns of the residual; the MLP into intermediate rows of gate/up that write the
+activation, then down_proj's rows. Every piece is one run of its file, read straight into
+the slot, and every residual value takes one rounding, as in an uncut layer. The math is
+`blocks.py`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+import torch
+from tandem.nodes.model.index import ModelIndex
+from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part, out_rows_part
+from tandem.nodes.prefill.dequant import DequantizedWeights, dequantize
+from tandem.nodes.prefill.families.base import Pass, PrefillFamily
+from tandem.nodes.prefill.loads import Part, Piece, slot_size
+
+
+class DenseFamily(PrefillFamily):
+    name = "dense"
+
+    def layer_groups(
+        self, index: ModelIndex, layer: int, max_bytes: int, direct: bool
+    ) -> list[list[Part]] | None:
+        return _layer_groups(index, layer, max_bytes, direct)
+
+    def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
+        return whole_layer(index, layer)
+
+    def compute(
+        self,
+        p: Pass,
+        part: Part,
+        weights: dict[str, torch.Tensor],
+        h: torch.Tensor,
+        state: LayerState,
+    ) -> bool:
+        if part.op in ("o", "down"):
+            _out_rows(p, part, weights, h, state)
+            return False
+        w = _dequantized(p, part, weights)
+        if part.op in ("attn", "qkv"):
+            attention_part(
+                p.spec, h, state, w, part.lo, part.hi, part.first, p.start, p.rope, p.chunk,
+                with_o=part.op == "attn",
+            )  # fmt: skip
+            return part.last  # the layer's K/V are final: the MLP does not touch them
+        mlp_part(p.spec, h, state, w, part.first, p.chunk, part.lo, part.hi,
+                 with_down=part.op == "mlp")  # fmt: skip
+        return False
+
+
+def _out_rows(
+    p: Pass, part: Part, w: dict[str, torch.Tensor], h: torch.Tensor, state: LayerState
+) -> None:
+    """An "o" or "down" part. A quantized matrix is dequantized a block of rows at a time,
+    as many as the scratch holds (the plan sizes it for the other parts' matrices): each
+    block adds its own residual columns."""
+    module = "self_attn.o_proj" if part.op == "o" else "mlp.down_proj"
+    weight = w[f"{module}.weight"]
+    quant = p.index.quant(part.layer, module)
+    if quant is None:
+        out_rows_part(h, state, weight, part.lo, part.hi, part.last, p.chunk)
+        return
+    scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]
+    rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
+    row_bytes = cols * torch.finfo(p.dtype).bits // 8
+    block = max(1, p.scratch.numel() // row_bytes)
+    for a in range(0, rows, block):
+        b = min(rows, a + block)
+        dest = p.scratch[: (b - a) * row_bytes].view(p.dtype).view(b - a, cols)
+        wq = dequantize(weight[a:b], scales[a:b], biases[a:b], quant, p.dtype, out=dest)
+        last = part.last and b == rows
+        out_rows_part(h, state, wq, part.lo + a, part.lo + b, last, p.chunk)
+
+
+def _dequantized(p: Pass, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The part's weights, each quantized matrix dequantized into the scratch on use."""
+    if not p.index.quantized:
+        return w
+    return DequantizedWeights(w, lambda module: p.index.quant(part.layer, module), p.scratch,
+                              p.dtype)  # fmt: skip
+
+
+def matrix_pieces(
+    index: ModelIndex, i: int, module: str, rows: tuple[int, int] | None = None
+) -> list[Piece]:
+    """The pieces holding rows of layer i's `module` weight: the float matrix, or its packed
+    words, scales and biases (a quantized matrix's rows are whole rows of all three)."""
+    t, quant = index.layers[i], index.quant(i, module)
+    if quant is None:
+        return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows)]
+    return [
+        Piece(f"{module}.{name}", t[f"{module}.{name}"], rows=rows)
+        for name in ("weight", "scales", "biases")
+    ]
+
+
+def _bounds(total: int, n: int) -> list[int]:
+    """Cuts of [0, total) into about n even ranges (fewer when n > total)."""
+    return sorted({round(g * total / n) for g in range(n + 1)})
+
+
+def attn_parts(index: ModelIndex, i: int, groups: int, with_o: bool) -> list[Part]:
+    """Attention in `groups` KV-head groups: one "attn" part holding o_proj too (`with_o`,
+    groups == 1), else "qkv" parts."""
+    spec, t = index.spec, index.layers[i]
+    rep, hd = spec.num_heads // spec.num_kv_heads, spec.head_dim
+    bounds = _bounds(spec.num_kv_heads, groups)
+    parts = []
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        q_rows, kv_rows = (lo * rep * hd, hi * rep * hd), (lo * hd, hi * hd)
+        pieces = [Piece("input_layernorm.weight", t["input_layernorm.weight"])] if g == 0 else []
+        pieces += [
+            *matrix_pieces(index, i, "self_attn.q_proj", rows=q_rows),
+            *matrix_pieces(index, i, "self_attn.k_proj", rows=kv_rows),
+            *matrix_pieces(index, i, "self_attn.v_proj", rows=kv_rows),
+        ]
+        if spec.attention_bias:
+            pieces += [
+                Piece("self_attn.q_proj.bias", t["self_attn.q_proj.bias"], rows=q_rows),
+                Piece("self_attn.k_proj.bias", t["self_attn.k_proj.bias"], rows=kv_rows),
+                Piece("self_attn.v_proj.bias", t["self_attn.v_proj.bias"], rows=kv_rows),
+            ]
+        if spec.qk_norm:
+            pieces += [
+                Piece("self_attn.q_norm.weight", t["self_attn.q_norm.weight"]),
+                Piece("self_attn.k_norm.weight", t["self_attn.k_norm.weight"]),
+            ]
+        if with_o:
+            pieces += matrix_pieces(index, i, "self_attn.o_proj")
+        last = g == len(bounds) - 2
+        parts.append(Part(i, "attn" if with_o else "qkv", lo, hi, g == 0, last, tuple(pieces)))
+    return parts
+
+
+def mlp_parts(index: ModelIndex, i: int, groups: int, with_down: bool) -> list[Part]:
+    """The MLP in `groups` intermediate row ranges: one "mlp" part holding down_proj
+    (`with_down`, groups == 1), else "gate_up" parts."""
+    t = index.layers[i]
+    bounds = _bounds(index.spec.intermediate_size, groups)
+    parts = []
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
+        pieces = [norm] if g == 0 else []
+        pieces += [
+            *matrix_pieces(index, i, "mlp.gate_proj", rows=(lo, hi)),
+            *matrix_pieces(index, i, "mlp.up_proj", rows=(lo, hi)),
+        ]
+        if with_down:
+            pieces += matrix_pieces(index, i, "mlp.down_proj")
+        last = g == len(bounds) - 2
+        parts.append(
+            Part(i, "mlp" if with_down else "gate_up", lo, hi, g == 0, last, tuple(pieces))
+        )
+    return parts
+
+
+def out_row_parts(index: ModelIndex, i: int, op: Literal["o", "down"], groups: int) -> list[Part]:
+    """o_proj's or down_proj's output rows (the residual's columns) in `groups` ranges."""
+    module = "self_attn.o_proj" if op == "o" else "mlp.down_proj"
+    bounds = _bounds(index.spec.hidden_size, groups)
+    parts = []
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        pieces = tuple(matrix_pieces(index, i, module, rows=(lo, hi)))
+        parts.append(Part(i, op, lo, hi, g == 0, g == len(bounds) - 2, pieces))
+    return parts
+
+
+def whole_layer(index: ModelIndex, i: int) -> list[Part]:
+    return attn_parts(index, i, 1, with_o=True) + mlp_parts(index, i, 1, with_down=True)
+
+
+def _layer_groups(
+    index: ModelIndex, i: int, max_bytes: int, direct: bool
+) -> list[list[Part]] | None:
+    """The coarsest split of layer i whose every load fits `max_bytes`; None if none does.
+    An op that fits one load stays whole; a cut one takes the fewest row ranges that fit."""
+    whole = whole_layer(index, i)
+    if slot_size(whole, direct) <= max_bytes:
+        return [whole]
+    spec = index.spec
+
+    def fewest(make: Callable[[int], list[Part]], limit: int) -> list[Part] | None:
+        """About the fewest of up to `limit` ranges whose parts all fit; None if none do.
+
+        From the estimate up, each try scaled by how far its largest part overshot (at least
+        5% more ranges): a few dozen tries of O(ranges) each, even for 28672 rows. An
+        average row (or head) that does not fit ends it at once."""
+        size = slot_size(make(1), direct)
+        if size / limit > max_bytes:
+            return None
+        g = max(1, size // max_bytes)
+        while True:
+            parts = make(g)
+            worst = max(slot_size([p], direct) for p in parts)
+            if worst <= max_bytes:
+                return parts
+            if g >= limit:
+                return None
+            g = min(limit, max(g + 1, g * 21 // 20, math.ceil(g * worst / max_bytes)))
+
+    def op(whole: list[Part], cut: Callable[[int], list[Part]], limit: int,
+           out: Literal["o", "down"]) -> list[Part] | None:  # fmt: skip
+        """The op whole if it fits, else cut: its first matrices, then its output rows."""
+        if slot_size(whole, direct) <= max_bytes:
+            return whole
+        first = fewest(cut, limit)
+        if first is None:
+            return None
+        rows = fewest(lambda g: out_row_parts(index, i, out, g), spec.hidden_size)
+        return first + rows if rows is not None else None
+
+    attn = op(attn_parts(index, i, 1, with_o=True),
+              lambda g: attn_parts(index, i, g, with_o=False), spec.num_kv_heads, "o")  # fmt: skip
+    if attn is None:
+        return None
+    mlp = op(mlp_parts(index, i, 1, with_down=True),
+             lambda g: mlp_parts(index, i, g, with_down=False), spec.intermediate_size,
+             "down")  # fmt: skip
+    if mlp is None:
+        return None
+    return [[p] for p in attn + mlp]

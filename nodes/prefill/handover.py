@@ -1,0 +1,198 @@
+"""A finished layer's handover: what it hands the decode node, taken off the device without
+stalling compute.
+
+`HostHandover` on a CPU (the K/V are host memory already); `CudaHandover` copies each layer's
+on a side stream into pinned buffers while the GPU computes its MLP, and hands it over one
+layer later. Either quantizes the K/V first when the request asked for a KV format.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.prefill.kv_quant import Scratch, quantize_all
+from tandem.nodes.prefill.stream.movers import HostArena
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One finished layer: K and V [1, n_kv, count, D] on the host, in the model dtype, and
+    when a KV format was asked for, the same quantized on the device (`quantized`: `k`, `v`
+    packed words and `k_scales`, `k_biases`, `v_scales`, `v_biases`, as `Header.tensors`)."""
+
+    layer: int
+    k: torch.Tensor
+    v: torch.Tensor
+    quantized: dict[str, torch.Tensor] | None = None
+
+
+def quantized_parts(
+    k: torch.Tensor, v: torch.Tensor, kv_format: KVFormat, scratch: Scratch | None = None
+) -> dict[str, torch.Tensor]:
+    """K and V [1, n_kv, count, D] quantized where they are (`Header.tensors` names), widened
+    in `scratch` (kept from layer to layer by a caller that quantizes many)."""
+    out: dict[str, torch.Tensor] = {}
+    fmt = kv_format
+    both = quantize_all((k, v), fmt.group_size, fmt.bits, kernel=fmt.kernel, scratch=scratch)
+    for name, (words, scales, biases) in zip(("k", "v"), both, strict=True):
+        out[name], out[f"{name}_scales"], out[f"{name}_biases"] = words, scales, biases
+    return out
+
+
+def _int32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """uint32 tensors as int32 views (torch's uint32 is a storage type with few kernels)."""
+    return tuple(t.view(torch.int32) for t in ts)
+
+
+class HostHandover:
+    """Finished layers' K/V: on a CPU they are host memory already (another device's are
+    copied at once). A layer's are taken, and quantized, once its attention is done (the MLP
+    does not touch them), and handed over after the layer."""
+
+    def __init__(self) -> None:
+        self.kv_format: KVFormat | None = None
+        self._quantize_s = 0.0
+        self._scratch = Scratch()
+        self._done: list[LayerKV] = []
+
+    def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state)."""
+        quantized = None
+        if self.kv_format is not None:
+            t0 = time.perf_counter()
+            parts = quantized_parts(k, v, self.kv_format, self._scratch)
+            quantized = {name: t.to("cpu") for name, t in parts.items()}
+            self._quantize_s += time.perf_counter() - t0
+        self._done.append(
+            LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous(), quantized)
+        )
+
+    def push(self) -> list[LayerKV]:
+        """The layers whose K/V are done, once the layer is (the consumer's turn)."""
+        done, self._done = self._done, []
+        return done
+
+    def flush(self) -> list[LayerKV]:
+        return self.push()
+
+    def reset(self, kv_format: KVFormat | None = None) -> None:
+        self.kv_format = kv_format
+        self._quantize_s = 0.0
+        self._done.clear()
+
+    def quantize_seconds(self) -> float:
+        return self._quantize_s
+
+    def close(self) -> None:
+        pass
+
+
+class CudaHandover:
+    """Finished layers' K/V to host memory without stalling compute: a side stream copies each
+    layer's (and its quantized form), once its attention's kernels are done, into reused
+    pinned buffers, while the GPU computes its MLP; a layer is handed over one layer later
+    (after its copy's event), as pageable clones the consumer may keep, while the GPU already
+    computes the next one."""
+
+    LAG = 1  # layers in flight between the GPU and the consumer
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.kv_format: KVFormat | None = None
+        self._arena: HostArena | None = None
+        self._buffers: deque[torch.Tensor] = deque()
+        self._pending: deque[tuple[int, dict[str, torch.Tensor], torch.cuda.Event]] = deque()
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._scratch = Scratch()  # used on the compute stream only
+
+    def _pinned(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pinned host tensors shaped like `like`, from a ring of LAG + 1 buffers."""
+        sizes = {name: -(-t.numel() * t.element_size() // 64) * 64 for name, t in like.items()}
+        nbytes = sum(sizes.values())
+        if self._arena is None or not self._buffers or self._buffers[0].numel() < nbytes:
+            if self._arena is not None:  # a longer prompt than any before: re-pin, once
+                self.stream.synchronize()  # no copy into the old buffers still in flight
+                self._arena.close()
+            self._arena = HostArena([nbytes] * (self.LAG + 1), pin=True)
+            self._buffers = deque(self._arena.take(nbytes) for _ in range(self.LAG + 1))
+        buf = self._buffers[0]
+        self._buffers.rotate(-1)
+        out, at = {}, 0
+        for name, t in like.items():
+            raw = buf[at : at + t.numel() * t.element_size()]
+            out[name] = raw.view(t.dtype).view(t.shape)
+            at += sizes[name]
+        return out
+
+    def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state)."""
+        device = {"k": k, "v": v}
+        if self.kv_format is not None:  # on the compute stream, after the attention
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(torch.cuda.current_stream(self.device))
+            parts = quantized_parts(k, v, self.kv_format, self._scratch)
+            device |= {f"q_{n}": t for n, t in parts.items()}
+            b.record(torch.cuda.current_stream(self.device))
+            self._timed.append((a, b))
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        host = self._pinned(device)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(done)
+            for name, t in device.items():  # packed words copied as int32: the same bits
+                dst, src = (host[name], t) if t.dtype != torch.uint32 else _int32(host[name], t)
+                dst.copy_(src, non_blocking=True)
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(self.stream)
+        for t in device.values():  # their memory is not reused before the copy ran
+            t.record_stream(self.stream)
+        self._pending.append((layer, host, copied))
+
+    def push(self) -> list[LayerKV]:
+        """After a layer: the layers whose copies are done, but the last LAG."""
+        return self._ready(self.LAG)
+
+    def flush(self) -> list[LayerKV]:
+        return self._ready(0)
+
+    def close(self) -> None:
+        """Unpin the buffers, once no copy is in flight."""
+        self.stream.synchronize()
+        self._pending.clear()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena, self._buffers = None, deque()
+
+    def reset(self, kv_format: KVFormat | None = None) -> None:
+        """Forget what an abandoned request left in flight; take the next request's format."""
+        self.stream.synchronize()
+        self._pending.clear()
+        self._timed.clear()
+        self.kv_format = kv_format
+
+    def quantize_seconds(self) -> float:
+        if not self._timed:
+            return 0.0
+        self._timed[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._timed) / 1000
+
+    def _ready(self, keep: int) -> list[LayerKV]:
+        out = []
+        while len(self._pending) > keep:
+            layer, host, copied = self._pending.popleft()
+            copied.synchronize()
+            quantized = {n[2:]: t.clone() for n, t in host.items() if n.startswith("q_")}
+            out.append(LayerKV(layer, host["k"].clone(), host["v"].clone(), quantized or None))
+        return out
+
+
+Handover = HostHandover | CudaHandover
+
+
+def make_handover(device: torch.device) -> Handover:
+    return CudaHandover(device) if device.type == "cuda" else HostHandover()
