@@ -247,6 +247,57 @@ async def _addresses(host: str, port: int) -> list[str]:
 Post = Callable[[str, dict[str, str]], Awaitable[tuple[int, Any]]]
 
 
+@dataclass(frozen=True)
+class Channel:
+    """Where a hello goes and what identifies the callee there: `cert`, the fingerprint of
+    the certificate this side's handshake saw (TLS), or `address`, the callee's one `ip:port`
+    (plain HTTP); `pin`, aiohttp's `ssl=` that holds the requests to that certificate."""
+
+    url: str
+    cert: str
+    address: str
+    pin: aiohttp.Fingerprint | bool
+
+
+@dataclass(frozen=True)
+class SessionPost:
+    """`Post` through an aiohttp session, each request held to the channel's pin."""
+
+    session: aiohttp.ClientSession
+    channel: Channel
+    timeout: aiohttp.ClientTimeout
+
+    async def __call__(self, path: str, body: dict[str, str]) -> tuple[int, Any]:
+        url = self.channel.url.rstrip("/") + path
+        async with self.session.post(
+            url, json=body, ssl=self.channel.pin, timeout=self.timeout
+        ) as r:
+            return r.status, await r.json(content_type=None) if r.status == 200 else None
+
+
+async def open_channel(url: str, timeout_s: float = HELLO_TIMEOUT_S) -> Channel:
+    """The channel to the node at `url` (http:// or https://): over TLS the certificate it
+    presents, over plain HTTP the one address its name resolves to; HelloError for a URL
+    that is neither, or a name with several addresses (the proof binds one, the requests
+    may go to another)."""
+    where = urlsplit(url)
+    if where.scheme not in ("http", "https") or not where.hostname:
+        raise HelloError("unreachable", f"{url}: not an http:// or https:// URL")
+    host, port = where.hostname, where.port or (443 if where.scheme == "https" else 80)
+    if where.scheme == "https":
+        cert = await learn_certificate(host, port, timeout_s)
+        return Channel(url, cert, "", aiohttp_pin(cert))
+    addresses = await _addresses(host, port)
+    if len(addresses) > 1:
+        raise HelloError(
+            "unauthorized",
+            f"{host} resolves to {', '.join(addresses)}: over plain HTTP a node is known"
+            f" by its one address (a relay could answer at another); use"
+            f" http://{addresses[0]}",
+        )
+    return Channel(url, "", addresses[0], True)
+
+
 async def prove(
     session: aiohttp.ClientSession,
     url: str,
@@ -256,34 +307,10 @@ async def prove(
 ) -> Proven:
     """Run a hello with the node at `url` (http:// or https://); HelloError unless it proves
     the token on the channel this side sees, and accepts this side's proof in turn."""
-    where = urlsplit(url)
-    if where.scheme not in ("http", "https") or not where.hostname:
-        raise HelloError("unreachable", f"{url}: not an http:// or https:// URL")
-    host, port = where.hostname, where.port or (443 if where.scheme == "https" else 80)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        if where.scheme == "https":
-            cert = await learn_certificate(host, port, timeout_s)
-            pin: aiohttp.Fingerprint | bool = aiohttp_pin(cert)
-            address = ""
-        else:
-            cert, pin, addresses = "", True, await _addresses(host, port)
-            if len(addresses) > 1:  # the proof would bind one, the requests may go to another
-                raise HelloError(
-                    "unauthorized",
-                    f"{host} resolves to {', '.join(addresses)}: over plain HTTP a node is known"
-                    f" by its one address (a relay could answer at another); use"
-                    f" http://{addresses[0]}",
-                )
-            address = addresses[0]
-
-        async def post(path: str, body: dict[str, str]) -> tuple[int, Any]:
-            async with session.post(
-                url.rstrip("/") + path, json=body, ssl=pin, timeout=timeout
-            ) as r:
-                return r.status, await r.json(content_type=None) if r.status == 200 else None
-
-        return await hello_over(post, token, own_id, cert, address)
+        channel = await open_channel(url, timeout_s)
+        post = SessionPost(session, channel, aiohttp.ClientTimeout(total=timeout_s))
+        return await hello_over(post, token, own_id, channel.cert, channel.address)
     except aiohttp.ServerFingerprintMismatch:
         raise HelloError("unauthorized", "its certificate changed during the hello") from None
     except TLSError as e:
