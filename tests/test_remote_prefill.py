@@ -41,20 +41,18 @@ async def _prefill(
     caches = await host.call(host.new_cache)
     events = EventBus()
     call = PrefillCall("r1", list(range(1, 40)), 0, timeout_s)
-    await client(host, model, events, pool, url)(url, call, caches)
+    await client(host, model, pool, url)(url, call, caches, events)
     return caches, events
 
 
-def client(
-    host: ModelHost, model: Path, events: EventBus, pool: BufferPool, url: str
-) -> RemotePrefill:
+def client(host: ModelHost, model: Path, pool: BufferPool, url: str) -> RemotePrefill:
     """The client of a decode node whose peer table trusts the fake at `url`."""
     index = load_index(model)
     spec = index.spec
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, index.dtype)
     peers = PeerTable("decode-test", fingerprint(index), TOKEN)
     peers.peers[url] = Peer(url, id="fake", trusted=True, reason=None)
-    return RemotePrefill(host, expect, fingerprint(index), peers, events, pool)
+    return RemotePrefill(host, expect, fingerprint(index), peers, pool)
 
 
 async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Path) -> None:
@@ -74,7 +72,7 @@ async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Pa
         for _ in range(3):
             caches = await host.call(host.new_cache)
             call = PrefillCall("r1", list(range(1, 40)), 0)
-            result = await client(host, model, events, pool, fake.url)(fake.url, call, caches)
+            result = await client(host, model, pool, fake.url)(fake.url, call, caches, events)
             assert result.tokens == 39 and result.kv_bytes > 0
             assert [c.offset for c in caches] == [39, 39]
             assert all(not mx.any(c.keys[..., :39, :]).item() for c in caches)  # zeros sent
@@ -110,3 +108,14 @@ async def test_failures_raise_remote_prefill_error(host: ModelHost, model: Path,
     finally:
         await fake.close()
     assert (e.value.retry_after == 1.0) == (mode == "503")
+
+
+async def test_a_call_without_a_bus_runs_quiet(host: ModelHost, model: Path) -> None:
+    fake = await start_fake_prefill(model, TOKEN, "zeros")
+    try:
+        caches = await host.call(host.new_cache)
+        call = PrefillCall("probe", list(range(1, 9)), 0)
+        result = await client(host, model, BufferPool(), fake.url)(fake.url, call, caches)
+    finally:
+        await fake.close()
+    assert result.tokens == 8 and [c.offset for c in caches] == [8, 8]

@@ -8,7 +8,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
@@ -26,7 +26,7 @@ from tandem.nodes.contract.frames import (
 )
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import kv, lm
-from tandem.nodes.decode.families.base import DecodeFamily
+from tandem.nodes.decode.families.base import DecodeFamily, LayerStepper
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.kv import KVShape
 from tandem.nodes.model.spec import LayerKind
@@ -120,7 +120,10 @@ class RemotePrefill:
     """The decode node's client of one model's prefill nodes: POSTs `/v1/prefill`, reads the
     KV frames in place (`FrameReader` into `BufferPool` buffers), times each frame as it
     arrives (its `net_in` link event) and hands the layers to an `_Assembler`, which appends
-    them to the caches on the mlx thread while the next frames arrive."""
+    them to the caches on the mlx thread while the next frames arrive.
+
+    A call publishes its link and layer events on the bus it is given; a call given none (a
+    calibration probe) runs quiet."""
 
     def __init__(
         self,
@@ -128,13 +131,12 @@ class RemotePrefill:
         expect: KVShape,
         fingerprint: str,
         peers: PeerTable,
-        events: EventBus,
         buffers: BufferPool | None = None,
         family: DecodeFamily | None = None,
         kinds: Sequence[LayerKind] | None = None,
     ) -> None:
         self.host, self.expect, self.fingerprint = host, expect, fingerprint
-        self.peers, self.events = peers, events  # peers sign each request for its callee
+        self.peers = peers  # signs each request for its callee
         self.buffers = buffers or BufferPool()
         self.family, self.kinds = family, kinds  # how frames fill each layer's cache
 
@@ -144,12 +146,12 @@ class RemotePrefill:
         call: PrefillCall,
         caches: lm.Caches,
         events: EventBus | None = None,
-        on_layer: Callable[[int], None] | None = None,
+        stepper: LayerStepper | None = None,
     ) -> RemoteResult:
-        """Fill `caches` from the prefill node at `url`; RemotePrefillError on any failure
-        (the caches may then hold a partial prefix: `lm.trim_to` them). `on_layer(i)` runs on
-        the mlx thread right after layer i is in its cache."""
-        events = events or self.events
+        """Fill `caches` from the prefill node at `url`, publishing on `events` (None: quiet);
+        RemotePrefillError on any failure (the caches may then hold a partial prefix:
+        `lm.trim_to` them). `stepper` advances through layer i on the mlx thread right after
+        layer i is in its cache."""
         body = PrefillBody(
             self.fingerprint, call.request_id, call.tokens, call.start, call.kv_format
         )
@@ -160,7 +162,7 @@ class RemotePrefill:
             raise RemotePrefillError(str(e)) from None
         t0 = time.perf_counter()
         reader = FrameReader(alloc=self.buffers.take)
-        assembler = _Assembler(self, caches, events, call, on_layer)
+        assembler = _Assembler(self, caches, events, call, stepper)
         clock = _FrameClock(events, call.request_id)
         try:
             async with (
@@ -201,9 +203,9 @@ class RemotePrefill:
 class _FrameClock:
     """A layer frame's receive time: its reads from the first to the last, at the rate of
     the bytes after the first (a read never runs past its frame: the reader gives the
-    buffer), published as a `net_in` link event."""
+    buffer), published as a `net_in` link event (on a bus, if any)."""
 
-    def __init__(self, events: EventBus, request_id: str) -> None:
+    def __init__(self, events: EventBus | None, request_id: str) -> None:
         self.events, self.request_id = events, request_id
         self.total = 0  # body bytes
         self.transfer_s = 0.0
@@ -222,27 +224,29 @@ class _FrameClock:
             (t_first, r_first), (t_last, r_last) = self._first, self._last
             seconds = arrival_seconds(size, t_last - t_first, r_last - r_first)
             self.transfer_s += seconds
-            self.events.publish(
-                LinkEvent(self.request_id, name="net_in", bytes=size, seconds=seconds)
-            )
+            if self.events is not None:
+                self.events.publish(
+                    LinkEvent(self.request_id, name="net_in", bytes=size, seconds=seconds)
+                )
         self._first = None
 
 
 class _Assembler:
     """Applies layer frames to the caches on the mlx thread while the network keeps reading:
     layer i goes into its cache as layer i+1 arrives (a few frames of slack, then
-    back-pressure on the connection)."""
+    back-pressure on the connection). Right after layer i is in, `stepper` runs the last
+    prompt token through it, on the same hop."""
 
     def __init__(
         self,
         client: RemotePrefill,
         caches: lm.Caches,
-        events: EventBus,
+        events: EventBus | None,
         call: PrefillCall,
-        on_layer: Callable[[int], None] | None = None,
+        stepper: LayerStepper | None,
     ) -> None:
         self.client, self.caches, self.events, self.call = client, caches, events, call
-        self.on_layer = on_layer
+        self.stepper = stepper
         self.queue: asyncio.Queue[LayerFrame | None] = asyncio.Queue(maxsize=4)
         self.task: asyncio.Task[None] | None = None
         self.builder: kv.CacheBuilder | None = None
@@ -271,17 +275,18 @@ class _Assembler:
         while (frame := await self.queue.get()) is not None:
             await host.call(self._add, frame)
             self.client.buffers.give(frame.payload)  # copied into the cache: the buffer is free
-            received = LayerEvent(
-                self.call.request_id, layer=frame.layer, state="received",
-                bytes=len(frame.payload),
-            )  # fmt: skip
-            self.events.publish(received)
+            if self.events is not None:
+                received = LayerEvent(
+                    self.call.request_id, layer=frame.layer, state="received",
+                    bytes=len(frame.payload),
+                )  # fmt: skip
+                self.events.publish(received)
 
     def _add(self, frame: LayerFrame) -> None:
         assert self.builder is not None
         self.builder.add(frame)
-        if self.on_layer is not None:
-            self.on_layer(frame.layer)
+        if self.stepper is not None:
+            self.stepper.advance(frame.layer)
 
     async def finish(self) -> None:
         """Wait until every received layer is in its cache."""

@@ -102,7 +102,7 @@ class DecodeService:
         self.kv_group_size = kv_group_size
         self.kv_kernel = kv.device_kernel()  # whose rounding quantized K/V must match
         self.family = family_for(spec.family)  # fills caches from frames, steps the last token
-        self.remote = RemotePrefill(host, expect, fingerprint, peers, events, family=self.family,
+        self.remote = RemotePrefill(host, expect, fingerprint, peers, family=self.family,
                                     kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
@@ -134,7 +134,7 @@ class DecodeService:
         tokens = [(5 * i + 1) % self.spec.vocab_size for i in range(count)]
         call = PrefillCall(f"probe-{uuid.uuid4().hex[:8]}", tokens, 0, timeout_s=30.0)
         try:
-            result = await self.remote(address, call, caches, EventBus())
+            result = await self.remote(address, call, caches)  # no events: a probe is quiet
         except RemotePrefillError as e:
             log.info("probe of %s failed: %s", address, e)
             self.peers.update_rates(address, seconds=30.0)
@@ -315,9 +315,8 @@ class DecodeService:
         self, address: str, call: PrefillCall, caches: lm.Caches, first: LayerStepper | None
     ) -> RemoteResult:
         """`self.remote(...)`, abandoned the moment the peer table stops trusting the peer."""
-        on_layer = first.advance if first is not None else None
         task = asyncio.create_task(
-            self.remote(address, call, caches, on_layer=on_layer), name="remote-prefill"
+            self.remote(address, call, caches, self.events, first), name="remote-prefill"
         )
         with self.peers.until_untrusted(address) as lost:
             untrusted = asyncio.create_task(lost.wait(), name="peer-trust")
