@@ -365,6 +365,25 @@ async def test_a_failed_health_check_untrusts_at_once(ident: Identity) -> None:
     assert after is not None and not after.trusted and after.reason == "unreachable"
 
 
+async def test_a_late_health_answer_untrusts_only_the_second_time_in_a_row(
+    ident: Identity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy node can answer one check late (its loop held by a CPU prefill): that alone
+    must not cancel the requests it serves; a second late answer in a row does."""
+    fake = FakeCallee(identity=ident)
+    async with aiohttp.ClientSession() as s, serving(fake.app(), ident) as url:
+        table = table_for(s, url)
+        assert (await table.check(url)).trusted  # type: ignore[union-attr]
+
+        async def late(address: str, pin: str | None) -> None:
+            raise TimeoutError
+
+        monkeypatch.setattr(table, "_health", late)
+        assert (await table.check(url)).trusted  # type: ignore[union-attr]
+        after = await table.check(url)
+    assert after is not None and not after.trusted and after.reason == "unreachable"
+
+
 async def test_a_restart_is_untrusted_before_the_new_hello_ends() -> None:
     """A new `instance` at the same address: untrusted at once, trusted again only after it
     proves the token; nothing may be signed for it in between."""
