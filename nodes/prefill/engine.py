@@ -105,7 +105,7 @@ class PrefillEngine:
     ) -> None:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
         self.spec = self.index.spec
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = _indexed(torch.device(device) if device is not None else default_device())
         self.dtype = TORCH_DTYPES[self.index.dtype]  # compute dtype
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
@@ -387,3 +387,11 @@ class _ComputeClock:
                 self._seconds[layer] = self._seconds.get(layer, 0.0) + a.elapsed_time(b) / 1000
             self._events.clear()
         return [self._seconds.get(i, 0.0) for i in range(layers)]
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:N` (the current device): `torch.cuda.set_device` refuses a CUDA device
+    without an index (torch 2.11), and the compute thread sets its own."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -14,11 +14,12 @@ plus a fixed resident set — never LRU, which evicts exactly the layer needed n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
-from tandem.nodes.prefill.families import family_for
+from tandem.nodes.prefill.families import PrefillFamily, family_for
 from tandem.nodes.prefill.loads import (
     Load,
     Part,
@@ -155,20 +156,8 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     layers' slices (one load, several parts), so the scratch stays the size of a slice's
     matrices, not a whole MLP's.
     """
-    if reserve >= budget:
-        raise ModelError(
-            f"budget {budget} B leaves nothing for weights after {reserve} B of activations;"
-            " raise --budget or lower --max-prompt-tokens"
-        )
-    weights = budget - reserve
-    n = index.spec.num_layers
-    itemsize = ITEMSIZE[index.dtype]
-    largest = max(e.nbytes for layer in index.layers for e in layer.values())
-    if weights < largest:
-        raise ModelError(
-            f"budget {budget} B ({weights} B after {reserve} B of activations) is smaller than"
-            f" the largest tensor ({largest} B); raise --budget"
-        )
+    weights = _weight_budget(index, budget, reserve)
+    n, itemsize = index.spec.num_layers, ITEMSIZE[index.dtype]
     family = family_for(index.spec.family)
     whole = [[family.whole_layer(index, i)] for i in range(n)]
     layer_bytes = [slot_size(w[0], direct) for w in whole]
@@ -176,47 +165,91 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     if sum(layer_bytes) + scratch <= weights:
         resident = tuple(range(n))
         return Plan(_loads(whole, set(resident), direct), resident, 0, 0, budget, scratch, reserve)
-
-    quantized = index.quantized
     for ring_budget, min_slots in ((weights // 2, 2), (weights, 2), (weights, 1)):
-        # Slot sizes to try, largest first; the first that fits min_slots wins: a whole
-        # layer if two fit, else loads of a RING_LOADS-th of the ring (then of a min_slots-th).
-        # A quantized model may need smaller slices still, to leave room for their scratch.
-        top = ring_budget // min_slots
-        targets = [max(layer_bytes)] if max(layer_bytes) <= top else []
-        targets += [ring_budget // max(min_slots, RING_LOADS), top]
-        while quantized and top > MIN_SLICE:  # slices cut tensors: smaller than the largest
-            top = top * 3 // 4  # in small steps: the scratch of a slice changes by whole rows
-            targets.append(top)
-        for target in targets:
-            groups: list[list[list[Part]]] = []
-            for i in range(n):  # stops at the first layer this target cannot cut
-                if (layer := family.layer_groups(index, i, target, direct)) is None:
-                    break
-                groups.append(layer)
-            if len(groups) < n:
+        for target in _slot_targets(ring_budget, min_slots, max(layer_bytes), index.quantized):
+            groups = _cut_all(family, index, target, direct)
+            if groups is None:
                 continue
-            slot = max(slot_size(g, direct) for layer in groups for g in layer)
-            scratch = _scratch(index, groups, itemsize) if quantized else 0
-            if min_slots * slot + scratch > weights:  # then one matrix at a time (see engine)
-                scratch = _scratch(index, groups, itemsize, whole_parts=False)
-            if min_slots * slot + scratch > weights:
+            ring = _ring(index, groups, layer_bytes, ring_budget, min_slots, weights, direct)
+            if ring is None:
                 continue
-            room = min(ring_budget, weights - scratch)  # the scratch comes out of the budget
-            cap = MAX_RING_SLOTS if slot >= max(layer_bytes) else 2 * RING_LOADS
-            n_slots = max(min_slots, min(cap, room // slot))
-            if quantized:  # resident layers keep their slices: sizes as laid out that way
-                sizes = [slot_size([p for g in layer for p in g], direct) for layer in groups]
-            else:
-                sizes = layer_bytes
-            resident = _resident_set(sizes, weights - n_slots * slot - scratch)
-            if not resident and ring_budget < weights:
+            if ring == "no resident layer":
                 break  # half the budget buys no resident layer: give the ring all of it
+            n_slots, slot, scratch, resident = ring
             for i in resident:
-                if quantized:  # all of its slices, in one load
+                if index.quantized:  # all of its slices, in one load
                     groups[i] = [[p for g in groups[i] for p in g]]
-                else:  # whole parts: exactly the layer_bytes[i] counted above
+                else:  # whole parts: exactly the layer_bytes[i] counted
                     groups[i] = [family.whole_layer(index, i)]
             loads = _loads(groups, resident, direct)
             return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")
+
+
+def _weight_budget(index: ModelIndex, budget: int, reserve: int) -> int:
+    """The bytes left for weights; a ModelError when they cannot hold the largest tensor."""
+    if reserve >= budget:
+        raise ModelError(
+            f"budget {budget} B leaves nothing for weights after {reserve} B of activations;"
+            " raise --budget or lower --max-prompt-tokens"
+        )
+    weights = budget - reserve
+    largest = max(e.nbytes for layer in index.layers for e in layer.values())
+    if weights < largest:
+        raise ModelError(
+            f"budget {budget} B ({weights} B after {reserve} B of activations) is smaller than"
+            f" the largest tensor ({largest} B); raise --budget"
+        )
+    return weights
+
+
+def _slot_targets(ring_budget: int, min_slots: int, layer: int, quantized: bool) -> list[int]:
+    """Slot sizes to try, largest first; the first that fits `min_slots` wins: a whole layer
+    (`layer` bytes) if two fit, else loads of a RING_LOADS-th of the ring (then of a
+    min_slots-th). A quantized model may need smaller slices still, to leave room for their
+    scratch."""
+    top = ring_budget // min_slots
+    targets = [layer] if layer <= top else []
+    targets += [ring_budget // max(min_slots, RING_LOADS), top]
+    while quantized and top > MIN_SLICE:  # slices cut tensors: smaller than the largest
+        top = top * 3 // 4  # in small steps: the scratch of a slice changes by whole rows
+        targets.append(top)
+    return targets
+
+
+def _cut_all(
+    family: PrefillFamily, index: ModelIndex, target: int, direct: bool
+) -> list[list[list[Part]]] | None:
+    """Every layer's loads of at most `target` bytes; None at the first layer that cannot."""
+    groups: list[list[list[Part]]] = []
+    for i in range(index.spec.num_layers):
+        if (layer := family.layer_groups(index, i, target, direct)) is None:
+            return None
+        groups.append(layer)
+    return groups
+
+
+def _ring(
+    index: ModelIndex, groups: list[list[list[Part]]], layer_bytes: list[int],
+    ring_budget: int, min_slots: int, weights: int, direct: bool,
+) -> tuple[int, int, int, set[int]] | Literal["no resident layer"] | None:  # fmt: skip
+    """(slots, slot bytes, scratch bytes, resident layers) for loads cut as `groups`, or None
+    where `min_slots` of them and their scratch do not fit the weights' budget."""
+    itemsize, quantized = ITEMSIZE[index.dtype], index.quantized
+    slot = max(slot_size(g, direct) for layer in groups for g in layer)
+    scratch = _scratch(index, groups, itemsize) if quantized else 0
+    if min_slots * slot + scratch > weights:  # then one matrix at a time (see the families)
+        scratch = _scratch(index, groups, itemsize, whole_parts=False)
+    if min_slots * slot + scratch > weights:
+        return None
+    room = min(ring_budget, weights - scratch)  # the scratch comes out of the budget
+    cap = MAX_RING_SLOTS if slot >= max(layer_bytes) else 2 * RING_LOADS
+    n_slots = max(min_slots, min(cap, room // slot))
+    if quantized:  # resident layers keep their slices: sizes as laid out that way
+        sizes = [slot_size([p for g in layer for p in g], direct) for layer in groups]
+    else:
+        sizes = layer_bytes
+    resident = _resident_set(sizes, weights - n_slots * slot - scratch)
+    if not resident and ring_budget < weights:
+        return "no resident layer"
+    return n_slots, slot, scratch, resident
