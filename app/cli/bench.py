@@ -1,4 +1,4 @@
-"""`tandem bench prefill|e2e ...`: the benchmarks, each with its own arguments."""
+"""`tandem bench prefill|e2e|verify ...`: the benchmarks, each with its own arguments."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: `bench prefill ...`, `bench e2e ...`")
-    p.add_argument("which", choices=["prefill", "e2e"])
+    p = sub.add_parser(
+        "bench", help="benchmarks: `bench prefill ...`, `bench e2e ...`, `bench verify MODEL`"
+    )
+    p.add_argument("which", choices=["prefill", "e2e", "verify"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="see `tandem bench WHICH --help`")
     p.set_defaults(func=run)
 
@@ -18,6 +20,10 @@ def run(a: argparse.Namespace) -> int:
         from tandem.nodes.prefill.bench import main as bench_prefill
 
         return bench_prefill(a.args)
+    if a.which == "verify":
+        from tandem.app.cli.bench_verify import main as bench_verify
+
+        return bench_verify(a.args)
     from tandem.app.cli.bench_e2e import main as bench_e2e
 
     return bench_e2e(a.args)

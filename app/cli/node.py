@@ -21,7 +21,10 @@ from tandem.nodes.contract.http import (
 )
 
 if TYPE_CHECKING:
+    from tandem.nodes.model.verify import Verified
     from tandem.nodes.serve.node import NodeConfig
+
+VERIFIED_CACHE = "verified-weights.json"  # in the user's cache dir: the model dir may be read-only
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="")
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
     p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
+    p.add_argument(
+        "--verify-weights", action="store_true",
+        help="before serving, read every tensor: a sha256 each, no NaN/Inf (cached by size, mtime)",
+    )  # fmt: skip
     _add_limits(p)
     p.set_defaults(func=run)
 
@@ -119,14 +126,27 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     )
 
 
+def verify_model(model: Path) -> Verified:
+    """Read and check every tensor of `model`, or only what changed since it last verified
+    clean; a ModelError names the file and tensor that is not."""
+    from tandem.app.paths import cache_dir
+    from tandem.nodes.model.index import load_index
+    from tandem.nodes.model.verify import verify_weights
+
+    return verify_weights(load_index(model), cache_dir() / VERIFIED_CACHE)
+
+
 def run(a: argparse.Namespace) -> int:
-    """Serve until interrupted; a port, token or model file problem is a UsageError."""
+    """Serve until interrupted; a port, token or model file problem is a UsageError, weights
+    that fail `--verify-weights` a ModelError (before the port is taken)."""
     import asyncio
 
     from tandem.nodes.serve.node import ListenError, serve
     from tandem.nodes.trust.auth import AuthError
 
     config = node_config(a)
+    if a.verify_weights:
+        verify_model(a.model)
     try:
         asyncio.run(serve(config))
     except (AuthError, ListenError) as e:
