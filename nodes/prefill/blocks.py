@@ -48,59 +48,86 @@ def attention_part(
     among w) adds o_proj of the output into h, else keeps the heads' output in `state.out`
     for the o parts (`out_rows_part`)."""
     T, D = h.shape[0], spec.head_dim
-    rep = spec.num_heads // spec.num_kv_heads
     if first:
         state.x_norm = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
         if not with_o:
             state.out = torch.empty(T, spec.num_heads * D, dtype=h.dtype, device=h.device)
     x = state.x_norm
     assert x is not None
-    nq, nkv = (kv_hi - kv_lo) * rep, kv_hi - kv_lo
-    q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
-    k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
-    v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
-    q = q.view(T, nq, D).transpose(0, 1)  # [nq, T, D]
-    k = k.view(T, nkv, D).transpose(0, 1)  # [nkv, T, D]
-    v = v.view(T, nkv, D).transpose(0, 1)
-    if spec.qk_norm:
-        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.rms_norm_eps)
-        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.rms_norm_eps)
-    cos, sin = rope
-    for c0 in range(0, T, chunk):  # RoPE in token chunks: its float32 copies stay chunk-sized
-        c1 = min(T, c0 + chunk)
-        q[:, c0:c1] = apply_rope(q[:, c0:c1], cos[c0:c1], sin[c0:c1])
-        k_rot = apply_rope(k[:, c0:c1], cos[c0:c1], sin[c0:c1])
-        state.k[0, kv_lo:kv_hi, start + c0 : start + c1] = k_rot
-    state.v[0, kv_lo:kv_hi, start:] = v
-    keys = state.k[:, kv_lo:kv_hi]  # [1, nkv, S, D]
-    values = state.v[:, kv_lo:kv_hi]
+    q, k, v = _qkv(spec, x, w, kv_hi - kv_lo)
+    _rope_into(state, q, k, v, kv_lo, start, rope, chunk)
+    rep = spec.num_heads // spec.num_kv_heads
     # all queries at once where a fused kernel keeps attention memory linear; elsewhere
     # query chunks bound the score matrix
     q_chunk = T if fused_attention(h.device.type, h.element_size(), D) else chunk
     for c0 in range(0, T, q_chunk):
         c1 = min(T, c0 + q_chunk)
-        s_end = start + c1  # keys beyond the chunk's last query are masked anyway
-        # no explicit boolean mask (it rules the fused kernels out): plain causal where the
-        # queries start at position 0, else causal aligned to the last key (lower right)
-        if start + c0 == 0:
-            causal: dict[str, object] = {"is_causal": True}
-        else:
-            causal = {"attn_mask": _causal_lower_right()(c1 - c0, s_end)}
-        out = F.scaled_dot_product_attention(
-            q[None, :, c0:c1],
-            keys[:, :, :s_end],
-            values[:, :, :s_end],
-            scale=D**-0.5,
-            enable_gqa=True,
-            **causal,  # type: ignore[arg-type]
-        )  # [1, nq, c, D]
-        heads = out[0].transpose(0, 1)  # [c, nq, D], a view
+        heads = _attend(q, state, kv_lo, kv_hi, start, c0, c1)  # [c, nq, D], a view
         if with_o:  # o_proj: the last weight asked for (see dequant)
-            h[c0:c1].addmm_(heads.reshape(c1 - c0, nq * D), w["self_attn.o_proj.weight"].t())
+            h[c0:c1].addmm_(heads.reshape(c1 - c0, -1), w["self_attn.o_proj.weight"].t())
         else:
             assert state.out is not None
             kept = state.out[c0:c1, kv_lo * rep * D : kv_hi * rep * D]
-            kept.view(c1 - c0, nq, D).copy_(heads)
+            kept.view(heads.shape).copy_(heads)
+
+
+def _qkv(
+    spec: ModelSpec, x: torch.Tensor, w: Mapping[str, torch.Tensor], nkv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [nq, T, D], k and v [nkv, T, D] of `nkv` KV heads' rows of the projections (q and k
+    RMS-normed per head where the family does so); before RoPE."""
+    T, D = x.shape[0], spec.head_dim
+    nq = nkv * (spec.num_heads // spec.num_kv_heads)
+    q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+    k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+    v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    q = q.view(T, nq, D).transpose(0, 1)
+    k = k.view(T, nkv, D).transpose(0, 1)
+    v = v.view(T, nkv, D).transpose(0, 1)
+    if spec.qk_norm:
+        q = rms_norm(q, w["self_attn.q_norm.weight"], spec.rms_norm_eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], spec.rms_norm_eps)
+    return q, k, v
+
+
+def _rope_into(
+    state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lo: int,
+    start: int, rope: tuple[torch.Tensor, torch.Tensor], chunk: int,
+) -> None:  # fmt: skip
+    """RoPE on q (in place) and k, in token chunks (its float32 copies stay chunk-sized); k and
+    v land in the layer's K/V at positions start.. of heads kv_lo.."""
+    T, kv_hi = q.shape[1], kv_lo + k.shape[0]
+    cos, sin = rope
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        q[:, c0:c1] = apply_rope(q[:, c0:c1], cos[c0:c1], sin[c0:c1])
+        k_rot = apply_rope(k[:, c0:c1], cos[c0:c1], sin[c0:c1])
+        state.k[0, kv_lo:kv_hi, start + c0 : start + c1] = k_rot
+    state.v[0, kv_lo:kv_hi, start:] = v
+
+
+def _attend(
+    q: torch.Tensor, state: LayerState, kv_lo: int, kv_hi: int, start: int, c0: int, c1: int
+) -> torch.Tensor:
+    """Causal attention of queries c0..c1-1 (positions start + c0..) over heads kv_lo..'s keys
+    up to the chunk's last query: [c, nq, D], a view."""
+    D = q.shape[-1]
+    s_end = start + c1  # keys beyond the chunk's last query are masked anyway
+    # no explicit boolean mask (it rules the fused kernels out): plain causal where the
+    # queries start at position 0, else causal aligned to the last key (lower right)
+    if start + c0 == 0:
+        causal: dict[str, object] = {"is_causal": True}
+    else:
+        causal = {"attn_mask": _causal_lower_right()(c1 - c0, s_end)}
+    out = F.scaled_dot_product_attention(
+        q[None, :, c0:c1],
+        state.k[:, kv_lo:kv_hi, :s_end],
+        state.v[:, kv_lo:kv_hi, :s_end],
+        scale=D**-0.5,
+        enable_gqa=True,
+        **causal,  # type: ignore[arg-type]
+    )  # [1, nq, c, D]
+    return out[0].transpose(0, 1)
 
 
 def mlp_part(
