@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 * 1024 * 1024  # per read; a multiple of every itemsize
 PROGRESS_EVERY_S = 3.0
+MAX_WORKERS = 8  # threads reading, hashing and checking tensors at once (one core each)
 CACHE_VERSION = 1
 # float dtypes, as their bit patterns: (unsigned view, mask of sign-less bits, smallest
 # non-finite pattern: exponent all ones). F32 and F64 use np.isfinite, which is SIMD there.
@@ -129,7 +130,7 @@ class _Progress:
 
 def _verify_file(f: Path, entries: list[TensorEntry], progress: _Progress) -> dict[str, str]:
     """{tensor: sha256} of one file's tensors (in offset order); raises at the first bad one."""
-    workers = max(1, min(4, os.cpu_count() or 1))
+    workers = max(1, min(MAX_WORKERS, os.cpu_count() or 1))
     local = threading.local()
 
     with _opened(f) as fd:
