@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -144,3 +145,13 @@ def test_pair_check_verifies_the_local_model(
     # the weights fail before the check dials anyone (nothing listens on port 9)
     assert main(["pair", "--check", "http://127.0.0.1:9", "--verify-weights", str(model)]) == 2
     assert "tensor lm_head.weight holds" in capsys.readouterr().err
+
+
+def test_bench_verify_reports_the_three_runs(
+    tiny_model: MakeTiny, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_model()
+    assert main(["bench", "verify", str(model), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["bytes"] == load_index(model).total_bytes
+    assert r["cold_Bps"] > 0 and r["warm_Bps"] > 0 and r["cached_s"] >= 0

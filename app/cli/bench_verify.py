@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.nodes.model.errors import ModelError
-from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.index import load_index
+from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.model.verify import verify_weights
 
 
@@ -27,16 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", type=Path)
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     return p
-
-
-def evict_page_cache(index: ModelIndex) -> None:
-    """Drop the model's files from the page cache (as the prefill bench does)."""
-    for f in index.files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def bench(model: Path) -> dict[str, float]:
