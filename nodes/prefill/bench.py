@@ -40,19 +40,10 @@ from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.contract.units import parse_size
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 
 log = logging.getLogger(__name__)
-
-
-def evict_page_cache(index: ModelIndex) -> None:
-    """Drop the model's files from the page cache (no root needed)."""
-    for f in index.files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _rss() -> int:

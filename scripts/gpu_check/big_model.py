@@ -112,7 +112,8 @@ def bench_section(ctx: Ctx) -> Json:
     loading takes as long as compute; then the loader's own rates, warm and cold."""
     import torch
     from tandem.nodes.model import load_index
-    from tandem.nodes.prefill.bench import bench, evict_page_cache
+    from tandem.nodes.model.page_cache import evict_page_cache
+    from tandem.nodes.prefill.bench import bench
     from tandem.nodes.prefill.engine import PrefillEngine
 
     s, model = ctx.sizes, ctx.big
