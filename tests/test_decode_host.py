@@ -13,6 +13,8 @@ from mlx_lm.generate import stream_generate
 from tandem.nodes.decode.host import Generation, ModelHost
 from tandem.nodes.decode.openai_api import Sampling
 
+from tests.decode_support import generate
+
 
 @pytest.fixture(scope="module")
 def host(tiny_model) -> ModelHost:
@@ -32,7 +34,7 @@ def _mlx_tokens(h: ModelHost, prompt: list[int], n: int) -> list[int]:
 def test_tokens_equal_mlx_lm_greedy_at_every_length(host: ModelHost, max_tokens: int) -> None:
     prompt = host.encode("The lighthouse keeper counted the waves and")
     done = host.thread.submit(
-        host.generate, prompt, None, Sampling(max_tokens, 0.0), threading.Event()
+        generate, host, prompt, None, Sampling(max_tokens, 0.0), threading.Event()
     ).result()
     want = _mlx_tokens(host, prompt, max_tokens)
     eos = set(host.tokenizer.eos_token_ids)

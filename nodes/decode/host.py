@@ -85,10 +85,6 @@ class ModelHost:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.thread.call(fn, *args)
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
     def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of the chat-templated prompt, ready for the assistant's reply."""
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
@@ -120,27 +116,6 @@ class ModelHost:
             self.texts, list(prompt), caches, params, cancel, on_token, kv_format, first,
             cancel=cancel, flush_s=TEXT_FLUSH_S,
         )  # fmt: skip
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        cache: lm.Caches | None,
-        params: Sampling,
-        cancel: threading.Event,
-        on_text: Callable[[str], None] | None = None,
-        on_token: Callable[[int], None] | None = None,
-        kv_format: KVFormat | None = None,
-        first: LayerStepper | None = None,
-    ) -> Generation:
-        """On the mlx thread: `texts` to its end, each piece to `on_text`."""
-        pieces = self.texts(prompt, cache, params, cancel, on_token, kv_format, first)
-        while True:
-            try:
-                text = next(pieces)
-            except StopIteration as done:
-                return done.value
-            if on_text is not None:
-                on_text(text)
 
     def texts(
         self,
