@@ -43,8 +43,9 @@ class DecodeApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
         body = await json_body(request)
+        oa.check_fields(body, chat=True)
         messages = oa.messages_of(body)
-        sampling = oa.sampling_of(body, s.max_tokens_limit)
+        sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=True)
         kv_format = s.kv_format_in(body)
         tokens = await s.host.call(s.host.chat_tokens, messages)
         context = s.spec.max_position_embeddings
@@ -54,8 +55,9 @@ class DecodeApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
         body = await json_body(request)
+        oa.check_fields(body, chat=False)
         prompt = oa.prompt_of(body, s.spec.vocab_size)
-        sampling = oa.sampling_of(body, s.max_tokens_limit)
+        sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=False)
         kv_format = s.kv_format_in(body)
         tokens = prompt if isinstance(prompt, list) else await s.host.call(s.host.encode, prompt)
         context = s.spec.max_position_embeddings

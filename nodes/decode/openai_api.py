@@ -2,7 +2,8 @@
 
 A body either parses into a `Completion` or raises `ApiError` with the 4xx the client gets:
 every field that is present must have the type and range the OpenAI API gives it, and what
-tandem does not do (`n` > 1, a `stream` that is not a boolean) is refused, never ignored.
+tandem does not do is refused (400 `unsupported_field`, naming it), never ignored. README
+"OpenAI fields" lists each field and what tandem does with it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ from tandem.nodes.contract.http import (
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 256
 SEED_RANGE = (0, 2**63 - 1)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's)
+BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value (OpenAI's)
+MAX_BIAS = 300  # logit_bias entries
+MAX_TOP_LOGPROBS = 20  # chat; a completion's `logprobs` takes at most 5
+# a completion's fields that ask for more than one plain continuation: their harmless values
+NOT_ECHOED: dict[str, tuple[object, ...]] = {"echo": (None, False), "suffix": (None, ""),
+                                             "best_of": (None, 1)}  # fmt: skip
+ROLES = frozenset({"system", "user", "assistant"})
+# OpenAI fields this node does not do: refused when present with a value that asks for them
+UNSUPPORTED = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+    "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,11 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    presence_penalty: float = 0.0  # mlx-lm's logits processors, over the last 20 tokens
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: bool = False  # each token's log-probability in the reply
+    top_logprobs: int = 0  # with the `n` likeliest alternatives at each position
 
 
 @dataclass(frozen=True)
@@ -49,16 +68,58 @@ class Completion:
 
 
 def messages_of(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    """A chat body's messages, as role/content pairs of strings."""
+    """A chat body's messages, as role/content pairs of strings (a content given as a list of
+    text parts is joined). Roles: system, user, assistant (tools are refused, so no tool)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
+    out = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, "each message needs a role and a content")
-        if not isinstance(m.get("content"), str):
-            raise ApiError(400, "message content must be a string")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if m["role"] not in ROLES:
+            raise ApiError(400, f"message role must be one of {', '.join(sorted(ROLES))}")
+        out.append({"role": m["role"], "content": _content(m.get("content"))})
+    return out
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, "message content must be a string or a list of text parts")
+
+
+def check_fields(body: Mapping[str, Any], chat: bool) -> None:
+    """Refuse the fields this node does not do, and those of the wrong type it ignores
+    otherwise (`model`, `user`, `stream_options`, `response_format`)."""
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, [], "none"):
+            raise ApiError(400, f"{name} is not supported by this node", "unsupported_field")
+    if "model" in body and not isinstance(body["model"], str):
+        raise ApiError(400, "model must be a string")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "user must be a string")
+    options = body.get("stream_options")
+    if options is not None and (
+        not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
+    ):
+        raise ApiError(400, "stream_options must be an object with a boolean include_usage")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise ApiError(400, "response_format must be an object with a type")
+        if fmt["type"] != "text":
+            raise ApiError(400, f"response_format {fmt['type']} is not supported by this node",
+                           "unsupported_field")  # fmt: skip
+    if not chat:
+        for name, allowed in NOT_ECHOED.items():
+            if body.get(name) not in allowed:
+                raise ApiError(400, f"{name} is not supported by this node", "unsupported_field")
 
 
 def prompt_of(body: Mapping[str, Any], vocab_size: int) -> str | list[int]:
@@ -73,7 +134,10 @@ def prompt_of(body: Mapping[str, Any], vocab_size: int) -> str | list[int]:
     raise ApiError(400, "prompt must be a non-empty string or list of token ids")
 
 
-def sampling_of(body: Mapping[str, Any], max_tokens_limit: int) -> Sampling:
+def sampling_of(
+    body: Mapping[str, Any], max_tokens_limit: int, vocab_size: int | None = None,
+    chat: bool = True,
+) -> Sampling:  # fmt: skip
     """The reply's sampling parameters; checked before any prefill runs."""
     if "n" in body and (type(body["n"]) is not int or body["n"] != 1):
         raise ApiError(400, "n must be 1: one choice per request")
@@ -96,7 +160,55 @@ def sampling_of(body: Mapping[str, Any], max_tokens_limit: int) -> Sampling:
     seed = body.get("seed")
     if seed is not None and (type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise ApiError(400, f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}")
-    return Sampling(max_tokens, temperature, top_p, tuple(stop), seed)
+    presence = _number(body, "presence_penalty", 0.0, *PENALTY_RANGE)
+    frequency = _number(body, "frequency_penalty", 0.0, *PENALTY_RANGE)
+    logprobs, top = _logprobs(body, chat)
+    return Sampling(
+        max_tokens, temperature, top_p, tuple(stop), seed, presence, frequency,
+        _logit_bias(body, vocab_size), logprobs, top,
+    )  # fmt: skip
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> tuple[bool, int]:
+    """(logprobs asked for, alternatives per position): chat's boolean `logprobs` with
+    `top_logprobs` 0..20; a completion's `logprobs` is itself the count, 0..5."""
+    value = body.get("logprobs")
+    if not chat:
+        if value is None:
+            return False, 0
+        if type(value) is not int or not 0 <= value <= 5:
+            raise ApiError(400, "logprobs must be an integer in 0..5")
+        return True, value
+    if value is not None and type(value) is not bool:
+        raise ApiError(400, "logprobs must be true or false")
+    top = body.get("top_logprobs")
+    if top is None:
+        return bool(value), 0
+    if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}")
+    if value is not True:
+        raise ApiError(400, "top_logprobs needs logprobs: true")
+    return True, top
+
+
+def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """`logit_bias`: token ids (as strings, below `vocab_size` where known) to values in
+    [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > MAX_BIAS:
+        raise ApiError(400, f"logit_bias must be an object of up to {MAX_BIAS} token ids")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) or int(key) >= (vocab_size or 2**31):
+            raise ApiError(400, "logit_bias keys must be token ids in the vocabulary")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ApiError(400, "logit_bias values must be numbers")
+        if not BIAS_RANGE[0] <= value <= BIAS_RANGE[1]:
+            raise ApiError(400, f"logit_bias values must be in [{BIAS_RANGE[0]}, {BIAS_RANGE[1]}]")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def kv_format_in(

@@ -1,0 +1,115 @@
+"""Issue 33, 3: every OpenAI field is honoured or refused (400 `unsupported_field` naming it),
+and a field of the wrong type is a 400, never ignored. Parsing here; what the honoured fields
+do to a generation is checked through a real node in tests/test_openai_generation.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tandem.nodes.contract.http import ApiError
+from tandem.nodes.decode import openai_api as oa
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+VOCAB = 1000
+
+
+def _refused(body: dict[str, Any], chat: bool = True) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        oa.check_fields(body, chat)
+        if chat:
+            oa.messages_of(body)
+        oa.sampling_of(body, 4096, VOCAB, chat=chat)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("parallel_tool_calls", True),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("audio", {"voice": "x"}),
+        ("modalities", ["audio"]),
+        ("reasoning_effort", "high"),
+    ],
+)
+def test_what_the_node_does_not_do_is_refused_by_name(field: str, value: Any) -> None:
+    e = _refused({**CHAT, field: value})
+    assert e.code == "unsupported_field"
+    assert field in str(e)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logprobs", "x"),
+        ("top_logprobs", -1),
+        ("top_logprobs", 21),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {str(VOCAB): 1}),
+        ("logit_bias", {"5": "1"}),
+        ("logit_bias", [1]),
+        ("presence_penalty", "x"),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", 1e9),
+        ("frequency_penalty", True),
+        ("model", 5),
+        ("user", 5),
+        ("stream_options", "x"),
+        ("stream_options", {"include_usage": "yes"}),
+        ("response_format", "json"),
+        ("n", 2),
+    ],
+)
+def test_a_wrong_type_or_range_is_400(field: str, value: Any) -> None:
+    e = _refused({**CHAT, field: value})
+    assert e.code != "unsupported_field" or field in ("n",)
+
+
+def test_top_logprobs_needs_logprobs() -> None:
+    assert "logprobs" in str(_refused({**CHAT, "top_logprobs": 2}))
+
+
+@pytest.mark.parametrize("role", ["tool", "", "foo", "developer", "function"])
+def test_roles_beyond_system_user_assistant_are_400(role: str) -> None:
+    body = {"messages": [{"role": role, "content": "x"}]}
+    assert "role" in str(_refused(body))
+
+
+def test_content_parts_are_joined_and_other_parts_refused() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert oa.messages_of({"messages": [{"role": "user", "content": parts}]}) == [
+        {"role": "user", "content": "ab"}
+    ]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    _refused({"messages": [{"role": "user", "content": image}]})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("echo", True), ("suffix", "x"), ("best_of", 2), ("logprobs", 6)]
+)
+def test_completion_fields_beyond_one_continuation_are_refused(field: str, value: Any) -> None:
+    _refused({"prompt": "x", field: value}, chat=False)
+
+
+def test_honoured_fields_parse() -> None:
+    body = {
+        **CHAT, "logprobs": True, "top_logprobs": 3, "presence_penalty": 0.5,
+        "frequency_penalty": -1, "logit_bias": {"7": -100, "9": 2.5}, "model": "m",
+        "user": "u", "stream_options": {"include_usage": True}, "response_format": {"type": "text"},
+        "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
+    }  # fmt: skip
+    oa.check_fields(body, True)
+    s = oa.sampling_of(body, 4096, VOCAB)
+    assert (s.logprobs, s.top_logprobs) == (True, 3)
+    assert (s.presence_penalty, s.frequency_penalty) == (0.5, -1.0)
+    assert s.logit_bias == ((7, -100.0), (9, 2.5))
+    legacy = oa.sampling_of({"prompt": "x", "logprobs": 2}, 4096, VOCAB, chat=False)
+    assert (legacy.logprobs, legacy.top_logprobs) == (True, 2)
