@@ -33,6 +33,9 @@ from tandem.nodes.prefill.blocks import LayerState
 from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.loads import Part
 
+Weights = dict[str, torch.Tensor]  # a part's tensors by short name: views into its slot
+Groups = list[list[Part]] | None  # a layer's loads (each a list of parts), or None: no fit
+
 
 @dataclass(frozen=True)
 class Pass:
@@ -55,9 +58,7 @@ class PrefillFamily:
 
     name = "base"
 
-    def layer_groups(
-        self, index: ModelIndex, layer: int, max_bytes: int, direct: bool
-    ) -> list[list[Part]] | None:
+    def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         """The coarsest split of `layer` into loads of at most `max_bytes` each (a load's
         parts in compute order), or None when none fits."""
         raise NotImplementedError
@@ -94,12 +95,7 @@ class PrefillFamily:
         return LayerState(k, v)
 
     def compute(
-        self,
-        p: Pass,
-        part: Part,
-        weights: dict[str, torch.Tensor],
-        h: torch.Tensor,
-        state: LayerState,
+        self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
     ) -> bool:
         """Run `part` over the hidden states h [T, H] (in place) with its `weights` (views
         into the slot, quantized matrices still packed). True when it finished what the

@@ -20,28 +20,21 @@ import torch
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part, out_rows_part
 from tandem.nodes.prefill.dequant import DequantizedWeights, dequantize
-from tandem.nodes.prefill.families.base import Pass, PrefillFamily
+from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.loads import Part, Piece, slot_size
 
 
 class DenseFamily(PrefillFamily):
     name = "dense"
 
-    def layer_groups(
-        self, index: ModelIndex, layer: int, max_bytes: int, direct: bool
-    ) -> list[list[Part]] | None:
+    def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         return _layer_groups(index, layer, max_bytes, direct)
 
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         return whole_layer(index, layer)
 
     def compute(
-        self,
-        p: Pass,
-        part: Part,
-        weights: dict[str, torch.Tensor],
-        h: torch.Tensor,
-        state: LayerState,
+        self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
     ) -> bool:
         if part.op in ("o", "down"):
             _out_rows(p, part, weights, h, state)
