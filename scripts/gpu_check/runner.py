@@ -175,7 +175,13 @@ class Runner:
             return {"ok": False, "error": "skipped: the check ran out of time"}
         tests = sorted((ROOT / "tests").glob("test_*.py"))
         files = [str(p.relative_to(ROOT)) for p in tests if "mark.cuda" in p.read_text()]
-        argv = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider"]
+        # pytest under the checkout's bootstrap: `tandem` is this checkout, installed or not
+        boot = (
+            f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); "
+            "from checkout import use_checkout; use_checkout(); import pytest; "
+            "sys.exit(pytest.main(sys.argv[1:]))"
+        )
+        argv = [sys.executable, "-c", boot, "-q", "-m", "cuda", "-p", "no:cacheprovider"]
         child = self.start("cuda_tests", argv=argv + files)
         result = child.wait(min(child.started + limit_s, self.deadline))
         lines = [line for line in child.stdout if line.strip()]
