@@ -79,7 +79,7 @@ class DecodeApi:
                         gen = item.generation
                         body = oa.reply(
                             req, self.service.model_name, "".join(text), gen.finish_reason,
-                            gen.tokens, item.tandem,
+                            gen.tokens, item.tandem, gen.logprobs,
                         )  # fmt: skip
                         return web.json_response(body)
                     text.append(item)

@@ -21,7 +21,7 @@ import mlx.core as mx
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families.base import LayerStepper
-from tandem.nodes.decode.openai_api import Sampling
+from tandem.nodes.decode.openai_api import Sampling, TokenLogprob
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.serve.device import DeviceStream, DeviceThread
 
@@ -43,6 +43,7 @@ class Generation:
     decode_s: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     token_at: list[float] = field(default_factory=list)  # perf_counter() of each token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # where the request asks
 
     @property
     def first_token_at(self) -> float | None:
@@ -142,11 +143,13 @@ class ModelHost:
         text = _Text(self.tokenizer.detokenizer, params.stop)
         out = Generation()
         t0 = time.perf_counter()
-        tokens = self._tokens(mx.array(list(prompt)), cache, sample, params.max_tokens,
-                              kv_format, first)  # fmt: skip
-        for token in tokens:
+        steps = self._steps(list(prompt), cache, sample, params, kv_format, first)
+        for step in steps:
             if cancel.is_set():
                 raise Cancelled
+            token = step.token
+            if params.logprobs:
+                out.logprobs.append(self._logprob(step, params.top_logprobs))
             out.token_at.append(time.perf_counter())
             out.tokens += 1
             out.token_ids.append(token)
@@ -171,18 +174,29 @@ class ModelHost:
             yield piece
         return _done(out, t0)
 
-    def _tokens(
+    def _steps(
         self,
-        prompt: mx.array,
+        prompt: list[int],
         cache: lm.Caches,
         sampler: lm.Sampler,
-        max_tokens: int,
+        params: Sampling,
         kv_format: KVFormat | None = None,
         first: LayerStepper | None = None,
-    ) -> Iterator[int]:
-        """Token ids, as mlx-lm's `generate_step` makes them (`lm.token_steps`)."""
+    ) -> Iterator[lm.Step]:
+        """Tokens as mlx-lm's `generate_step` makes them (`lm.steps`), through the logits
+        processors the request's penalties and `logit_bias` ask for."""
         logits = first.logits() if first is not None else None
-        return lm.token_steps(self.model, prompt, cache, sampler, max_tokens, kv_format, logits)
+        processors = lm.logits_processors(
+            params.presence_penalty, params.frequency_penalty, params.logit_bias
+        )
+        last = first.token if first is not None else (prompt[-1] if prompt else None)
+        return lm.steps(self.model, mx.array(prompt), cache, sampler, params.max_tokens,
+                        kv_format, logits, processors, last)  # fmt: skip
+
+    def _logprob(self, step: lm.Step, top: int) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        alternatives = tuple((decode([t]), lp) for t, lp in lm.top_logprobs(step.logprobs, top))
+        return TokenLogprob(decode([step.token]), step.logprob, alternatives)
 
 
 def _done(out: Generation, t0: float) -> Generation:

@@ -14,8 +14,10 @@ state: `ArraysCache`). Decode families (`families/`) fill each kind from a layer
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,11 +37,12 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tandem.nodes.contract.http import KVFormat
 
 Caches = list[Any]  # one mlx-lm cache per layer
 Sampler = Callable[[mx.array], mx.array]  # log-probabilities [1, vocab] -> token [1]
+Processor = Callable[[mx.array, mx.array], mx.array]  # (history [n], logits [1, vocab])
 CacheKind = Literal["full", "sliding", "linear", "other"]
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: same chunks, same numbers
 STREAM = generation_stream  # mlx-lm's own stream for generation (thread-local)
@@ -194,6 +197,31 @@ def prefill(
     return prompt
 
 
+class NonFinite(ArithmeticError):
+    """The model's logits held NaN or infinite values: its weights are corrupt, or not the
+    ones its config describes."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One generated token and the log-probabilities [vocab] it was sampled from (after the
+    logits processors), lazily evaluated."""
+
+    token: int
+    logprob: float  # of `token`
+    logprobs: mx.array
+
+
+def logits_processors(
+    presence: float, frequency: float, bias: Sequence[tuple[int, float]]
+) -> list[Processor]:
+    """mlx-lm's logits processors for OpenAI's penalties and `logit_bias` (none for zeros),
+    each over the last 20 tokens as mlx-lm's server has them."""
+    return make_logits_processors(
+        dict(bias) or None, presence_penalty=presence or None, frequency_penalty=frequency or None
+    )
+
+
 def token_steps(
     model: Any,
     prompt: mx.array,
@@ -203,44 +231,94 @@ def token_steps(
     kv_format: KVFormat | None = None,
     first_logits: mx.array | None = None,
 ) -> Iterator[int]:
+    """`steps`' token ids."""
+    for step in steps(model, prompt, caches, sample, max_tokens, kv_format, first_logits):
+        yield step.token
+
+
+def steps(
+    model: Any,
+    prompt: mx.array,
+    caches: Caches,
+    sample: Sampler,
+    max_tokens: int,
+    kv_format: KVFormat | None = None,
+    first_logits: mx.array | None = None,
+    processors: Sequence[Processor] = (),
+    last_token: int | None = None,
+) -> Iterator[Step]:
     """mlx-lm's `generate_step`, op for op: the prompt in PREFILL_STEP-token steps, then one
     token per step, each step queued (`async_eval`) before the previous token is handed out.
 
     The one change: the first token is handed out as soon as it is sampled. mlx-lm queues
     token 2 first, and where `async_eval` does the work on the spot (mlx's CPU backend) that
     puts a whole decode step into time to first token. With `first_logits` ([1, vocab]: the
-    last prompt token's pass already ran) `prompt` is not read."""
+    last prompt token's pass already ran) `prompt` is not read, and `last_token` is that
+    token (the processors' history starts with it, as mlx-lm's does). NonFinite when the
+    sampled token's log-probability is NaN or infinite (so are the logits then)."""
+    history: mx.array | None = None
 
-    def step(tokens: mx.array) -> mx.array:
+    def logprobs(logits: mx.array, inputs: mx.array) -> mx.array:
+        nonlocal history
+        if processors:  # as generate_step: the step's input tokens join the history
+            history = inputs if history is None else mx.concatenate([history, inputs])
+            for processor in processors:
+                logits = processor(history, logits)
+        return logits - mx.logsumexp(logits, keepdims=True)
+
+    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
         with mx.stream(STREAM):
             logits = model(tokens[None], cache=caches)[:, -1, :]
             quantize_when_due(caches, kv_format)  # after the call, as mlx-lm does
-            return sample(logits - mx.logsumexp(logits, keepdims=True))
+            lp = logprobs(logits, tokens)
+            return sample(lp), lp
 
     # as `stream_generate` does: on a Mac the weights stay wired in memory while it runs
     with wired_limit(model, [STREAM]):
         if first_logits is not None:
             with mx.stream(STREAM):
                 quantize_when_due(caches, kv_format)
-                y = sample(first_logits - mx.logsumexp(first_logits, keepdims=True))
+                lp = logprobs(first_logits, mx.array([last_token or 0]))
+                y = sample(lp)
         else:
-            y = step(prefill(model, prompt, caches, kv_format))
-        yield int(y.item())
+            y, lp = step(prefill(model, prompt, caches, kv_format))
+        yield _step(y, lp)
         if max_tokens < 2:
             return
-        y = step(y)
-        mx.async_eval(y)
+        y, lp = step(y)
+        mx.async_eval(y, lp)
         for n in range(2, max_tokens + 1):
             following = None
             if n < max_tokens:  # the next step computes while this token is handed out
                 following = step(y)
-                mx.async_eval(following)
-            yield int(y.item())
+                mx.async_eval(*following)
+            yield _step(y, lp)
             if following is None:
                 return
             if n % 256 == 0:
                 mx.clear_cache()
-            y = following
+            y, lp = following
+
+
+def _step(y: mx.array, lp: mx.array) -> Step:
+    token = int(y.item())
+    logprob = lp[0, token].item()
+    if not math.isfinite(logprob):
+        raise NonFinite(
+            "the model produced non-finite values (NaN or infinite logits): are its weights "
+            "corrupt or mismatched? (tandem node --verify-weights checks them)"
+        )
+    return Step(token, logprob, lp[0])
+
+
+def top_logprobs(logprobs: mx.array, n: int) -> list[tuple[int, float]]:
+    """The `n` likeliest tokens of a step's log-probabilities [vocab], likeliest first."""
+    if n <= 0:
+        return []
+    ids = mx.argpartition(-logprobs, kth=n - 1)[:n]
+    values = logprobs[ids]
+    pairs = zip(ids.tolist(), values.tolist(), strict=True)
+    return sorted(pairs, key=lambda p: -p[1])
 
 
 def reference_tokens(

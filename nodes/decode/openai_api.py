@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,15 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: bool = False  # each token's log-probability in the reply
     top_logprobs: int = 0  # with the `n` likeliest alternatives at each position
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, and the likeliest alternatives at its place."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,9 @@ def sampling_of(
     seed = body.get("seed")
     if seed is not None and (type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
         raise ApiError(400, f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}")
+    if logprobs_asked(body) and body.get("stream") is True:
+        raise ApiError(400, "logprobs with stream is not supported by this node",
+                       "unsupported_field")  # fmt: skip
     presence = _number(body, "presence_penalty", 0.0, *PENALTY_RANGE)
     frequency = _number(body, "frequency_penalty", 0.0, *PENALTY_RANGE)
     logprobs, top = _logprobs(body, chat)
@@ -167,6 +179,10 @@ def sampling_of(
         max_tokens, temperature, top_p, tuple(stop), seed, presence, frequency,
         _logit_bias(body, vocab_size), logprobs, top,
     )  # fmt: skip
+
+
+def logprobs_asked(body: Mapping[str, Any]) -> bool:
+    return body.get("logprobs") not in (None, False)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> tuple[bool, int]:
@@ -311,17 +327,21 @@ def text_chunk(req: Completion, model: str, text: str) -> dict[str, Any]:
 
 
 def reply(
-    req: Completion, model: str, text: str, finish: str, n_tokens: int, extra: dict[str, Any]
-) -> dict[str, Any]:
-    """The whole (non-streamed) reply, with usage and the `tandem` object."""
+    req: Completion, model: str, text: str, finish: str, n_tokens: int, extra: dict[str, Any],
+    logprobs: Sequence[TokenLogprob] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """The whole (non-streamed) reply, with usage, the `tandem` object and, where the request
+    asked, each token's log-probability."""
+    lp = _logprobs_json(req, logprobs) if req.sampling.logprobs else None
     if req.chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
+            "logprobs": lp,
             "finish_reason": finish,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
     return {
         "id": req.request_id,
         "object": "chat.completion" if req.chat else "text_completion",
@@ -330,4 +350,29 @@ def reply(
         "choices": [choice],
         "usage": usage(len(req.tokens), n_tokens),
         "tandem": extra,
+    }
+
+
+def _logprobs_json(req: Completion, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's logprobs object: chat's `content` list, or a completion's parallel lists."""
+    if req.chat:
+
+        def entry(token: str, logprob: float) -> dict[str, Any]:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {
+            "content": [
+                {**entry(t.token, t.logprob), "top_logprobs": [entry(*a) for a in t.top]}
+                for t in logprobs
+            ]
+        }
+    offsets, at = [], 0
+    for t in logprobs:
+        offsets.append(at)
+        at += len(t.token)
+    return {
+        "tokens": [t.token for t in logprobs],
+        "token_logprobs": [t.logprob for t in logprobs],
+        "top_logprobs": [dict(t.top) for t in logprobs],
+        "text_offset": offsets,
     }

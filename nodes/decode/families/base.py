@@ -42,6 +42,8 @@ class LayerArrays:
 class LayerStepper(Protocol):
     """The last prompt token's pass, a layer at a time (on the mlx thread)."""
 
+    token: int  # the token whose pass it runs
+
     def advance(self, layer: int) -> None:
         """Run layer `layer` (its cache now holds the prompt)."""
 

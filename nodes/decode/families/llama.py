@@ -34,6 +34,7 @@ class FirstStep:
     """`Model.__call__(token[None], caches)` cut between layers."""
 
     def __init__(self, model: Any, token: int, caches: lm.Caches) -> None:
+        self.token = token
         self.model, self.inner, self.caches = model, model.model, caches
         self.layers = _layers(self.inner)
         with mx.stream(lm.STREAM):
