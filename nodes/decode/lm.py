@@ -266,49 +266,55 @@ def steps(
                 logits = processor(history, logits)
         return logits - mx.logsumexp(logits, keepdims=True)
 
-    def step(tokens: mx.array) -> tuple[mx.array, mx.array]:
+    def sampled(lp: mx.array) -> _Sampled:
+        y = sample(lp)  # [1]
+        return y, lp, mx.take_along_axis(lp, y[:, None], axis=-1)  # the token's own [1, 1]
+
+    def step(tokens: mx.array) -> _Sampled:
         with mx.stream(STREAM):
             logits = model(tokens[None], cache=caches)[:, -1, :]
             quantize_when_due(caches, kv_format)  # after the call, as mlx-lm does
-            lp = logprobs(logits, tokens)
-            return sample(lp), lp
+            return sampled(logprobs(logits, tokens))
 
     # as `stream_generate` does: on a Mac the weights stay wired in memory while it runs
     with wired_limit(model, [STREAM]):
         if first_logits is not None:
             with mx.stream(STREAM):
                 quantize_when_due(caches, kv_format)
-                lp = logprobs(first_logits, mx.array([last_token or 0]))
-                y = sample(lp)
+                current = sampled(logprobs(first_logits, mx.array([last_token or 0])))
         else:
-            y, lp = step(prefill(model, prompt, caches, kv_format))
-        yield _step(y, lp)
+            current = step(prefill(model, prompt, caches, kv_format))
+        yield _step(current)
         if max_tokens < 2:
             return
-        y, lp = step(y)
-        mx.async_eval(y, lp)
+        current = step(current[0])
+        mx.async_eval(*current)
         for n in range(2, max_tokens + 1):
             following = None
             if n < max_tokens:  # the next step computes while this token is handed out
-                following = step(y)
+                following = step(current[0])
                 mx.async_eval(*following)
-            yield _step(y, lp)
+            yield _step(current)
             if following is None:
                 return
             if n % 256 == 0:
                 mx.clear_cache()
-            y, lp = following
+            current = following
 
 
-def _step(y: mx.array, lp: mx.array) -> Step:
-    token = int(y.item())
-    logprob = lp[0, token].item()
+_Sampled = tuple[mx.array, mx.array, mx.array]  # token [1], logprobs [1, vocab], its own [1, 1]
+
+
+def _step(current: _Sampled) -> Step:
+    """The step's token, once its graph ran (the token's log-probability came with it)."""
+    y, lp, own = current
+    logprob = own.item()
     if not math.isfinite(logprob):
         raise NonFinite(
             "the model produced non-finite values (NaN or infinite logits): are its weights "
             "corrupt or mismatched? (tandem node --verify-weights checks them)"
         )
-    return Step(token, logprob, lp[0])
+    return Step(int(y.item()), logprob, lp[0])
 
 
 def top_logprobs(logprobs: mx.array, n: int) -> list[tuple[int, float]]:
