@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.contract.units import parse_size
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
@@ -116,7 +116,7 @@ def bench(
     device: str | None = None,
     cold: bool = False,
     repeat: int = 3,
-    chunk_tokens: int = 512,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     host_budget: int | None = None,
     kv_bits: int = 16,
     vs_resident: bool = False,
