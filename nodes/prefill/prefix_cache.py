@@ -1,18 +1,22 @@
 """The prefill node's prefix cache: K/V of recent prompts in host memory, keyed by tokens.
 
 A follow-up turn asks for positions `start..n-2`; what this node still holds of `0..n-2` it
-reuses, the rest it recomputes — so the answer is exact either way. Bounded by bytes, least
-recently used first.
+reuses, the rest it recomputes — so the answer is exact either way (`reusing` splices the
+two). Bounded by bytes, least recently used first.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import replace
 
 import torch
+from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.prefix import best_prefix
+from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.handover import LayerKV, quantized_parts
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [1, n_kv, T, D] on the host
 DEFAULT_MAX_BYTES = 1024**3
@@ -51,3 +55,48 @@ class PrefixCache:
             self._entries[key] = (kv, nbytes)
             while self.nbytes > self.max_bytes:
                 self._entries.popitem(last=False)
+
+
+def reusing(
+    engine: PrefillEngine, cache: PrefixCache, req: PrefillBody
+) -> Generator[LayerKV, None, int]:
+    """On the device thread: each layer's positions req.start.. as the engine finishes it,
+    the cache's longest hit 0..j-1 reused and spliced in front of what the engine computes
+    (j..n-1); the whole K/V stored for the next turn once every layer is done. Returns the
+    positions computed (not reused)."""
+    j, prefix = cache.lookup(req.tokens)
+    layers = engine.prefill(
+        req.tokens[j:], start=j, prefix=prefix, request_id=req.request_id,
+        kv_format=req.kv_format,
+    )  # fmt: skip
+    full: KV = []
+    try:
+        for layer in layers:
+            k, v = layer.k, layer.v  # positions j..n-1
+            if prefix is not None:
+                pk, pv = prefix[layer.layer]
+                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+            full.append((k, v))  # the cache keeps full precision
+            sent = LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :])
+            if req.kv_format is not None:
+                sent = replace(sent, quantized=_sent_quantized(layer, prefix, j, req))
+            yield sent
+        cache.store(req.tokens, full)
+    finally:
+        layers.close()
+    return len(req.tokens) - j
+
+
+def _sent_quantized(
+    layer: LayerKV, prefix: KV | None, j: int, req: PrefillBody
+) -> dict[str, torch.Tensor]:
+    """The quantized K/V of positions req.start.. : the engine's (positions j..) and, where
+    the request starts inside the cache's hit, that part quantized here (groups run along
+    head_dim, so quantizing a concatenation is concatenating the quantized parts)."""
+    assert req.kv_format is not None and layer.quantized is not None
+    computed = {n: t[:, :, max(0, req.start - j) :] for n, t in layer.quantized.items()}
+    if prefix is None or req.start >= j:
+        return computed
+    pk, pv = prefix[layer.layer]
+    head = quantized_parts(pk[:, :, req.start :], pv[:, :, req.start :], req.kv_format)
+    return {n: torch.cat([head[n], computed[n]], dim=2) for n in computed}

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import torch
 from aiohttp import web
@@ -30,8 +29,8 @@ from tandem.nodes.contract.http import (
 from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
-from tandem.nodes.prefill.handover import LayerKV, quantized_parts
-from tandem.nodes.prefill.prefix_cache import PrefixCache
+from tandem.nodes.prefill.handover import LayerKV
+from tandem.nodes.prefill.prefix_cache import PrefixCache, reusing
 from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
 from tandem.nodes.serve.device import DeviceThread
 from tandem.nodes.serve.errors import read_json_body
@@ -225,44 +224,5 @@ class PrefillService:
         publish(LayerEvent(rid, layer=item.layer, state="sent", bytes=len(frame)))
 
     def _layers(self, req: PrefillBody) -> Iterator[LayerKV]:
-        """On the device thread: prefill every token; each layer's positions start.., as the
-        engine finishes it. Stopped between layers when the request is cancelled."""
-        j, prefix = self.prefix_cache.lookup(req.tokens)
-        layers = self.engine.prefill(
-            req.tokens[j:], start=j, prefix=prefix, request_id=req.request_id,
-            kv_format=req.kv_format,
-        )  # fmt: skip
-        full: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            for layer in layers:
-                k, v = layer.k, layer.v  # positions j..n-1
-                if prefix is not None:
-                    pk, pv = prefix[layer.layer]
-                    k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-                full.append((k, v))  # the prefix cache keeps full precision
-                sent = LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :])
-                if req.kv_format is not None:
-                    sent = replace(sent, quantized=_sent_quantized(layer, prefix, j, req))
-                yield sent
-            self.prefix_cache.store(req.tokens, full)
-            self.served_tokens += len(req.tokens) - j  # computed, not reused
-        finally:
-            layers.close()
-
-
-def _sent_quantized(
-    layer: LayerKV,
-    prefix: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    j: int,
-    req: PrefillBody,
-) -> dict[str, torch.Tensor]:
-    """The quantized K/V of positions req.start.. : the engine's (positions j..) and, where
-    the request starts inside the prefix cache's hit, that part quantized here (groups run
-    along head_dim, so quantizing a concatenation is concatenating the quantized parts)."""
-    assert req.kv_format is not None and layer.quantized is not None
-    computed = {n: t[:, :, max(0, req.start - j) :] for n, t in layer.quantized.items()}
-    if prefix is None or req.start >= j:
-        return computed
-    pk, pv = prefix[layer.layer]
-    head = quantized_parts(pk[:, :, req.start :], pv[:, :, req.start :], req.kv_format)
-    return {n: torch.cat([head[n], computed[n]], dim=2) for n in computed}
+        """On the device thread: the request's layers over the prefix cache (`reusing`)."""
+        self.served_tokens += yield from reusing(self.engine, self.prefix_cache, req)
