@@ -12,7 +12,7 @@ $(BIN)/python:
 
 # constraints.txt pins torch==2.13.0: on the build machines pip takes that wheel from disk;
 # a looser pin would download a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[all,dev]'
 	touch $(STAMP)
 
