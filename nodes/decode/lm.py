@@ -284,22 +284,30 @@ def steps(
                 current = sampled(logprobs(first_logits, mx.array([last_token or 0])))
         else:
             current = step(prefill(model, prompt, caches, kv_format))
+        yield from _pipelined(current, step, max_tokens)
+
+
+def _pipelined(
+    current: _Sampled, step: Callable[[mx.array], _Sampled], max_tokens: int
+) -> Iterator[Step]:
+    """The first token as soon as it is sampled; then each step queued before the previous
+    token is handed out (mlx-lm's lookahead of one)."""
+    yield _step(current)
+    if max_tokens < 2:
+        return
+    current = step(current[0])
+    mx.async_eval(*current)
+    for n in range(2, max_tokens + 1):
+        following = None
+        if n < max_tokens:  # the next step computes while this token is handed out
+            following = step(current[0])
+            mx.async_eval(*following)
         yield _step(current)
-        if max_tokens < 2:
+        if following is None:
             return
-        current = step(current[0])
-        mx.async_eval(*current)
-        for n in range(2, max_tokens + 1):
-            following = None
-            if n < max_tokens:  # the next step computes while this token is handed out
-                following = step(current[0])
-                mx.async_eval(*following)
-            yield _step(current)
-            if following is None:
-                return
-            if n % 256 == 0:
-                mx.clear_cache()
-            current = following
+        if n % 256 == 0:
+            mx.clear_cache()
+        current = following
 
 
 _Sampled = tuple[mx.array, mx.array, mx.array]  # token [1], logprobs [1, vocab], its own [1, 1]
