@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from tandem.nodes.contract.http import ApiError
 from tandem.nodes.decode import openai_api as oa
+from tandem.nodes.decode.openai_tools import tools_of
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 VOCAB = 1000
@@ -113,3 +114,56 @@ def test_honoured_fields_parse() -> None:
     assert s.logit_bias == ((7, -100.0), (9, 2.5))
     legacy = oa.sampling_of({"prompt": "x", "logprobs": 2}, 4096, VOCAB, chat=False)
     assert (legacy.logprobs, legacy.top_logprobs) == (True, 2)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _refused_with_tools(body: dict[str, Any]) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        oa.check_fields(body, True, tools=True)
+        oa.messages_of(body, tools=True)
+        tools_of(body)
+    assert e.value.status == 400
+    return e.value
+
+
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [
+        ({"tools": [{"type": "function", "function": {}}]}, "invalid_request_error"),
+        ({"tools": [{"type": "x", "function": {"name": "f"}}]}, "invalid_request_error"),
+        ({"tools": {"f": 1}}, "invalid_request_error"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "invalid_request_error"),
+        ({"tools": [TOOL], "tool_choice": "required"}, "unsupported_field"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "unsupported_field"),
+        ({"tools": [TOOL], "parallel_tool_calls": "yes"}, "invalid_request_error"),
+        ({"tools": [TOOL], "stream": True}, "unsupported_field"),
+        ({"functions": [{"name": "f"}]}, "unsupported_field"),
+    ],
+)  # fmt: skip
+def test_tools_where_the_model_takes_them(extra: dict[str, Any], code: str) -> None:
+    assert _refused_with_tools({**CHAT, **extra}).code == code
+
+
+def test_tool_messages_parse_where_the_model_takes_tools() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    body = {
+        "messages": [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+        "tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": True,
+    }  # fmt: skip
+    oa.check_fields(body, True, tools=True)
+    assert tools_of(body) == [TOOL]
+    assert tools_of({**body, "tool_choice": "none"}) is None
+    assert oa.messages_of(body, tools=True) == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+        ]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    for bad in ({"role": "tool", "content": "ok"}, {"role": "assistant", "tool_calls": [{}]}):
+        _refused_with_tools({"messages": [bad]})

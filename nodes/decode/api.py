@@ -18,6 +18,7 @@ from aiohttp import web
 from tandem.nodes.contract.http import SSE_DONE, ApiError, error_body, sse_encode
 from tandem.nodes.decode import openai_api as oa
 from tandem.nodes.decode.openai_api import Completion
+from tandem.nodes.decode.openai_tools import split_tool_calls, tools_of
 from tandem.nodes.decode.service import DecodeService, Finished, GenerationFailed
 from tandem.nodes.serve.errors import read_json_body
 
@@ -43,13 +44,14 @@ class DecodeApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
         body = await json_body(request)
-        oa.check_fields(body, chat=True)
-        messages = oa.messages_of(body)
+        oa.check_fields(body, chat=True, tools=s.supports_tools)
+        messages = oa.messages_of(body, tools=s.supports_tools)
+        tools = tools_of(body) if s.supports_tools else None
         sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=True)
         kv_format = s.kv_format_in(body)
-        tokens = await s.host.call(s.host.chat_tokens, messages)
+        tokens = await s.host.call(s.host.chat_tokens, messages, tools)
         context = s.spec.max_position_embeddings
-        req = oa.completion(body, tokens, sampling, True, context, kv_format)
+        req = oa.completion(body, tokens, sampling, True, context, kv_format, tools)
         return await self._respond(request, req)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -77,15 +79,26 @@ class DecodeApi:
                 async for item in items:
                     if isinstance(item, Finished):
                         gen = item.generation
+                        content, calls = self._tool_calls(req, "".join(text))
                         body = oa.reply(
-                            req, self.service.model_name, "".join(text), gen.finish_reason,
-                            gen.tokens, item.tandem, gen.logprobs,
+                            req, self.service.model_name, content, gen.finish_reason,
+                            gen.tokens, item.tandem, gen.logprobs, calls,
                         )  # fmt: skip
                         return web.json_response(body)
                     text.append(item)
         except GenerationFailed as e:
             raise ApiError(500, str(e), "generation_failed") from None
         raise AssertionError("a completion ends with Finished")  # pragma: no cover
+
+    def _tool_calls(self, req: Completion, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool calls) of a reply: the calls parsed out where the request gave
+        tools, by the model's own tool parser (mlx-lm's tokenizer)."""
+        if req.tools is None:
+            return text, []
+        tok = self.service.host.tokenizer
+        return split_tool_calls(
+            text, tok.tool_call_start, tok.tool_call_end, tok.tool_parser, req.tools
+        )
 
     async def _stream(self, request: web.Request, req: Completion) -> web.StreamResponse:
         model = self.service.model_name

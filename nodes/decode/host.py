@@ -86,9 +86,14 @@ class ModelHost:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.thread.call(fn, *args)
 
-    def chat_tokens(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of the chat-templated prompt, ready for the assistant's reply."""
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    def chat_tokens(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of the chat-templated prompt (with `tools` where given, as mlx-lm's server
+        passes them), ready for the assistant's reply."""
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), tools=tools, add_generation_prompt=True
+        )
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
     def encode(self, text: str) -> list[int]:

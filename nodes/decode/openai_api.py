@@ -22,6 +22,7 @@ from tandem.nodes.contract.http import (
     check_group_size,
     kv_format_of,
 )
+from tandem.nodes.decode.openai_tools import TOOL_FIELDS, assistant_calls, tool_message
 
 MAX_STOP = 4
 DEFAULT_MAX_TOKENS = 256
@@ -34,6 +35,7 @@ MAX_TOP_LOGPROBS = 20  # chat; a completion's `logprobs` takes at most 5
 NOT_ECHOED: dict[str, tuple[object, ...]] = {"echo": (None, False), "suffix": (None, ""),
                                              "best_of": (None, 1)}  # fmt: skip
 ROLES = frozenset({"system", "user", "assistant"})
+TOOL_ROLES = ROLES | {"tool"}  # where the model's chat template takes tools
 # OpenAI fields this node does not do: refused when present with a value that asks for them
 UNSUPPORTED = (
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
@@ -74,21 +76,30 @@ class Completion:
     stream: bool
     chat: bool
     kv_format: KVFormat | None = None  # how the KV crosses the wire (None: full precision)
+    tools: list[dict[str, Any]] | None = None  # given to the chat template; calls parsed back
 
 
-def messages_of(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    """A chat body's messages, as role/content pairs of strings (a content given as a list of
-    text parts is joined). Roles: system, user, assistant (tools are refused, so no tool)."""
+def messages_of(body: Mapping[str, Any], tools: bool = False) -> list[dict[str, Any]]:
+    """A chat body's messages, role/content pairs of strings (a list of text parts joined).
+    Roles: system, user, assistant; where the model takes `tools`, also tool messages and
+    assistant `tool_calls`."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list")
+    roles = TOOL_ROLES if tools else ROLES
     out = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, "each message needs a role and a content")
-        if m["role"] not in ROLES:
-            raise ApiError(400, f"message role must be one of {', '.join(sorted(ROLES))}")
-        out.append({"role": m["role"], "content": _content(m.get("content"))})
+        if m["role"] not in roles:
+            raise ApiError(400, f"message role must be one of {', '.join(sorted(roles))}")
+        if tools and m["role"] == "assistant" and m.get("tool_calls") is not None:
+            content = _content(m["content"]) if m.get("content") is not None else ""
+            out.append({"role": "assistant", "content": content, "tool_calls": assistant_calls(m)})
+        elif m["role"] == "tool":
+            out.append(tool_message(m, _content(m.get("content"))))
+        else:
+            out.append({"role": m["role"], "content": _content(m.get("content"))})
     return out
 
 
@@ -103,10 +114,13 @@ def _content(content: Any) -> str:
     raise ApiError(400, "message content must be a string or a list of text parts")
 
 
-def check_fields(body: Mapping[str, Any], chat: bool) -> None:
+def check_fields(body: Mapping[str, Any], chat: bool, tools: bool = False) -> None:
     """Refuse the fields this node does not do, and those of the wrong type it ignores
-    otherwise (`model`, `user`, `stream_options`, `response_format`)."""
+    otherwise (`model`, `user`, `stream_options`, `response_format`). `tools`: the model's
+    chat template takes tools, so a chat's tool fields are left to `openai_tools.tools_of`."""
     for name in UNSUPPORTED:
+        if tools and chat and name in TOOL_FIELDS:
+            continue
         if body.get(name) not in (None, False, [], "none"):
             raise ApiError(400, f"{name} is not supported by this node", "unsupported_field")
     if "model" in body and not isinstance(body["model"], str):
@@ -264,6 +278,7 @@ def completion(
     chat: bool,
     context: int,
     kv_format: KVFormat | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Completion:
     if not tokens:
         raise ApiError(400, "the prompt is empty after tokenization")
@@ -282,6 +297,7 @@ def completion(
         stream=body.get("stream") is True,
         chat=chat,
         kv_format=kv_format,
+        tools=tools,
     )
 
 
@@ -328,15 +344,20 @@ def text_chunk(req: Completion, model: str, text: str) -> dict[str, Any]:
 
 def reply(
     req: Completion, model: str, text: str, finish: str, n_tokens: int, extra: dict[str, Any],
-    logprobs: Sequence[TokenLogprob] = (),
+    logprobs: Sequence[TokenLogprob] = (), tool_calls: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """The whole (non-streamed) reply, with usage, the `tandem` object and, where the request
-    asked, each token's log-probability."""
+    asked, each token's log-probability. With `tool_calls` (`text`: what lies outside them)
+    a stop is finish_reason "tool_calls", as in mlx-lm's server."""
     lp = _logprobs_json(req, logprobs) if req.sampling.logprobs else None
     if req.chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            finish = "tool_calls" if finish == "stop" else finish
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": lp,
             "finish_reason": finish,
         }

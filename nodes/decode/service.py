@@ -198,6 +198,12 @@ class DecodeService:
         ttft = (result.first_token_at or time.perf_counter()) - t0
         yield Finished(result, self._tandem(req, info, result, ttft))
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model's tokenizer has tool calling (mlx-lm infers it from the chat
+        template): `tools` and the `tool` role are then taken, refused otherwise."""
+        return bool(getattr(self.host.tokenizer, "has_tool_calling", False))
+
     def kv_format_in(self, body: Any) -> KVFormat | None:
         """A completion body's KV format, this node's defaults filling what it leaves out;
         ApiError (400) for one it cannot serve."""
