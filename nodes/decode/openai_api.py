@@ -93,7 +93,7 @@ def messages_of(body: Mapping[str, Any], tools: bool = False) -> list[dict[str, 
             raise ApiError(400, "each message needs a role and a content")
         if m["role"] not in roles:
             raise ApiError(400, f"message role must be one of {', '.join(sorted(roles))}")
-        if tools and m["role"] == "assistant" and m.get("tool_calls") is not None:
+        if tools and m["role"] == "assistant" and m.get("tool_calls") not in (None, []):
             content = _content(m["content"]) if m.get("content") is not None else ""
             out.append({"role": "assistant", "content": content, "tool_calls": assistant_calls(m)})
         elif m["role"] == "tool":
