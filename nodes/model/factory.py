@@ -19,7 +19,6 @@ from typing import Literal
 import numpy as np
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.safetensors_format import RawTensor, encode, float_bytes
-from tandem.nodes.model.spec import FAMILIES, Family
 
 CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus.txt"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -28,17 +27,21 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHS: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 _ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # where it is not the arch's name
 
 
 @dataclass(frozen=True)
 class MakeModelArgs:
-    arch: Family = "llama"
+    arch: Arch = "llama"
     layers: int = 4
     hidden: int = 64
     heads: int = 4
@@ -50,25 +53,31 @@ class MakeModelArgs:
     shards: int = 1
     seed: int = 0
     rope_scaling: Literal["none", "llama3"] = "none"
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = False
+    rope_theta: float | None = None  # None: the family's (1e4; Gemma 3's global layers 1e6)
+    tie_embeddings: bool = False  # Gemma 3 ties always (mlx-lm ties where lm_head is absent)
     max_position_embeddings: int = 4096
     quantize: int | None = None  # bits: an MLX quantized checkpoint, through mlx-lm's converter
     group_size: int = 64
     recipe: str | None = None  # mlx-lm's mixed recipes, e.g. "mixed_3_6"
+    sliding_window: int = 8  # Gemma 3: positions a sliding layer attends to
+    sliding_window_pattern: int = 3  # Gemma 3: every pattern-th layer is global
+    rope_local_theta: float = 10000.0  # Gemma 3: the sliding layers' RoPE base
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
-    """Random weights in a fixed order, scaled so logits are well separated (no near-ties)."""
+    """Random weights in a fixed order, scaled so logits are well separated (no near-ties).
+    Gemma 3 norms scale by (1 + weight): theirs are the others' less one."""
     rng = np.random.default_rng(a.seed)
     h, inter = a.hidden, a.intermediate
     q_out, kv_out = a.heads * head_dim, a.kv_heads * head_dim
+    gemma = a.arch == "gemma3"
 
     def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
         return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale / cols**0.5)
 
     def norm(n: int) -> np.ndarray:
-        return 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+        w = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
+        return w - np.float32(1.0) if gemma else w
 
     yield "model.embed_tokens.weight", rng.standard_normal((a.vocab, h), dtype=np.float32)
     for i in range(a.layers):
@@ -81,17 +90,31 @@ def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]
             yield p + "self_attn.q_proj.bias", 0.1 * rng.standard_normal(q_out, dtype=np.float32)
             yield p + "self_attn.k_proj.bias", 0.1 * rng.standard_normal(kv_out, dtype=np.float32)
             yield p + "self_attn.v_proj.bias", 0.1 * rng.standard_normal(kv_out, dtype=np.float32)
-        if a.arch == "qwen3":
+        if a.arch in ("qwen3", "gemma3"):
             yield p + "self_attn.q_norm.weight", norm(head_dim)
             yield p + "self_attn.k_norm.weight", norm(head_dim)
         yield p + "self_attn.o_proj.weight", mat(h, q_out)
         yield p + "post_attention_layernorm.weight", norm(h)
+        if gemma:
+            yield p + "pre_feedforward_layernorm.weight", norm(h)
         yield p + "mlp.gate_proj.weight", mat(inter, h)
         yield p + "mlp.up_proj.weight", mat(inter, h)
         yield p + "mlp.down_proj.weight", mat(h, inter)
+        if gemma:
+            yield p + "post_feedforward_layernorm.weight", norm(h)
     yield "model.norm.weight", norm(h)
-    if not a.tie_embeddings:
+    if not _tied(a):
         yield "lm_head.weight", mat(a.vocab, h, scale=3.0)
+
+
+def _tied(a: MakeModelArgs) -> bool:
+    return a.tie_embeddings or a.arch == "gemma3"
+
+
+def _rope_theta(a: MakeModelArgs) -> float:
+    if a.rope_theta is not None:
+        return a.rope_theta
+    return 1_000_000.0 if a.arch == "gemma3" else 10000.0
 
 
 def _shard_of(name: str, a: MakeModelArgs) -> int:
@@ -103,7 +126,8 @@ def _shard_of(name: str, a: MakeModelArgs) -> int:
 
 
 def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, object]:
-    rope: dict[str, object] = {"rope_type": "default", "rope_theta": a.rope_theta}
+    theta = _rope_theta(a)
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": theta}
     scaling: dict[str, object] | None = None
     if a.rope_scaling == "llama3":
         scaling = {
@@ -113,10 +137,10 @@ def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, ob
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 1024,
         }
-        rope = {**scaling, "rope_theta": a.rope_theta}
+        rope = {**scaling, "rope_theta": theta}
     config: dict[str, object] = {
         "architectures": [_ARCH[a.arch]],
-        "model_type": a.arch,
+        "model_type": _MODEL_TYPE.get(a.arch, a.arch),
         "hidden_size": a.hidden,
         "intermediate_size": a.intermediate,
         "num_hidden_layers": a.layers,
@@ -127,9 +151,9 @@ def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, ob
         "rms_norm_eps": 1e-6,
         "vocab_size": a.vocab,
         "max_position_embeddings": a.max_position_embeddings,
-        "rope_theta": a.rope_theta,
+        "rope_theta": theta,
         "rope_parameters": rope,
-        "tie_word_embeddings": a.tie_embeddings,
+        "tie_word_embeddings": _tied(a),
         "torch_dtype": a.dtype,
         "bos_token_id": bos,
         "eos_token_id": eos,
@@ -145,7 +169,35 @@ def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, ob
         config["max_window_layers"] = a.layers
     if a.arch == "mistral":
         config["sliding_window"] = None
+    if a.arch == "gemma3":
+        config.update(_gemma3_config(a, head_dim, theta))
     return config
+
+
+def _gemma3_config(a: MakeModelArgs, head_dim: int, theta: float) -> dict[str, object]:
+    """Gemma 3's keys, in the forms both transformers 4 (top-level thetas) and 5 (per layer
+    type `rope_parameters`, `layer_types`) read; mlx-lm reads the top-level ones."""
+    pattern = a.sliding_window_pattern
+    kinds = [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(a.layers)
+    ]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_local_base_freq": a.rope_local_theta,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": a.rope_local_theta},
+        },
+        "rope_scaling": None,
+        "sliding_window": a.sliding_window,
+        "sliding_window_pattern": pattern,
+        "layer_types": kinds,
+        # not head_dim, so a scale of head_dim ** -0.5 would show (27B's is not either)
+        "query_pre_attn_scalar": 2 * head_dim,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+    }
 
 
 def _train_tokenizer(vocab: int) -> str:
@@ -196,8 +248,10 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
 
 def _check(args: MakeModelArgs) -> None:
     """Refuse arguments no float model can be made from (ModelError)."""
-    if args.arch not in FAMILIES:
-        raise ModelError(f"unsupported architecture {args.arch!r}; choose from {FAMILIES}")
+    if args.arch not in ARCHS:
+        raise ModelError(f"unsupported architecture {args.arch!r}; choose from {ARCHS}")
+    if args.arch == "gemma3" and (args.sliding_window < 1 or args.sliding_window_pattern < 1):
+        raise ModelError("--sliding-window and --sliding-window-pattern must be positive")
     if args.vocab < 300:
         raise ModelError("--vocab must be at least 300 (256 byte tokens plus merges and specials)")
     if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:

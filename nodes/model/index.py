@@ -100,6 +100,9 @@ def expected_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     if spec.qk_norm:
         shapes["self_attn.q_norm.weight"] = (hd,)
         shapes["self_attn.k_norm.weight"] = (hd,)
+    if spec.post_norms:  # Gemma 3: post_attention_layernorm norms the attention's output
+        shapes["pre_feedforward_layernorm.weight"] = (h,)
+        shapes["post_feedforward_layernorm.weight"] = (h,)
     return shapes
 
 

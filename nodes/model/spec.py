@@ -1,11 +1,12 @@
-"""Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3).
+"""Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
 
 A new family adds its `model_type` to `FAMILIES` (and `_ARCHITECTURES`), reads its own keys
 here, and says what each layer is (`LayerKind`); each side maps the type to its code in one
 registry line (`nodes/prefill/families`, `nodes/decode/families`).
 
 Config traps (DESIGN.md, "Facts"): `rope_theta` may stand at the top level or only inside
-`rope_parameters`; a missing `tie_word_embeddings` means different things per family.
+`rope_parameters`; a missing `tie_word_embeddings` means different things per family. Gemma 3's
+own keys (layer kinds, two RoPE thetas) are read in `gemma3_config.py`.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.gemma3_config import read_gemma3
 from tandem.nodes.model.quant import QuantConfig, parse_quantization
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 # What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
 # True instead (DESIGN.md trap), so the decode side must be told explicitly.
-_TIE_DEFAULT: dict[Family, bool] = dict.fromkeys(FAMILIES, False)
+_TIE_DEFAULT: dict[Family, bool] = {**dict.fromkeys(FAMILIES, False), "gemma3_text": True}
 _ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -103,6 +106,10 @@ class ModelSpec:
     bos_token_id: int | None
     quantization: QuantConfig = field(default_factory=lambda: QuantConfig(None, {}), hash=False)
     layer_kinds: tuple[LayerKind, ...] = ()  # one per layer; () reads as all "full"
+    rope_local_theta: float | None = None  # "sliding" layers' RoPE base (Gemma 3), unscaled
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: D
+    hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh": Gemma 3)
+    post_norms: bool = False  # four norms per layer: each branch's output normed too (Gemma 3)
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:  # today's families: every layer attends to every position
@@ -185,6 +192,27 @@ def _eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[int, .
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _gemma3_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The ModelSpec fields a Gemma 3 config sets otherwise than the dense families'."""
+    keys = read_gemma3(config, where)
+    return {
+        "layer_kinds": tuple(
+            LayerKind("sliding", keys.window) if sliding else FULL for sliding in keys.sliding
+        ),
+        "rope_theta": keys.rope_theta,
+        "rope_local_theta": keys.rope_local_theta,
+        # mlx-lm scales the global layers by the top-level key only
+        "rope_scaling": _rope_scaling({"rope_scaling": config.get("rope_scaling")}, where),
+        "head_dim": keys.head_dim,
+        "num_kv_heads": keys.num_kv_heads,
+        "query_pre_attn_scalar": keys.query_pre_attn_scalar,
+        "hidden_act": keys.hidden_act,
+        "max_position_embeddings": int(config.get("max_position_embeddings") or 32768),
+        "qk_norm": True,
+        "post_norms": True,
+    }
+
+
 def load_spec(model_dir: str | Path) -> ModelSpec:
     """Read `config.json` (and `generation_config.json` if present) into a ModelSpec."""
     path = Path(model_dir)
@@ -195,10 +223,11 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     gen_path = path / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.exists() else {}
     family = _family(config, where)
+    extra = _gemma3_fields(config, where) if family == "gemma3_text" else {}
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
-        spec = ModelSpec(
+        fields: dict[str, Any] = dict(
             path=path,
             name=path.name,
             family=family,
@@ -210,7 +239,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(config),
+            rope_theta=extra["rope_theta"] if extra else _rope_theta(config),
             rope_scaling=_rope_scaling(config, where),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[family])),
             attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
@@ -221,6 +250,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             bos_token_id=config.get("bos_token_id"),
             quantization=parse_quantization(config, str(where)),
         )
+        spec = ModelSpec(**{**fields, **extra})
     except KeyError as e:
         raise ModelError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
