@@ -43,10 +43,14 @@ def attention_part(
     rope: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
     with_o: bool = True,
+    window: int | None = None,
+    post_norm: torch.Tensor | None = None,
 ) -> None:
     """Attention over KV heads [kv_lo, kv_hi): writes their K/V; `with_o` (all heads, o_proj
     among w) adds o_proj of the output into h, else keeps the heads' output in `state.out`
-    for the o parts (`out_rows_part`)."""
+    for the o parts (`out_rows_part`). `window`: a sliding layer's, each query attending to
+    that many positions up to its own; `post_norm`: the weight of an RMSNorm of o_proj's
+    output before it joins h (Gemma 3). The scale is `attention_scale(spec)`."""
     T, D = h.shape[0], spec.head_dim
     if first:
         state.x_norm = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
@@ -57,18 +61,29 @@ def attention_part(
     q, k, v = _qkv(spec, x, w, kv_hi - kv_lo)
     _rope_into(state, q, k, v, kv_lo, start, rope, chunk)
     rep = spec.num_heads // spec.num_kv_heads
-    # all queries at once where a fused kernel keeps attention memory linear; elsewhere
-    # query chunks bound the score matrix
-    q_chunk = T if fused_attention(h.device.type, h.element_size(), D) else chunk
+    # all queries at once where a fused kernel keeps attention memory linear; elsewhere, and
+    # in a window (whose band would be a [T, S] mask), query chunks bound the score matrix
+    fused = fused_attention(h.device.type, h.element_size(), D) and window is None
+    q_chunk = T if fused else chunk
+    scale = attention_scale(spec)
     for c0 in range(0, T, q_chunk):
         c1 = min(T, c0 + q_chunk)
-        heads = _attend(q, state, kv_lo, kv_hi, start, c0, c1)  # [c, nq, D], a view
-        if with_o:  # o_proj: the last weight asked for (see dequant)
+        heads = _attend(q, state, kv_lo, kv_hi, start, c0, c1, scale, window)  # [c, nq, D]
+        if with_o and post_norm is None:  # o_proj: the last weight asked for (see dequant)
             h[c0:c1].addmm_(heads.reshape(c1 - c0, -1), w["self_attn.o_proj.weight"].t())
+        elif with_o:
+            r = heads.reshape(c1 - c0, -1) @ w["self_attn.o_proj.weight"].t()  # [c, H]
+            h[c0:c1] += rms_norm(r, post_norm, spec.rms_norm_eps)
         else:
             assert state.out is not None
             kept = state.out[c0:c1, kv_lo * rep * D : kv_hi * rep * D]
             kept.view(heads.shape).copy_(heads)
+
+
+def attention_scale(spec: ModelSpec) -> float:
+    """Scores' scale: 1/sqrt(head_dim), or Gemma's 1/sqrt(query_pre_attn_scalar)."""
+    scalar = spec.query_pre_attn_scalar
+    return (scalar if scalar is not None else spec.head_dim) ** -0.5
 
 
 def _qkv(
@@ -107,27 +122,43 @@ def _rope_into(
 
 
 def _attend(
-    q: torch.Tensor, state: LayerState, kv_lo: int, kv_hi: int, start: int, c0: int, c1: int
-) -> torch.Tensor:
+    q: torch.Tensor, state: LayerState, kv_lo: int, kv_hi: int, start: int, c0: int, c1: int,
+    scale: float | None = None, window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of queries c0..c1-1 (positions start + c0..) over heads kv_lo..'s keys
-    up to the chunk's last query: [c, nq, D], a view."""
+    up to the chunk's last query: [c, nq, D], a view. With a `window`, each query attends to
+    the `window` positions up to its own: the keys from the first query's window on, under
+    a band mask of this chunk only ([c, c + window - 1] at most)."""
     D = q.shape[-1]
     s_end = start + c1  # keys beyond the chunk's last query are masked anyway
-    # no explicit boolean mask (it rules the fused kernels out): plain causal where the
-    # queries start at position 0, else causal aligned to the last key (lower right)
-    if start + c0 == 0:
-        causal: dict[str, object] = {"is_causal": True}
+    s_lo = 0 if window is None else max(0, start + c0 - window + 1)
+    # no explicit boolean mask (it rules the fused kernels out) where causal is enough:
+    # plain causal where the queries start at position 0, else causal aligned to the last
+    # key (lower right); a window that leaves out keys takes the band
+    if window is not None and s_end > window:
+        causal: dict[str, object] = {"attn_mask": _band(start + c0, start + c1, s_lo, window,
+                                                        q.device)}  # fmt: skip
+    elif start + c0 == 0:
+        causal = {"is_causal": True}
     else:
         causal = {"attn_mask": _causal_lower_right()(c1 - c0, s_end)}
     out = F.scaled_dot_product_attention(
         q[None, :, c0:c1],
-        state.k[:, kv_lo:kv_hi, :s_end],
-        state.v[:, kv_lo:kv_hi, :s_end],
-        scale=D**-0.5,
+        state.k[:, kv_lo:kv_hi, s_lo:s_end],
+        state.v[:, kv_lo:kv_hi, s_lo:s_end],
+        scale=D**-0.5 if scale is None else scale,
         enable_gqa=True,
         **causal,  # type: ignore[arg-type]
     )  # [1, nq, c, D]
     return out[0].transpose(0, 1)
+
+
+def _band(q_lo: int, q_hi: int, k_lo: int, window: int, device: torch.device) -> torch.Tensor:
+    """Which keys k_lo..q_hi-1 each query q_lo..q_hi-1 attends to in a sliding window:
+    q - window < k <= q (as mlx-lm's `create_causal_mask`). [q_hi - q_lo, q_hi - k_lo] bool."""
+    q = torch.arange(q_lo, q_hi, device=device)[:, None]
+    k = torch.arange(k_lo, q_hi, device=device)[None]
+    return (k <= q) & (k > q - window)
 
 
 def mlp_part(
@@ -140,12 +171,16 @@ def mlp_part(
     lo: int = 0,
     hi: int | None = None,
     with_down: bool = True,
+    norm: str = "post_attention_layernorm.weight",
+    post_norm: torch.Tensor | None = None,
 ) -> None:
     """SwiGLU over intermediate features [lo, hi), in token chunks: `with_down` (all of them,
     down_proj among w) adds down_proj of the activation into h, else keeps the activation's
-    columns in `state.out` for the down parts (`out_rows_part`)."""
+    columns in `state.out` for the down parts (`out_rows_part`). `norm`: the input norm's
+    weight in w; a `gelu_pytorch_tanh` spec gates with GELU-tanh (Gemma 3), whose
+    `post_norm` weight norms down_proj's output before it joins h."""
     if first:
-        state.x_norm = rms_norm(h, w["post_attention_layernorm.weight"], spec.rms_norm_eps)
+        state.x_norm = rms_norm(h, w[norm], spec.rms_norm_eps)
         if not with_down:
             T, inter = h.shape[0], spec.intermediate_size
             state.out = torch.empty(T, inter, dtype=h.dtype, device=h.device)
@@ -155,14 +190,25 @@ def mlp_part(
     for c0 in range(0, h.shape[0], chunk):
         xc = x[c0 : c0 + chunk]  # [c, H]
         # each weight asked for right before its use: a quantized one may share its scratch
-        gate = F.silu(F.linear(xc, w["mlp.gate_proj.weight"]), inplace=True)
+        gate = _gate(spec, F.linear(xc, w["mlp.gate_proj.weight"]))
         up = F.linear(xc, w["mlp.up_proj.weight"])  # [c, hi - lo]
-        if with_down:
+        if with_down and post_norm is None:
             act = gate.mul_(up)
             h[c0 : c0 + chunk].addmm_(act, w["mlp.down_proj.weight"].t())
+        elif with_down:
+            r = gate.mul_(up) @ w["mlp.down_proj.weight"].t()  # [c, H]
+            h[c0 : c0 + chunk] += rms_norm(r, post_norm, spec.rms_norm_eps)
         else:
             assert state.out is not None
             torch.mul(gate, up, out=state.out[c0 : c0 + chunk, lo:hi])
+
+
+def _gate(spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
+    """The gate's activation, in place where it can be: SiLU, or GELU-tanh (mlx-lm's
+    `gelu_approx`) for `gelu_pytorch_tanh`."""
+    if spec.hidden_act == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x, inplace=True)
 
 
 def out_rows_part(
@@ -248,9 +294,18 @@ def activation_bytes(
     else:
         scores = 2 * nq * c * S * itemsize
         attn = qkv + max(rope, scores + c * (nq * D + H) * itemsize)
+    windows = [k.window for k in spec.layer_kinds if k.window is not None]
+    if windows:  # sliding layers: their rope tables, query chunks over the band and its mask
+        base += 2 * T * D * 4
+        keys = min(S, c + max(windows) - 1)
+        attn = max(attn, qkv + max(rope, (2 * nq * itemsize + 1) * c * keys + c * (nq * D + H)
+                                   * itemsize))  # fmt: skip
     if cuda:
         base += kv  # the previous layer's K/V until its copy to the host is done
     mlp = c * (3 * spec.intermediate_size + H) * itemsize
+    if spec.post_norms:  # a branch's output [c, H] and its float32 norm; cut: kept [T, H]
+        base += T * H * itemsize if cut_ops else 0
+        attn, mlp = attn + 3 * c * H * 4, mlp + 3 * c * H * 4
     total = base + max(attn, mlp)
     if cuda:
         return int(total * CUDA_SLACK[0]) + CUDA_SLACK[1]

@@ -248,6 +248,7 @@ class PrefillEngine:
             h = self.embed(tokens)
             rope = rope_tables(self._freqs, start, len(tokens), self.device)
             p = Pass(self.index, start, self.chunk_tokens, rope, self._scratch, self.dtype)
+            p = family.begin(p, h)  # its embedding scale, its other layer kinds' RoPE
             state: LayerState | None = None
             for load, views in run:
                 i = load.layer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.families.base import Pass, PrefillFamily
+from tandem.nodes.prefill.families.gemma3 import Gemma3Family
 from tandem.nodes.prefill.families.llama import DenseFamily
 
 FAMILIES: dict[str, PrefillFamily] = {
@@ -16,6 +17,7 @@ FAMILIES: dict[str, PrefillFamily] = {
     "mistral": DenseFamily(),
     "qwen2": DenseFamily(),
     "qwen3": DenseFamily(),
+    "gemma3_text": Gemma3Family(),
 }
 
 __all__ = ["FAMILIES", "Pass", "PrefillFamily", "family_for"]

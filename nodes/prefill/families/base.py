@@ -6,6 +6,8 @@ we; its decode side is `nodes/decode/families/`). It does three jobs, per layer:
 - `layer_groups`: what the layer's loads are: its weights as `Part`s (`loads.py`), grouped
   into loads that each fit a slot of `max_bytes` (the planner, `plan.py`, asks for the
   coarsest split that fits, and places the loads in the ring or the resident set);
+- `begin`: the pass as the family computes it, once the prompt's rows are embedded (Gemma 3
+  scales them, and adds its sliding layers' RoPE tables);
 - `new_state` and `compute`: the layer's working state, and one part computed over it (the
   engine hands the parts over in load order, each part's weights as views into its slot);
 - `handover`: what the layer hands the decode node once its attention is done, by the
@@ -23,8 +25,8 @@ which the families that have them override.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from tandem.nodes.model.index import ModelIndex
@@ -47,10 +49,16 @@ class Pass:
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, D] of the new positions
     scratch: torch.Tensor  # uint8 device bytes a quantized part dequantizes into
     dtype: torch.dtype  # the compute dtype
+    # cos, sin [T, D] by layer kind where a kind's differ from `rope` (Gemma 3's "sliding")
+    ropes: Mapping[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def spec(self) -> ModelSpec:
         return self.index.spec
+
+    def rope_of(self, kind: LayerKind) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables of a layer of `kind`."""
+        return self.ropes.get(kind.kind, self.rope)
 
 
 class PrefillFamily:
@@ -66,6 +74,11 @@ class PrefillFamily:
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         """The layer's parts uncut, as one load (a resident layer, or a budget that holds it)."""
         raise NotImplementedError
+
+    def begin(self, p: Pass, h: torch.Tensor) -> Pass:
+        """The pass as this family computes it, given the prompt's embedded rows h [T, H]
+        (which it may scale in place): the dense families' as it is."""
+        return p
 
     def routed(self, index: ModelIndex, layer: int) -> Sequence[Part]:
         """Parts loaded only when routed to (a mixture of experts); none here."""
