@@ -223,3 +223,19 @@ def test_made_model_matches_transformers(gemma3_dir: Path, mlx_model: Any) -> No
     with torch.inference_mode():
         theirs = hf(torch.tensor([tokens])).logits[0].numpy()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
+
+
+def test_quantized_matches_mlx_lm(
+    tiny_model: MakeTiny, open_engine: Callable[..., PrefillEngine]
+) -> None:
+    """An MLX 4-bit checkpoint (embedding included: scaled after its rows are dequantized),
+    below one layer's bytes."""
+    pytest.importorskip("mlx_lm")
+    import mlx_lm
+
+    model_dir = tiny_model(**gemma3_args(intermediate=128, quantize=4))
+    model, _ = mlx_lm.load(str(model_dir))
+    tokens = prompt(LONG)
+    engine = open_engine(model_dir, budget=half_layer(load_index(model_dir)))
+    assert engine.spec.quantization.quantized and engine.plan.granularity == "slice"
+    assert_matches(list(engine.prefill(tokens)), mlx_prefill(model, tokens))
