@@ -214,3 +214,17 @@ def test_generation_config_eos_ids(tiny_model: MakeTiny) -> None:
     assert load_spec(model).eos_token_ids == (im_end, eot)
     _, mlx_tokenizer = mlx_lm.load(str(model))
     assert set(mlx_tokenizer.eos_token_ids) == {im_end, eot}
+
+
+def test_make_model_command_writes_gemma3(tmp_path: Path) -> None:
+    from tandem.app.cli.main import main
+
+    args = ["--sliding-window", "16", "--sliding-window-pattern", "2", "--layers", "4"]
+    assert main(["make-model", str(tmp_path / "g"), "--arch", "gemma3", *args]) == 0
+    spec = load_spec(tmp_path / "g")
+    assert spec.family == "gemma3_text"
+    assert [k.kind for k in spec.layer_kinds] == ["sliding", "full"] * 2
+    assert {k.window for k in spec.layer_kinds if k.kind == "sliding"} == {16}
+    llama = tmp_path / "l"
+    assert main(["make-model", str(llama)]) == 0
+    assert json.loads((llama / "config.json").read_text())["rope_theta"] == 10000.0

@@ -12,7 +12,9 @@ log = logging.getLogger("tandem")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a tiny random-weight HF-format model")
     p.add_argument("dir", type=Path)
-    p.add_argument("--arch", choices=["llama", "qwen3", "qwen2", "mistral"], default="llama")
+    p.add_argument(
+        "--arch", choices=["llama", "qwen3", "qwen2", "mistral", "gemma3"], default="llama"
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -24,7 +26,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
-    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument(
+        "--rope-theta", type=float, default=None,
+        help="RoPE base (default: the family's: 1e4; Gemma 3's global layers 1e6)",
+    )  # fmt: skip
+    p.add_argument("--sliding-window", type=int, default=8, help="gemma3: a sliding layer's window")
+    p.add_argument(
+        "--sliding-window-pattern", type=int, default=3,
+        help="gemma3: every pattern-th layer attends to every position",
+    )  # fmt: skip
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument(
         "--quantize", type=int, default=None, metavar="BITS",
@@ -53,6 +63,8 @@ def run(a: argparse.Namespace) -> int:
         seed=a.seed,
         rope_scaling=a.rope_scaling,
         rope_theta=a.rope_theta,
+        sliding_window=a.sliding_window,
+        sliding_window_pattern=a.sliding_window_pattern,
         tie_embeddings=a.tie_embeddings,
         quantize=a.quantize,
         group_size=a.group_size,

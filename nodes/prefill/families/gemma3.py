@@ -27,9 +27,8 @@ import torch
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
 from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part
-from tandem.nodes.prefill.dequant import DequantizedWeights
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
-from tandem.nodes.prefill.families.llama import DenseFamily
+from tandem.nodes.prefill.families.llama import DenseFamily, dequantized
 from tandem.nodes.prefill.loads import Part, Piece, slot_size
 from tandem.nodes.prefill.rope import inv_freq, rms_norm, rope_tables
 
@@ -88,7 +87,7 @@ class Gemma3Family(DenseFamily):
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
     ) -> bool:
         spec, kind = p.spec, p.spec.layer_kinds[part.layer]
-        w = _OnePlusNorms(_dequantized(p, part, weights))
+        w = _OnePlusNorms(dequantized(p, part, weights))
         if part.op in ("o", "down"):
             assert isinstance(state, Gemma3State)
             if part.first:
@@ -141,14 +140,6 @@ def _with_norms(index: ModelIndex, parts: list[Part]) -> list[Part]:
             pieces.append(Piece(POST_FF, t[POST_FF]))
         out.append(dataclasses.replace(part, pieces=tuple(pieces)))
     return out
-
-
-def _dequantized(p: Pass, part: Part, w: Weights) -> Mapping[str, torch.Tensor]:
-    """The part's weights, each quantized matrix dequantized into the scratch on use."""
-    if not p.index.quantized:
-        return w
-    return DequantizedWeights(w, lambda module: p.index.quant(part.layer, module), p.scratch,
-                              p.dtype)  # fmt: skip
 
 
 class _OnePlusNorms(Mapping[str, torch.Tensor]):

@@ -39,7 +39,7 @@ class DenseFamily(PrefillFamily):
         if part.op in ("o", "down"):
             _out_rows(p, part, weights, h, state)
             return False
-        w = _dequantized(p, part, weights)
+        w = dequantized(p, part, weights)
         if part.op in ("attn", "qkv"):
             attention_part(
                 p.spec, h, state, w, part.lo, part.hi, part.first, p.start, p.rope, p.chunk,
@@ -75,7 +75,7 @@ def _out_rows(
         out_rows_part(h, state, wq, part.lo + a, part.lo + b, last, p.chunk)
 
 
-def _dequantized(p: Pass, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+def dequantized(p: Pass, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """The part's weights, each quantized matrix dequantized into the scratch on use."""
     if not p.index.quantized:
         return w
