@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
 import secrets
 import statistics
@@ -254,5 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DemoError, RuntimeError, TimeoutError, aiohttp.ClientError) as e:
         print(f"tandem bench e2e: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result) if a.json else table(result))
+    if a.json:  # strict JSON: a rate with nothing measured (inf, nan) is null
+        clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None
+                 for k, v in result.items()}  # fmt: skip
+        print(json.dumps(clean, allow_nan=False))
+    else:
+        print(table(result))
     return 0
