@@ -5,6 +5,7 @@ give non-finite logits answers an error, never a 200 with empty text."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,8 @@ PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64]  # token ids: no template betwe
 
 @pytest.fixture(scope="module")
 def nodes(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """(model dir, a node serving it, a node serving a copy whose last 4000 bytes are 0xff)."""
+    """(model dir, a node serving it, a node serving a copy whose last 4000 bytes are 0xff
+    and whose tokenizer has no chat template, as a base model's)."""
     model = tiny_model()
     tmp = tmp_path_factory.mktemp("openai-fields")
     broken = tmp / "broken"
@@ -33,6 +35,10 @@ def nodes(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with open(broken / "model.safetensors", "r+b") as f:
         f.seek(-4000, 2)
         f.write(b"\xff" * 4000)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (broken / "tokenizer_config.json").write_text(json.dumps(config))
+    (broken / "chat_template.jinja").unlink(missing_ok=True)
     args = ("--remote-prefill", "never")
     good = start_node(tmp, model, "decode", *args, token=TOKEN, wait=False)
     bad = start_node(tmp, broken, "decode", *args, token=TOKEN, wait=False)
@@ -131,13 +137,20 @@ def test_what_the_node_does_not_do_is_a_400_naming_it(nodes: Any, extra: dict[st
 
 def test_non_finite_logits_are_an_error_not_an_empty_answer(nodes: Any) -> None:
     _, _, bad = nodes
-    messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.InternalServerError) as e:
-        _client(bad).chat.completions.create(model="m", messages=messages, max_tokens=4)
+        _client(bad).completions.create(model="m", prompt=PROMPT, max_tokens=4)
     assert "non-finite" in e.value.message
-    stream = _client(bad).chat.completions.create(
-        model="m", messages=messages, max_tokens=4, stream=True
-    )
+    stream = _client(bad).completions.create(model="m", prompt=PROMPT, max_tokens=4, stream=True)
     with pytest.raises(openai.APIError, match="non-finite"):
         for _ in stream:
             pass
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_clear_400(nodes: Any) -> None:
+    _, _, base = nodes
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(base).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+    assert e.value.code == "no_chat_template"
+    assert "/v1/completions" in e.value.message

@@ -44,6 +44,9 @@ class DecodeApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
         body = await json_body(request)
+        if not s.host.has_chat_template:
+            raise ApiError(400, "this model has no chat template (a base model): send a prompt "
+                           "to /v1/completions instead", "no_chat_template")  # fmt: skip
         oa.check_fields(body, chat=True, tools=s.supports_tools)
         messages = oa.messages_of(body, tools=s.supports_tools)
         tools = tools_of(body) if s.supports_tools else None

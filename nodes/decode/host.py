@@ -86,6 +86,11 @@ class ModelHost:
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         return await self.thread.call(fn, *args)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template (a base model has none)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def chat_tokens(
         self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
