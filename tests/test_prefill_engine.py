@@ -383,6 +383,7 @@ def overlaps(events: list[LayerEvent], streamed_layers: list[int]) -> tuple[int,
     return hits, pairs
 
 
+@pytest.mark.serial  # the loader thread must get a core while compute runs: not beside a worker
 @pytest.mark.parametrize("layers_in_budget", [4, 2])
 def test_loads_overlap_compute(
     layers_in_budget: int, llama_dir: Path, open_engine: Callable[..., PrefillEngine]
