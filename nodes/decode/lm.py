@@ -108,7 +108,8 @@ def quantize_when_due(caches: Caches, kv_format: KVFormat | None) -> None:
 
 
 def append(cache: Any, k: mx.array, v: mx.array) -> None:
-    """Append float K, V [1, n_kv, count, D] to a full-attention float cache."""
+    """Append float K, V [1, n_kv, count, D] to a float cache (full, or a sliding window's:
+    one update, as mlx-lm's prefill makes it)."""
     cache.update_and_fetch(k, v)
 
 

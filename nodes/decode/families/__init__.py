@@ -8,6 +8,7 @@ family: full-attention layers filled, the last token's step run whole.
 from __future__ import annotations
 
 from tandem.nodes.decode.families.base import DecodeFamily
+from tandem.nodes.decode.families.gemma3 import Gemma3Family
 from tandem.nodes.decode.families.llama import DenseFamily
 
 FAMILIES: dict[str, DecodeFamily] = {
@@ -15,6 +16,7 @@ FAMILIES: dict[str, DecodeFamily] = {
     "mistral": DenseFamily(),
     "qwen2": DenseFamily(),
     "qwen3": DenseFamily(),
+    "gemma3_text": Gemma3Family(),
 }
 
 
