@@ -23,7 +23,7 @@ demo: $(STAMP)
 # that time themselves against the machine, alone.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=12
 	$(BIN)/python -m pytest -q -m serial
 
 lint: $(STAMP)
