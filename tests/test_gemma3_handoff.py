@@ -49,3 +49,12 @@ def test_streamed_and_completions_equal_mlx(cluster: Cluster) -> None:
     assert reply.choices[0].text == generate(
         cluster.mlx_model, cluster.tokenizer, words, max_tokens=12
     )
+
+
+def test_quantized_kv_is_refused_for_windowed_layers(cluster: Cluster) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(cluster.client(), PROMPTS[0], extra_body={"tandem": {"kv_bits": 8}})
+    assert e.value.code == "unsupported_field"
+    assert "sliding-window" in e.value.message

@@ -97,6 +97,12 @@ class DecodeService:
         self.max_tokens_limit = max_tokens_limit
         self.remote_timeout_s = remote_timeout_s
         self.expect = expect
+        # a model with sliding-window layers keeps float K/V: mlx-lm cannot quantize a
+        # RotatingKVCache (issue 35: quantizing its global layers alone is the next step)
+        self.windowed = any(kind.kind != "full" for kind in spec.layer_kinds)
+        if self.windowed and kv_format is not None:
+            log.warning("--kv-bits ignored: %s has sliding-window layers (float K/V)", spec.name)
+            kv_format = None
         self.kv_format = kv_format  # the default of requests that do not say
         # a request's bits without a group size take the node's (its own bits may be 16)
         self.kv_group_size = kv_group_size
@@ -207,6 +213,10 @@ class DecodeService:
     def kv_format_in(self, body: Any) -> KVFormat | None:
         """A completion body's KV format, this node's defaults filling what it leaves out;
         ApiError (400) for one it cannot serve."""
+        asked = body.get("tandem") if isinstance(body, dict) else None
+        if self.windowed and isinstance(asked, dict) and asked.get("kv_bits") not in (None, 0, 16):
+            raise ApiError(400, "tandem: kv_bits is not available for this model yet: its "
+                           "sliding-window layers keep float K/V", "unsupported_field")  # fmt: skip
         return kv_format_in(body, self.kv_format, self.kv_kernel, self.spec.head_dim,
                             self.kv_group_size)  # fmt: skip
 
@@ -234,7 +244,10 @@ class DecodeService:
         and a fresh pass of the `last` token over them. A local prefill then runs as mlx-lm's
         would, on float K/V, quantizing after the prompt."""
         caches[:] = before
-        lm.trim_to(caches, k)
+        if k == 0:  # nothing to keep: fresh caches (a window's cannot be trimmed once full)
+            caches[:] = self.host.new_cache()
+        else:
+            lm.trim_to(caches, k)
         return self.family.stepper(self.host.model, last, caches)
 
     async def _prefill(self, req: Completion) -> tuple[lm.Caches, PrefillInfo]:
