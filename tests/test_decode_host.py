@@ -53,7 +53,7 @@ def test_first_token_comes_before_the_second_is_computed(host: ModelHost) -> Non
     sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
 
     def first_offset() -> int:
-        tokens = lm.token_steps(host.model, mx.array(prompt), cache, sampler, 5)
+        tokens = lm.steps(host.model, mx.array(prompt), cache, sampler, 5)
         next(tokens)
         offset = cache[0].offset
         tokens.close()

@@ -144,7 +144,7 @@ class ModelHost:
         After a remote prefill `prompt` is just `[t_{n-1}]`, or empty with `first`: that
         token's pass already ran, a layer at a time as the cache filled. Token for token and
         text for text this is mlx-lm's own `stream_generate`, except that the first token is
-        handed out as soon as it is sampled (`lm.token_steps`)."""
+        handed out as soon as it is sampled (`lm.steps`)."""
         if params.seed is not None:
             mx.random.seed(params.seed)
         sample = lm.sampler(params.temperature, params.top_p)

@@ -223,20 +223,6 @@ def logits_processors(
     )
 
 
-def token_steps(
-    model: Any,
-    prompt: mx.array,
-    caches: Caches,
-    sample: Sampler,
-    max_tokens: int,
-    kv_format: KVFormat | None = None,
-    first_logits: mx.array | None = None,
-) -> Iterator[int]:
-    """`steps`' token ids."""
-    for step in steps(model, prompt, caches, sample, max_tokens, kv_format, first_logits):
-        yield step.token
-
-
 def steps(
     model: Any,
     prompt: mx.array,

@@ -65,6 +65,7 @@ class PrefillFamily:
     """A family's prefill side: the interface, and the parts every family shares."""
 
     name = "base"
+    State: type[LayerState] = LayerState  # what `new_state` makes (a family may extend it)
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         """The coarsest split of `layer` into loads of at most `max_bytes` each (a load's
@@ -105,7 +106,7 @@ class PrefillFamily:
                 raise PrefillError(f"prefix K of layer {layer} has shape {tuple(pk.shape)}")
             k[:, :, : p.start] = pk.to(device, p.dtype)
             v[:, :, : p.start] = pv.to(device, p.dtype)
-        return LayerState(k, v)
+        return self.State(k, v)
 
     def compute(
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState

@@ -44,6 +44,7 @@ class Gemma3State(LayerState):
 
 class Gemma3Family(DenseFamily):
     name = "gemma3"
+    State = Gemma3State
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         """The dense cuts with room for the two norms they lack, as much as they take."""
@@ -71,17 +72,6 @@ class Gemma3Family(DenseFamily):
         local = dataclasses.replace(spec, rope_theta=spec.rope_local_theta, rope_scaling=None)
         tables = rope_tables(inv_freq(local), p.start, h.shape[0], h.device)
         return dataclasses.replace(p, ropes={"sliding": tables})
-
-    def new_state(
-        self,
-        p: Pass,
-        kind: LayerKind,
-        layer: int,
-        count: int,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> LayerState:
-        state = super().new_state(p, kind, layer, count, prefix)
-        return Gemma3State(state.k, state.v)
 
     def compute(
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
