@@ -21,6 +21,7 @@ from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.handover import LayerKV
 
 from tests.conftest import MakeTiny
+from tests.test_prefill_engine import greedy
 
 WINDOW = 8
 CHUNK = 7  # tokens: query chunks that start and end inside a window
@@ -161,18 +162,7 @@ def test_decode_continues_from_our_kv(
     """mlx-lm's own caches (rotating on sliding layers) filled with our K/V, one call as a
     prefill fills them, give mlx-lm's greedy tokens."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-    def greedy(tokens: Sequence[int], cache: list[Any] | None = None) -> list[int]:
-        steps = generate_step(
-            mx.array(list(tokens)),
-            mlx_model,
-            max_tokens=STEPS,
-            sampler=lambda x: mx.argmax(x, axis=-1),
-            prompt_cache=cache,
-        )
-        return [int(token) for token, _ in steps]
 
     tokens = prompt(LONG)
     engine = open_engine(gemma3_dir, budget=half_layer(load_index(gemma3_dir)))
@@ -181,7 +171,7 @@ def test_decode_continues_from_our_kv(
         cache = KVCache() if kind.window is None else RotatingKVCache(max_size=kind.window)
         cache.update_and_fetch(mx.array(layer.k.numpy()), mx.array(layer.v.numpy()))
         caches.append(cache)
-    assert greedy(tokens[-1:], caches) == greedy(tokens)
+    assert greedy(mlx_model, tokens[-1:], caches, STEPS) == greedy(mlx_model, tokens, None, STEPS)
 
 
 def test_sliding_attention_masks_one_chunk_at_a_time(

@@ -112,14 +112,17 @@ def mlx_prefill(model: Any, tokens: Sequence[int]) -> list[Any]:
     return cache
 
 
-def greedy(model: Any, prompt_tokens: Sequence[int], cache: list[Any] | None = None) -> list[int]:
+def greedy(
+    model: Any, prompt_tokens: Sequence[int], cache: list[Any] | None = None, n: int = STEPS
+) -> list[int]:
+    """mlx-lm's own greedy tokens (`n` of them) after `prompt_tokens` and `cache`."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     steps = generate_step(
         mx.array(list(prompt_tokens)),
         model,
-        max_tokens=STEPS,
+        max_tokens=n,
         sampler=lambda logits: mx.argmax(logits, axis=-1),
         prompt_cache=cache,
     )
