@@ -112,6 +112,7 @@ def test_host_tier_reads_less_from_disk(tiny_model) -> None:
         engine.close()
 
 
+@pytest.mark.serial  # rates at the receiver: a starved decode node reads buffered frames at once
 def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
     from tandem.app.cli.bench_e2e import main
 
@@ -130,6 +131,7 @@ def test_bench_e2e_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
     assert r["decode_tok_s"] > 0 and r["mlx_decode_tok_s"] > 0
 
 
+@pytest.mark.serial  # rates at the receiver: a starved decode node reads buffered frames at once
 def test_bench_e2e_over_tls_takes_a_bare_tls_stream_beside_the_plain_one(
     tiny_model, capsys: pytest.CaptureFixture[str]
 ) -> None:
