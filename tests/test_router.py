@@ -5,50 +5,52 @@ from __future__ import annotations
 from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.decode.remote import RemoteResult
 from tandem.nodes.decode.router import LocalRate, choose, predict_remote_s
+from tandem.nodes.model.kv_bytes import KVBytes
 
 GPU = Peer(address="http://gpu:8470", trusted=True, reason=None, roles=("prefill",),
            prefill_tok_s=4000.0, link_Bps=1.25e9, prefill_floor_s=2.0)  # fmt: skip
 MAC = LocalRate(tok_s=500.0, floor_s=0.05)  # a 70B-class model: one step ~50 ms
 KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-8B-like: 131 KB per token
+KV = KVBytes((KV_PER_TOKEN // 32,) * 32, (None,) * 32)
 
 
 def test_short_prompt_stays_local() -> None:
-    d = choose("auto", 5, KV_PER_TOKEN, 32, local=MAC, peers=[GPU])
+    d = choose("auto", 5, KV, local=MAC, peers=[GPU])
     assert d.where == "local"
     assert d.local_s is not None and d.remote_s is not None and d.local_s < d.remote_s
 
 
 def test_long_prompt_goes_remote() -> None:
-    d = choose("auto", 8000, KV_PER_TOKEN, 32, local=MAC, peers=[GPU])
+    d = choose("auto", 8000, KV, local=MAC, peers=[GPU])
     assert d.where == "remote" and d.peer == GPU
 
 
 def test_slow_link_keeps_long_prompt_local() -> None:
     slow = Peer(address="http://gpu", trusted=True, roles=("prefill",), prefill_tok_s=4000.0,
                 link_Bps=1e6)  # fmt: skip
-    d = choose("auto", 8000, KV_PER_TOKEN, 32, local=MAC, peers=[slow])
+    d = choose("auto", 8000, KV, local=MAC, peers=[slow])
     assert d.where == "local"
 
 
 def test_fastest_peer_wins() -> None:
     slow = Peer(address="http://slow", trusted=True, roles=("prefill",), prefill_tok_s=100.0,
                 link_Bps=1.25e9)  # fmt: skip
-    d = choose("auto", 8000, KV_PER_TOKEN, 32, local=LocalRate(50.0, 0.05), peers=[slow, GPU])
+    d = choose("auto", 8000, KV, local=LocalRate(50.0, 0.05), peers=[slow, GPU])
     assert d.peer == GPU
 
 
 def test_modes() -> None:
-    assert choose("never", 8000, KV_PER_TOKEN, 32, MAC, [GPU]).where == "local"
-    assert choose("always", 5, KV_PER_TOKEN, 32, MAC, [GPU]).where == "remote"
-    assert choose("always", 5, KV_PER_TOKEN, 32, MAC, []).where == "local"
-    assert choose("auto", 0, KV_PER_TOKEN, 32, MAC, [GPU]).where == "local"
-    assert choose("auto", 8000, KV_PER_TOKEN, 32, LocalRate(), [GPU]).where == "remote"
+    assert choose("never", 8000, KV, MAC, [GPU]).where == "local"
+    assert choose("always", 5, KV, MAC, [GPU]).where == "remote"
+    assert choose("always", 5, KV, MAC, []).where == "local"
+    assert choose("auto", 0, KV, MAC, [GPU]).where == "local"
+    assert choose("auto", 8000, KV, LocalRate(), [GPU]).where == "remote"
 
 
 def test_remote_floor_keeps_medium_prompts_local() -> None:
     # 500 tokens: 1 s locally, but one pass of the weights through the GPU costs 2 s
-    assert choose("auto", 500, KV_PER_TOKEN, 32, MAC, [GPU]).where == "local"
-    assert choose("auto", 2000, KV_PER_TOKEN, 32, MAC, [GPU]).where == "remote"
+    assert choose("auto", 500, KV, MAC, [GPU]).where == "local"
+    assert choose("auto", 2000, KV, MAC, [GPU]).where == "remote"
 
 
 def test_transfer_overlaps_compute() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandem.app.cli.errors import UsageError
+from tandem.app.cli.plan_kv import KVWire, kv_wire, render_kv, wire_kv
 from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
 
@@ -68,7 +69,10 @@ class ModelSummary:
     dtype: str  # the compute dtype (safetensors spelling)
     bytes: int  # every tensor, embeddings and head included
     layer_bytes: int  # the decoder layers: what a pass streams, less the resident set
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # K and V of one position over the full layers (model dtype)
+    kv_window_bytes: int  # over the sliding layers, at most: bounded by their windows
+    sliding_layers: int
+    windows: list[int]  # the sliding layers' windows (positions), each once
 
 
 @dataclass(frozen=True)
@@ -119,15 +123,6 @@ class Report:
     break_even_tokens: int | None  # the shortest prompt remote prefill is faster for
     break_even_limit: int  # searched up to this many tokens
     kv_wire: list[KVWire]  # the prompt's KV over the network at 16, 8 and 4 bits
-
-
-@dataclass(frozen=True)
-class KVWire:
-    """The KV of `--tokens` on the wire at `bits` (16: the model's dtype; 8, 4: group 64)."""
-
-    bits: int
-    bytes_per_token: int
-    transfer_s: float  # at net_Bps
 
 
 class PlanUsageError(UsageError):
@@ -262,38 +257,25 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         table=[_row(p, remote_s, local_s, fits(p.tokens)) for p in table],
         break_even_tokens=cost.break_even_tokens(remote_s, local_s, limit),
         break_even_limit=limit,
-        kv_wire=_kv_wire(index, a.tokens, hw.net_Bps),
+        kv_wire=kv_wire(index, a.tokens, hw.net_Bps),
     )
-
-
-def _kv_wire(index: ModelIndex, tokens: int, net_Bps: float) -> list[KVWire]:
-    """The router's bytes per token at each KV format, and the prompt's transfer time."""
-    from tandem.nodes.contract.http import KVFormat
-    from tandem.nodes.model.safetensors_format import ITEMSIZE
-
-    spec = index.spec
-    per = {16: spec.kv_bytes_per_token}
-    for bits in (8, 4):
-        fmt = KVFormat(bits)
-        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim, ITEMSIZE[index.dtype])
-        per[bits] = fmt.bytes_per_token(*shape)
-    return [KVWire(b, n, tokens * n / net_Bps) for b, n in per.items()]
 
 
 def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Seconds]:
     """Remote and local prefill seconds by the router's own formulas: this plan's predicted
-    pass as the peer's rate and the KV over `net_Bps`; the Mac at `mac_tok_s`."""
+    pass as the peer's rate and the KV (sliding layers: their window) over `net_Bps`; the Mac
+    at `mac_tok_s`."""
     from tandem.nodes.contract.cluster import Peer
     from tandem.nodes.decode.router import LocalRate, predict_remote_s
     from tandem.nodes.prefill import cost
 
-    spec = index.spec
+    kv = wire_kv(index)
     local = LocalRate(tok_s=hw.mac_tok_s)
 
     def remote_s(n: int) -> float:
         wall = cost.predict(plan, index, n, hw).wall_s
         peer = Peer(address="plan", prefill_tok_s=n / wall, link_Bps=hw.net_Bps)
-        return predict_remote_s(n, n * spec.kv_bytes_per_token, spec.num_layers, peer)
+        return predict_remote_s(n, kv.at(n), kv.layers, peer)
 
     def local_s(n: int) -> float:
         seconds = local.predict_s(n)
@@ -309,7 +291,7 @@ def _row(p: Prediction, remote_s: Seconds, local_s: Seconds, fits: bool) -> Row:
 
 
 def _model_summary(index: ModelIndex) -> ModelSummary:
-    spec = index.spec
+    spec, kv = index.spec, wire_kv(index)
     return ModelSummary(
         name=spec.name,
         path=str(spec.path),
@@ -317,7 +299,10 @@ def _model_summary(index: ModelIndex) -> ModelSummary:
         dtype=index.dtype,
         bytes=index.total_bytes,
         layer_bytes=sum(index.layer_bytes(i) for i in range(spec.num_layers)),
-        kv_bytes_per_token=spec.kv_bytes_per_token,
+        kv_bytes_per_token=kv.full_per_token,
+        kv_window_bytes=kv.window_bytes,
+        sliding_layers=kv.sliding_layers,
+        windows=sorted({w for w in kv.windows if w is not None}),
     )
 
 
@@ -376,11 +361,7 @@ def render(r: Report) -> str:
         + ("" if row.fits else "  (over the longest prompt: 413)")
         for row in r.table
     ]
-    wire = ", ".join(
-        f"{w.bits} bits {format_bytes(w.bytes_per_token)}/token {w.transfer_s:.3g} s"
-        for w in r.kv_wire
-    )
-    lines.append(f"  KV wire     {r.tokens} tokens: {wire}")
+    lines += render_kv(r.tokens, r.kv_wire, m.layers, m.sliding_layers, m.windows)
     n = r.break_even_tokens
     lines.append(
         f"\n  remote      never faster than the Mac up to {r.break_even_limit} tokens"

@@ -8,8 +8,9 @@ cache assembly) remotely — and a rate beyond it:
     remote = latency + max(remote_floor, n / remote_rate, kv_bytes / link) + kv_bytes / link / L
 
 (layers stream while the next computes, so compute and transfer overlap; the last layer's
-transfer does not). Rates and floors come from a start-up calibration and past requests; an
-unmeasured remote rate counts as promising (a GPU).
+transfer does not). `kv_bytes` counts a sliding layer's window, not the whole prompt
+(`nodes/model/kv_bytes.py`, as `tandem plan` does). Rates and floors come from a start-up
+calibration and past requests; an unmeasured remote rate counts as promising (a GPU).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Literal
 
 from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.units import gbps_to_Bps
+from tandem.nodes.model.kv_bytes import KVBytes
 
 Mode = Literal["auto", "always", "never"]
 DEFAULT_LATENCY_S = 0.002
@@ -55,12 +57,12 @@ def predict_remote_s(n: int, kv_bytes: int, layers: int, peer: Peer) -> float:
 def choose(
     mode: Mode,
     n_tokens: int,
-    kv_bytes_per_token: int,
-    layers: int,
+    kv: KVBytes,
     local: LocalRate,
     peers: list[Peer],
 ) -> Decision:
-    """Pick local or remote prefill for `n_tokens` prompt positions."""
+    """Pick local or remote prefill for `n_tokens` prompt positions, whose K/V a remote
+    prefill sends as `kv` says (full layers per position, sliding ones their window at most)."""
     if n_tokens < 1:
         return Decision("local", None, "nothing to prefill")
     if mode == "never":
@@ -69,9 +71,9 @@ def choose(
         return Decision("local", None, "no trusted prefill node")
     if mode == "always":
         return Decision("remote", peers[0], "remote prefill forced")
-    kv = n_tokens * kv_bytes_per_token
-    best = min(peers, key=lambda p: predict_remote_s(n_tokens, kv, layers, p))
-    remote_s = predict_remote_s(n_tokens, kv, layers, best)
+    nbytes, layers = kv.at(n_tokens), kv.layers
+    best = min(peers, key=lambda p: predict_remote_s(n_tokens, nbytes, layers, p))
+    remote_s = predict_remote_s(n_tokens, nbytes, layers, best)
     local_s = local.predict_s(n_tokens)
     if local_s is None:
         return Decision("remote", best, "local rate unknown", None, remote_s)

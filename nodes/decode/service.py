@@ -42,6 +42,8 @@ from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
 from tandem.nodes.decode.router import LocalRate, Mode, choose
+from tandem.nodes.model.kv_bytes import kv_bytes
+from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -256,10 +258,8 @@ class DecodeService:
         rid, n, fmt = req.request_id, len(req.tokens) - 1, req.kv_format
         k, caches, first = await self.host.call(self._prepare, req.tokens, fmt)
         new = n - k  # positions that need a prefill
-        decision = choose(
-            self.mode, new, self.expect.bytes_per_token(fmt), self.spec.num_layers,
-            self.local, self.peers.trusted("prefill"),
-        )  # fmt: skip
+        wire = kv_bytes(self.spec, fmt, ITEMSIZE[self.expect.dtype])
+        decision = choose(self.mode, new, wire, self.local, self.peers.trusted("prefill"))
         publish = self.events.publish
         if decision.where == "local":
             if self.mode == "always" and new > 0:

@@ -1,0 +1,84 @@
+"""K/V bytes on the wire for a prompt: what `tandem plan` and the decode node's router count.
+
+A full layer sends every position, so its bytes grow with the prompt; a sliding layer sends
+at most its window (the positions its `RotatingKVCache` keeps), so its bytes stop growing
+once the prompt passes the window; a linear layer sends no K/V. Quantized K/V (`kv_bits`
+8 or 4) applies to full layers only: a sliding layer stays in the model's dtype (it is
+bounded, and mlx-lm cannot quantize a `RotatingKVCache`). Frame headers are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from tandem.nodes.model.spec import ModelSpec
+
+
+class TokenBytes(Protocol):
+    """A quantized K/V format (`nodes/contract/http.KVFormat`), as far as bytes go."""
+
+    def bytes_per_token(self, layers: int, n_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        """K and V of one token over `layers` layers (bytes)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """Per layer: K and V bytes of one position, and how many positions it sends at most."""
+
+    per_token: tuple[int, ...]  # bytes/position, one per layer
+    windows: tuple[int | None, ...]  # positions sent at most, one per layer; None: all
+
+    @property
+    def layers(self) -> int:
+        return len(self.per_token)
+
+    def layer(self, i: int, tokens: int) -> int:
+        """Layer `i`'s bytes for a prompt of `tokens` positions."""
+        window = self.windows[i]
+        return self.per_token[i] * (tokens if window is None else min(tokens, window))
+
+    def at(self, tokens: int) -> int:
+        """All layers' bytes for a prompt of `tokens` positions."""
+        return sum(self.layer(i, tokens) for i in range(self.layers))
+
+    @property
+    def full_per_token(self) -> int:
+        """Bytes per position over the full layers: the part that grows with the prompt."""
+        return sum(b for b, w in zip(self.per_token, self.windows, strict=True) if w is None)
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes over the sliding layers once the prompt fills their windows: their most."""
+        return sum(b * w for b, w in zip(self.per_token, self.windows, strict=True) if w)
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(w is not None for w in self.windows)
+
+
+def kv_bytes(
+    spec: ModelSpec, kv_format: TokenBytes | None = None, itemsize: int | None = None
+) -> KVBytes:
+    """What each layer of `spec` sends: full layers in `kv_format` (None: the model's dtype
+    at `itemsize` bytes, by default 4 for float32 and 2 otherwise), sliding layers in the
+    model's dtype, linear layers nothing."""
+    size = itemsize or (4 if spec.torch_dtype == "float32" else 2)
+    dense = 2 * spec.num_kv_heads * spec.head_dim * size  # K and V, one layer, one position
+    packed = (
+        dense
+        if kv_format is None
+        else kv_format.bytes_per_token(1, spec.num_kv_heads, spec.head_dim, size)
+    )
+    per_token = tuple(
+        {"full": packed, "sliding": dense, "linear": 0}[k.kind] for k in spec.layer_kinds
+    )
+    return KVBytes(per_token, tuple(k.window for k in spec.layer_kinds))
+
+
+def kv_wire_bytes(
+    spec: ModelSpec, tokens: int, kv_format: TokenBytes | None = None, itemsize: int | None = None
+) -> int:
+    """K and V bytes of a `tokens`-position prompt on the wire (see `kv_bytes`)."""
+    return kv_bytes(spec, kv_format, itemsize).at(tokens)
