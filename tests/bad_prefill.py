@@ -75,7 +75,7 @@ def layer_values(mode: str, h: Header, rng: np.random.Generator) -> bytes:
     """K or V bytes of one layer: random values (a wrong cache shows in the text), or
     non-finite ones."""
     dtype = np.float16 if h.dtype == "F16" else np.float32
-    values = rng.standard_normal(h.shape).astype(dtype)
+    values = rng.standard_normal(h.shape(0)).astype(dtype)
     if mode in ("nan", "inf"):
         values.flat[:: max(values.size // 7, 1)] = np.nan if mode == "nan" else np.inf
     return values.tobytes()
@@ -150,7 +150,7 @@ async def _quantized_cut(
     await resp.write(writer.start())
     g = torch.Generator().manual_seed(h.count)
     for layer in range(2):
-        k, v = torch.randn(h.shape, generator=g), torch.randn(h.shape, generator=g)
+        k, v = torch.randn(h.shape(0), generator=g), torch.randn(h.shape(0), generator=g)
         parts = quantized_parts(k, v, KVFormat(h.kv_bits, h.kv_group_size))
         named = {n: t.contiguous().numpy().tobytes() for n, t in parts.items()}
         await resp.write(writer.layer(layer, named.pop("k"), named.pop("v"), named))

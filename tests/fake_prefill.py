@@ -72,7 +72,7 @@ async def start_fake_prefill(model: Path, token: str, mode: str) -> FakePrefill:
             await resp.write(b"\x07" * 64)
             return resp
         await resp.write(w.start())
-        zeros = np.zeros(h.shape, np.float32).tobytes()
+        zeros = np.zeros(h.shape(0), np.float32).tobytes()
         await resp.write(w.layer(0, zeros, zeros))
         if mode_now == "error_frame":
             await resp.write(w.error("internal", "out of memory"))

@@ -1,14 +1,14 @@
-"""Gemma 3 (sliding-window layers) through real nodes (issue 35, started): a remote prefill's
+"""Gemma 3 (sliding-window layers) through real nodes : a remote prefill's
 K/V fill mlx-lm's own mixed cache list (`RotatingKVCache` on sliding layers, `KVCache` on
 global ones), and greedy tokens equal mlx-lm's own generation, for prompts longer than the
-window (8 here: a short-window made model). The decode node keeps no prompt cache for such a
-model yet, so every turn is prefilled whole."""
+window (8 here: a short-window made model), with only each sliding layer's window on the wire."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
 from tests.test_handoff import PROMPTS, Cluster, _chat, _cluster
@@ -29,8 +29,13 @@ def test_remote_chat_past_the_window_is_exactly_mlx_greedy(cluster: Cluster) -> 
         reply = _chat(cluster.client(), prompt)
         extra = reply.model_extra["tandem"]
         assert extra["prefill"] == "remote", cluster.decode.output()
-        assert extra["prefill_tokens"] == n - 1  # no prompt cache for windowed layers yet
+        assert extra["prefill_tokens"] == n - 1  # a new conversation: no cached prefix
         assert reply.choices[0].message.content == cluster.reference(prompt)
+        # sliding layers send their window only: K and V in float32, plus each frame's header
+        spec = load_index(cluster.model).spec
+        per_position = 2 * spec.num_kv_heads * spec.head_dim * 4
+        kept = [n - 1 if k.kind == "full" else WINDOW for k in spec.layer_kinds]
+        assert 0 < extra["kv_bytes"] - per_position * sum(kept) < 1024 * spec.num_layers
 
 
 def test_streamed_and_completions_equal_mlx(cluster: Cluster) -> None:

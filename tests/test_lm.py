@@ -89,7 +89,7 @@ def test_appended_quantized_positions_decode_as_mlx_lms_own_quantized_cache(
                     (prefix, f"{prefix}_scales", f"{prefix}_biases"), arrays, strict=True
                 )
             }
-            assert fill_quantized(mine, LayerArrays(layer, parts), fmt) is mine
+            assert fill_quantized(mine, LayerArrays(layer, parts, 0), fmt) is mine
     lm.evaluate(ours)
     assert [lm.size(c) for c in ours] == [lm.size(c) for c in theirs]
     want = _theirs(model, tokenizer, theirs, 8)

@@ -50,8 +50,8 @@ def read(data: bytes) -> list:
 
 def quantized_layer(h: Header, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(h.shape, generator=g)
-    v = torch.randn(h.shape, generator=g)
+    k = torch.randn(h.shape(0), generator=g)
+    v = torch.randn(h.shape(0), generator=g)
     fmt = KVFormat(h.kv_bits, h.kv_group_size)
     return k, v, quantized_parts(k, v, fmt)
 

@@ -38,10 +38,10 @@ H = Header(PROTO, "fp", "r1", "F32", layers=3, start=0, count=5, n_kv_heads=2, h
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def kv_bytes(h: Header, seed: int) -> tuple[bytes, bytes]:
-    """Random K and V bytes of the header's shape and dtype (any bit pattern, NaNs included)."""
-    n = 2 * int(np.prod(h.shape)) * {"F32": 4, "F16": 2, "BF16": 2}[h.dtype]
-    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+def kv_bytes(h: Header, layer: int) -> tuple[bytes, bytes]:
+    """Random K and V bytes of a layer's shape and dtype (any bit pattern, NaNs included)."""
+    n = 2 * int(np.prod(h.shape(layer))) * {"F32": 4, "F16": 2, "BF16": 2}[h.dtype]
+    raw = np.random.default_rng(layer).integers(0, 256, n, dtype=np.uint8).tobytes()
     return raw[: n // 2], raw[n // 2 :]
 
 
@@ -98,13 +98,37 @@ def blob(header_json: bytes, data: bytes = b"") -> bytes:
 
 
 def test_header_frame_bytes() -> None:
-    h = Header(PROTO, "fp", "r1", "F32", layers=1, start=0, count=1, n_kv_heads=1, head_dim=2)
+    h = Header(PROTO, "fp", "r1", "F32", layers=2, start=0, count=1, n_kv_heads=1, head_dim=2,
+               kinds=("sliding", "full"), windows=(4, 0))  # fmt: skip
     body = (
-        b'{"proto":2,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":1,'
-        b'"start":0,"count":1,"n_kv_heads":1,"head_dim":2,"kv_bits":0,"kv_group_size":0}'
+        b'{"proto":3,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":2,'
+        b'"start":0,"count":1,"n_kv_heads":1,"head_dim":2,"kv_bits":0,"kv_group_size":0,'
+        b'"kinds":["sliding","full"],"windows":[4,0]}'
     )
-    assert encode_header(h) == b"\x01\x97\x00\x00\x00\x00\x00\x00\x00" + body
-    assert len(body) == 0x97
+    assert encode_header(h) == b"\x01\xc2\x00\x00\x00\x00\x00\x00\x00" + body
+    assert len(body) == 0xC2
+
+
+def test_a_sliding_layer_crosses_as_its_window_of_positions() -> None:
+    data, kvs = make_stream(SLIDING)
+    frames = decode_all(data, [len(data) // 3])
+    header, layers = frames[0], frames[1:-1]
+    assert header == SLIDING and isinstance(header, Header)
+    assert [len(x.k) // (2 * 4 * 4) for x in layers] == [2, 5, 5]  # positions: F32, D 4, 2 heads
+    assert [(bytes(x.k), bytes(x.v)) for x in layers] == kvs
+    k, _ = layer_to_numpy(layers[0], header)
+    assert k.shape == (1, 2, 2, 4)
+    # a window longer than the prompt: every new position, as a full layer
+    assert dataclasses.replace(SLIDING, windows=(9, 0, 0)).shape(0) == (1, 2, 5, 4)
+
+
+def test_quantized_kv_leaves_sliding_layers_in_float() -> None:
+    h = dataclasses.replace(SLIDING, head_dim=64, kv_bits=8, kv_group_size=64)
+    assert set(h.tensors(0)) == {"k", "v"} and h.tensors(0)["k"] == ("F32", (1, 2, 2, 64))
+    assert h.tensors(1)["k"] == ("U32", (1, 2, 5, 16)) and "k_scales" in h.tensors(1)
+    k_and_v = 2 * 2 * 64  # heads x head_dim, twice
+    assert max_layer_payload(h, 0, extra=0) == k_and_v * 2 * 4  # 2 positions in F32
+    assert max_layer_payload(h, 1, extra=0) == k_and_v * 5 * (1 + 2 * 4 / 64)  # 8 bits + scales
 
 
 def test_layer_frame_bytes() -> None:
@@ -230,7 +254,7 @@ def test_layer_to_numpy_views_a_buffer_read_in_place() -> None:
     lkv = next(f for f in read_in_place(FrameReader(), data) if isinstance(f, LayerFrame))
     k, v = layer_to_numpy(lkv, h)
     assert np.shares_memory(k, np.frombuffer(lkv.payload, np.uint8))  # no copy
-    assert (k.tobytes(), v.tobytes()) == kvs[0] and k.shape == h.shape
+    assert (k.tobytes(), v.tobytes()) == kvs[0] and k.shape == h.shape(0)
     cuts = list(range(0, len(data), 200_000))  # as received: K and V straddle reads
     read = next(f for f in decode_all(data, cuts) if isinstance(f, LayerFrame))
     assert layer_to_numpy(read, h)[0].tobytes() == kvs[0][0]
@@ -316,6 +340,8 @@ _BAD_BLOBS = {
     ),
 }
 
+# layer 0 keeps a window of 2 of the 5 new positions: its frame holds only those
+SLIDING = dataclasses.replace(H, kinds=("sliding", "full", "full"), windows=(2, 0, 0))
 MALFORMED: dict[str, bytes] = {
     "empty stream": b"",
     "bad kind": b"\x07" + bytes(8),
@@ -338,6 +364,13 @@ MALFORMED: dict[str, bytes] = {
     "header zero layers": _header_json(layers=0),
     "header string size": _header_json(head_dim="4"),
     "header nested fingerprint": _header_json(fingerprint=[[[]]]),
+    "kinds not a list": _header_json(kinds="full", windows=[]),
+    "kinds for fewer layers": _header_json(kinds=["full"], windows=[0]),
+    "unknown layer kind": _header_json(kinds=["full", "linear", "full"], windows=[0, 0, 0]),
+    "sliding without a window": _header_json(kinds=["full", "sliding", "full"], windows=[0] * 3),
+    "full with a window": _header_json(kinds=["full", "full", "full"], windows=[0, 4, 0]),
+    "negative window": _header_json(kinds=["sliding"] * 3, windows=[4, -1, 4]),
+    "full-length sliding frame": encode_header(SLIDING) + _layer(0, count=5),
     "second header": encode_header(H) + encode_header(H),
     "truncated prefix": encode_header(H)[:5],
     "truncated payload": encode_header(H) + _layer(0)[:-1],
@@ -347,7 +380,7 @@ MALFORMED: dict[str, bytes] = {
     "layer out of order": encode_header(H) + _layer(1),
     "layer repeated": encode_header(H) + _layer(0) + _layer(0),
     "too many layers": encode_header(H) + _good_layers() + _layer(3),
-    "oversized layer": encode_header(H) + b"\x02" + struct.pack("<Q", max_layer_payload(H) + 1),
+    "oversized layer": encode_header(H) + b"\x02" + struct.pack("<Q", max_layer_payload(H, 0) + 1),
     "crc mismatch": encode_header(H) + _good_layers() + encode_done(3, _crc(_good_layers()) ^ 1),
     "done early": encode_header(H) + _good_layers(2) + encode_done(2, 0),
     "done wrong count": encode_header(H) + _good_layers() + encode_done(4, 0),
@@ -373,7 +406,7 @@ def test_malformed_messages() -> None:
             decode_all(MALFORMED[name])
         return str(e.value)
 
-    assert "protocol version 1, this node speaks 2" in err("other proto version")
+    assert f"protocol version 1, this node speaks {PROTO}" in err("other proto version")
     assert "unknown frame kind 7" in err("bad kind")
     assert "truncated" in err("truncated payload")
     assert "without a done" in err("no done frame")
@@ -388,7 +421,9 @@ def test_length_checked_before_buffering() -> None:
     r = FrameReader()
     read_in_place(r, encode_header(H))
     with pytest.raises(ProtocolError, match="oversized"):
-        read_in_place(r, b"\x02" + struct.pack("<Q", max_layer_payload(H) + 1))  # the prefix alone
+        read_in_place(
+            r, b"\x02" + struct.pack("<Q", max_layer_payload(H, 0) + 1)
+        )  # the prefix alone
     r = FrameReader(max_layer_extra=0)  # no room for the blob's own header
     read_in_place(r, encode_header(H))
     with pytest.raises(ProtocolError, match="oversized"):

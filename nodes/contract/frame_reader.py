@@ -173,7 +173,9 @@ class FrameReader:
     def _check_length(self, kind: int, n: int) -> None:
         if kind == KIND_LAYER:
             assert self.header is not None  # _check_kind saw to it
-            limit = max_layer_payload(self.header, self.max_layer_extra)
+            if self.next_layer >= self.header.layers:
+                raise ProtocolError(f"more layers than the header's {self.header.layers}")
+            limit = max_layer_payload(self.header, self.next_layer, self.max_layer_extra)
         else:
             limit = MAX_JSON_BYTES
         if n > limit:
@@ -186,7 +188,10 @@ class FrameReader:
         if kind == KIND_HEADER:
             obj = _load_json(payload, "header")
             check_proto(obj.get("proto"))  # first: another version may have other keys
-            header = Header(**_fields(obj, Header, "header"))
+            fields = _fields(obj, Header, "header")
+            for name in ("kinds", "windows"):  # JSON lists; anything else fails the check
+                fields[name] = tuple(v) if isinstance(v := fields[name], list) else v
+            header = Header(**fields)
             check_header(header)
             self.header = header
             return header
@@ -219,7 +224,7 @@ class FrameReader:
         # JSON can still surface as these (deep nesting, Infinity, metadata not an object).
         except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as e:
             raise ProtocolError(f"layer frame is not a safetensors blob ({e})") from None
-        want = h.tensors()
+        want = h.tensors(self.next_layer)  # _check_length saw that the layer is one
         if set(entries) != set(want):
             raise ProtocolError(f"layer blob holds {sorted(entries)}, want {sorted(want)}")
         for e in entries.values():

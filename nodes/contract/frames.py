@@ -6,6 +6,11 @@ payloads are JSON; a layer payload is a safetensors blob, metadata `{"layer": "i
 header's `kv_bits` is 8 or 4, mlx's affine quantized form (`Header.tensors`): `k` and `v` as
 packed uint32 words `[1, n_kv_heads, count, head_dim·bits/32]` and `k_scales`, `k_biases`,
 `v_scales`, `v_biases` `[1, n_kv_heads, count, head_dim/kv_group_size]` in the header's dtype.
+A header's `kinds` and `windows` (one per layer; both empty: every layer "full") say what
+each layer frame covers: a "full" layer the `count` new positions, a "sliding" layer with
+window w only the last `min(count, w)` of them (what its rotating cache keeps), always in
+float (the header's `kv_bits` applies to full layers only).
+
 This module holds the format: the frame records, the header's checks, the encoders and
 `FrameWriter`, which produces a valid stream; `frame_reader.FrameReader` checks one as it is
 read. Stdlib and numpy only: both the torch and the mlx side import this.
@@ -33,6 +38,7 @@ PREFIX = struct.Struct("<BQ")  # kind, payload length: 9 bytes
 MAX_JSON_BYTES = 64 * 1024  # header, done and error payloads
 LAYER_EXTRA_BYTES = 64 * 1024  # a layer payload's allowance beyond its K and V bytes
 WIRE_DTYPES = ("F32", "F16", "BF16")
+LAYER_KINDS = ("full", "sliding")
 _HEADER_SIZES = {"layers": 1, "start": 0, "count": 0, "n_kv_heads": 1, "head_dim": 1}  # least
 _NUMPY_DTYPE = {
     "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "U32": np.dtype("<u4"),
@@ -58,19 +64,33 @@ class Header:
     head_dim: int
     kv_bits: int = 0  # 8 or 4: K and V quantized as mx.quantize does (words, scales, biases)
     kv_group_size: int = 0  # values per scale and bias when quantized
+    kinds: tuple[str, ...] = ()  # per layer: "full" or "sliding"; () reads as all "full"
+    windows: tuple[int, ...] = ()  # per layer: a sliding layer's window, 0 for a full one
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """Shape of each of K and V: [1, n_kv_heads, count, head_dim]."""
-        return (1, self.n_kv_heads, self.count, self.head_dim)
+    def kind(self, layer: int) -> str:
+        return self.kinds[layer] if self.kinds else "full"
 
-    def tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Name → (dtype, shape) of each tensor in a layer blob: K and V, or their packed
-        uint32 words [.., head_dim * bits / 32] and scales and biases [.., head_dim / group]
-        in the header's dtype."""
-        if not self.kv_bits:
-            return {"k": (self.dtype, self.shape), "v": (self.dtype, self.shape)}
-        n, words = self.shape[:3], self.head_dim * self.kv_bits // 32
+    def positions(self, layer: int) -> int:
+        """Positions layer `layer`'s frame covers: the last of start..start+count-1."""
+        if self.kind(layer) == "sliding":
+            return min(self.count, self.windows[layer])
+        return self.count
+
+    def quantized(self, layer: int) -> bool:
+        return bool(self.kv_bits) and self.kind(layer) == "full"
+
+    def shape(self, layer: int) -> tuple[int, int, int, int]:
+        """Shape of each of layer `layer`'s K and V: [1, n_kv_heads, positions, head_dim]."""
+        return (1, self.n_kv_heads, self.positions(layer), self.head_dim)
+
+    def tensors(self, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name → (dtype, shape) of each tensor in layer `layer`'s blob: K and V, or their
+        packed uint32 words [.., head_dim * bits / 32] and scales and biases
+        [.., head_dim / group] in the header's dtype."""
+        shape = self.shape(layer)
+        if not self.quantized(layer):
+            return {"k": (self.dtype, shape), "v": (self.dtype, shape)}
+        n, words = shape[:3], self.head_dim * self.kv_bits // 32
         groups = self.head_dim // self.kv_group_size
         out: dict[str, tuple[str, tuple[int, ...]]] = {}
         for x in ("k", "v"):
@@ -112,9 +132,10 @@ class ErrorFrame:
 Frame = Header | LayerFrame | Done | ErrorFrame
 
 
-def max_layer_payload(header: Header, extra: int = LAYER_EXTRA_BYTES) -> int:
-    """Largest acceptable layer payload in bytes: its tensors plus `extra` for the blob header."""
-    return sum(nbytes_of(d, shape) for d, shape in header.tensors().values()) + extra
+def max_layer_payload(header: Header, layer: int, extra: int = LAYER_EXTRA_BYTES) -> int:
+    """Largest acceptable payload of layer `layer`'s frame in bytes: its tensors plus `extra`
+    for the blob header."""
+    return sum(nbytes_of(d, shape) for d, shape in header.tensors(layer).values()) + extra
 
 
 def _frame(kind: int, payload: bytes) -> bytes:
@@ -139,7 +160,7 @@ def encode_layer(
 ) -> bytes:
     """The whole frame for one layer; its tensors are copied once, into it.
 
-    `k` and `v` hold `header.shape` in `header.dtype`, row-major: bytes or any C-contiguous
+    `k` and `v` hold `header.shape(layer)` in `header.dtype`, row-major: bytes or any C-contiguous
     buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`). For a
     quantized header, `k` and `v` are the packed words and `quantized` holds the scales and
     biases (`k_scales`, `k_biases`, `v_scales`, `v_biases`).
@@ -147,7 +168,7 @@ def encode_layer(
     given = {"k": k, "v": v, **(quantized or {})}
     tensors: dict[str, RawTensor] = {}
     total = 0
-    for name, (dtype, shape) in header.tensors().items():
+    for name, (dtype, shape) in header.tensors(layer).items():
         if name not in given:
             raise ProtocolError(f"layer {layer}: {name} is missing")
         data = memoryview(given[name]).cast("B")  # lengths in bytes
@@ -253,6 +274,7 @@ def check_header(h: Header) -> None:
     group = check_uint(h.kv_group_size, "header kv_group_size")
     if not h.kv_bits and group:
         raise ProtocolError(f"header kv_group_size {group} for full-precision KV (kv_bits 0)")
+    _check_kinds(h)
     if h.kv_bits:
         if group not in KV_GROUP_SIZES or h.head_dim % group:
             raise ProtocolError(
@@ -261,6 +283,23 @@ def check_header(h: Header) -> None:
             )
         if h.head_dim * h.kv_bits % 32:
             raise ProtocolError(f"head_dim {h.head_dim} does not pack into 32-bit words")
+
+
+def _check_kinds(h: Header) -> None:
+    """Both per-layer lists empty, or one entry a layer: "full" with window 0, or "sliding"
+    with a window of one position or more."""
+    if not isinstance(h.kinds, tuple) or not isinstance(h.windows, tuple):
+        raise ProtocolError("header kinds and windows must be lists")
+    if not h.kinds and not h.windows:
+        return
+    if len(h.kinds) != h.layers or len(h.windows) != h.layers:
+        raise ProtocolError(
+            f"header kinds and windows must have one entry for each of {h.layers} layers"
+        )
+    for i, (kind, window) in enumerate(zip(h.kinds, h.windows, strict=True)):
+        check_uint(window, f"header window of layer {i}")
+        if kind not in LAYER_KINDS or (kind == "sliding") != (window > 0):
+            raise ProtocolError(f"header layer {i}: kind {kind!r} with window {window}")
 
 
 def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
@@ -275,7 +314,7 @@ def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.nd
 def layer_parts_to_numpy(frame: LayerFrame, header: Header) -> dict[str, np.ndarray]:
     """Every tensor of a layer frame by name (`Header.tensors`), as views of its buffer."""
     out = {}
-    for name, (dtype, shape) in header.tensors().items():
+    for name, (dtype, shape) in header.tensors(frame.layer).items():
         view = frame.parts.get(name, frame.k if name == "k" else frame.v)
         out[name] = np.frombuffer(view, np.uint8).view(_NUMPY_DTYPE[dtype]).reshape(shape)
     return out

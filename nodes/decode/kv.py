@@ -48,20 +48,22 @@ def device_kernel() -> KVKernel:
 
 def format_of(caches: lm.Caches) -> KVFormat | None:
     """The KV format the caches hold (None: full precision)."""
-    form = lm.quantized_form(caches[0]) if caches else None
+    forms = [lm.quantized_form(c) for c in caches if lm.kind(c) == "full"]
+    form = forms[0] if forms else None  # windows stay float
     return KVFormat(form[0], form[1], device_kernel()) if form else None
 
 
 def layer_arrays(frame: LayerFrame, header: Header) -> LayerArrays:
     """A frame's tensors as mlx arrays (copies of the frame's buffer; bf16 stays bf16)."""
     out = {}
+    quantized = header.quantized(frame.layer)
     for name, array in layer_parts_to_numpy(frame, header).items():
-        words = header.kv_bits and name in ("k", "v")  # packed uint32 words
+        words = quantized and name in ("k", "v")  # packed uint32 words
         if header.dtype == "BF16" and not words:  # numpy holds the raw bits as uint16
             out[name] = mx.array(array).view(mx.bfloat16)
         else:
             out[name] = mx.array(array)
-    return LayerArrays(frame.layer, out)
+    return LayerArrays(frame.layer, out, header.start + header.count)
 
 
 class CacheBuilder:
@@ -96,17 +98,25 @@ class CacheBuilder:
                 f"frames cover {header.count} positions from {header.start}, "
                 f"asked for {count} from {start}"
             )
+        kinds = tuple(kinds) if kinds is not None else (FULL,) * len(caches)
+        want_kinds = (tuple(k.kind for k in kinds), tuple(k.window or 0 for k in kinds))
+        if header.kinds and (header.kinds, header.windows) != want_kinds:
+            raise ProtocolError(
+                f"frames hold layers of kinds {header.kinds}, windows {header.windows}; "
+                f"the model's are {want_kinds[0]}, {want_kinds[1]}"
+            )
         if lm.positions(caches) != start:
             raise ProtocolError(f"frames start at {start}, the cache holds {lm.positions(caches)}")
         self.header, self.caches, self.kv_format = header, caches, kv_format
         self.family = family or DecodeFamily()
-        self.kinds = tuple(kinds) if kinds is not None else (FULL,) * len(caches)
+        self.kinds = kinds
 
     def add(self, frame: LayerFrame) -> None:
         """On the mlx thread: check the layer's values and put them into its cache."""
         arrays = layer_arrays(frame, self.header)
         t = arrays.tensors
-        floats = ("k", "v") if self.kv_format is None else _SCALES  # words may hold any bits
+        # words may hold any bits
+        floats = _SCALES if self.header.quantized(frame.layer) else ("k", "v")
         for name in floats:
             if not mx.isfinite(t[name]).all().item():
                 raise ProtocolError(f"layer {frame.layer}: {name} are not all finite")

@@ -81,9 +81,11 @@ def kind(cache: Any) -> CacheKind:
 
 
 def size(cache: Any) -> int:
-    """Token positions a cache holds."""
-    # QuantizedKVCache's `size()` says 0 in mlx-lm 0.32: its `offset` is the count
-    return cache.offset if isinstance(cache, QuantizedKVCache) else cache.size()
+    """Token positions a cache covers (a window's: every position it has seen, though it
+    keeps only the last `max_size`)."""
+    # QuantizedKVCache's `size()` says 0 in mlx-lm 0.32, a RotatingKVCache's the window it
+    # keeps: `offset` is the count of both
+    return cache.offset if isinstance(cache, QuantizedKVCache | RotatingKVCache) else cache.size()
 
 
 def quantized_form(cache: Any) -> tuple[int, int] | None:
@@ -113,6 +115,31 @@ def append(cache: Any, k: mx.array, v: mx.array) -> None:
     cache.update_and_fetch(k, v)
 
 
+def fill_window(cache: Any, k: mx.array, v: mx.array, end: int) -> Any:
+    """A new `RotatingKVCache` like `cache` whose positions now run to `end`, the last of
+    them K, V [1, n_kv, w, D] (w <= its window): the positions of `cache` before them that
+    the window still reaches, then these. Its next step trims and rotates as mlx-lm's own
+    does after a prefill (its state through the cache's `state`: keys, values, offset, keep,
+    max_size, index in mlx-lm 0.32). `cache` stays as it was."""
+    window, w = cache.max_size, k.shape[2]
+    if w > window or end < cache.offset + w:
+        raise ValueError(f"{w} positions to {end} after {cache.offset} in a window of {window}")
+    if cache.keys is not None and w < window and end - w == cache.offset:
+        old_k, old_v = (_in_order(cache, x)[..., -(window - w) :, :] for x in cache.state[:2])
+        k, v = mx.concatenate([old_k, k], axis=2), mx.concatenate([old_v, v], axis=2)
+    elif w < window and end != w:  # a gap before them, or positions the window needs lost
+        raise ValueError(f"the window before position {end - w} is not in the cache")
+    new = RotatingKVCache(max_size=window, keep=cache.keep)
+    new.state = (k, v, end, cache.keep, window, k.shape[2])
+    return new
+
+
+def _in_order(cache: Any, x: mx.array) -> mx.array:
+    """A rotating cache's K or V array as it holds them in use, oldest position first (the
+    cache's own reordering, as its next multi-token update makes it)."""
+    return cache._temporal_order(x)
+
+
 def append_quantized(cache: Any, keys: Sequence[mx.array], values: Sequence[mx.array]) -> None:
     """Append already-quantized positions (words, scales, biases, each [1, n_kv, count, ·]) to
     a quantized cache, as its `update_and_fetch` would after quantizing them itself; through
@@ -140,6 +167,8 @@ def copy_prefix(cache: Any, k: int) -> Any:
             keys, values = cache.state[:2]
             append_quantized(new, [x[..., :k, :] for x in keys], [x[..., :k, :] for x in values])
         return new
+    if kind(cache) == "sliding":
+        return _copy_window(cache, k)
     if kind(cache) != "full":
         raise ValueError(f"a {type(cache).__name__} cannot be cut at a position")
     new = KVCache()
@@ -147,6 +176,26 @@ def copy_prefix(cache: Any, k: int) -> Any:
         keys, values = cache.state[:2]
         new.update_and_fetch(keys[..., :k, :], values[..., :k, :])
     return new
+
+
+def _copy_window(cache: Any, k: int) -> Any:
+    """A new rotating cache holding what `cache` does at position k: all of it at its end,
+    or, while it has dropped nothing, its first k positions."""
+    if k != cache.offset and not (k < cache.offset <= cache.max_size):
+        raise ValueError(f"a window at {cache.offset} cannot be cut back to position {k}")
+    new = RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+    if k:
+        held = [_in_order(cache, x) for x in cache.state[:2]]
+        cut = slice(0, k) if k < cache.offset else slice(-min(k, cache.max_size), None)
+        keys, values = (x[..., cut, :] for x in held)
+        new.state = (keys, values, k, cache.keep, cache.max_size, keys.shape[2])
+    return new
+
+
+def can_cut(caches: Caches, k: int) -> bool:
+    """Whether `clone_prefix(caches, k)` can hold positions 0..k-1 (a window that has
+    dropped positions only at its end)."""
+    return all(kind(c) != "sliding" or k == c.offset or k < c.offset <= c.max_size for c in caches)
 
 
 def positions(caches: Caches) -> int:

@@ -261,7 +261,8 @@ class PrefillEngine:
                     for part in load.parts:
                         weights = part_weights(views, part.op, part.lo)
                         if family.compute(p, part, weights, h, state):
-                            self._handover.kv_done(i, *family.handover(p, kinds[i], i, state))
+                            full = kinds[i].kind == "full"  # the others cross in float
+                            self._handover.kv_done(i, *family.handover(p, kinds[i], i, state), full)
                 self._released(rid, run, load)
                 if load.last_of_layer:
                     yield from self._handover.push()

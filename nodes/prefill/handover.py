@@ -59,10 +59,11 @@ class HostHandover:
         self._scratch = Scratch()
         self._done: list[LayerKV] = []
 
-    def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state)."""
+    def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor, quantize: bool = True) -> None:
+        """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state),
+        quantized where a KV format was asked for and `quantize` (a full layer)."""
         quantized = None
-        if self.kv_format is not None:
+        if self.kv_format is not None and quantize:
             t0 = time.perf_counter()
             parts = quantized_parts(k, v, self.kv_format, self._scratch)
             quantized = {name: t.to("cpu") for name, t in parts.items()}
@@ -129,10 +130,11 @@ class CudaHandover:
             at += sizes[name]
         return out
 
-    def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state)."""
+    def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor, quantize: bool = True) -> None:
+        """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state),
+        quantized where a KV format was asked for and `quantize` (a full layer)."""
         device = {"k": k, "v": v}
-        if self.kv_format is not None:  # on the compute stream, after the attention
+        if self.kv_format is not None and quantize:  # on the compute stream, after the attention
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(torch.cuda.current_stream(self.device))
             parts = quantized_parts(k, v, self.kv_format, self._scratch)

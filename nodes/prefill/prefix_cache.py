@@ -70,6 +70,7 @@ def reusing(
         kv_format=req.kv_format,
     )  # fmt: skip
     full: KV = []
+    kinds = engine.spec.layer_kinds
     try:
         for layer in layers:
             k, v = layer.k, layer.v  # positions j..n-1
@@ -77,6 +78,11 @@ def reusing(
                 pk, pv = prefix[layer.layer]
                 k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
             full.append((k, v))  # the cache keeps full precision
+            window = kinds[layer.layer].window
+            if window is not None:  # a sliding layer: the positions its window keeps, float
+                first = max(req.start, len(req.tokens) - window)
+                yield LayerKV(layer.layer, k[:, :, first:], v[:, :, first:])
+                continue
             sent = LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :])
             if req.kv_format is not None:
                 sent = replace(sent, quantized=_sent_quantized(layer, prefix, j, req))

@@ -175,6 +175,8 @@ class PrefillService:
             head_dim=spec.head_dim,
             kv_bits=req.kv_format.bits if req.kv_format else 0,
             kv_group_size=req.kv_format.group_size if req.kv_format else 0,
+            kinds=tuple(kind.kind for kind in spec.layer_kinds),
+            windows=tuple(kind.window or 0 for kind in spec.layer_kinds),
         )
         writer = FrameWriter(header)
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})

@@ -7,7 +7,8 @@ we). It does two jobs:
   (`LayerKind` from the model spec, matching the cache `lm.new_caches` made for it):
   - "full": the frame holds K/V of new positions, appended (float, or quantized words,
     scales and biases for a quantized stream);
-  - "sliding": the frame holds the last `window` positions' K/V (a `RotatingKVCache`);
+  - "sliding": the frame holds the last positions' K/V its window keeps, always float (a
+    `RotatingKVCache`, refilled through `lm.fill_window`);
   - "linear": the frame holds a fixed-size state (an `ArraysCache`: its slots are set).
 - `stepper`: the last prompt token's pass, run a layer at a time as layers land
   (`LayerStepper`), or None where the family does not know its model's structure: the decode
@@ -37,6 +38,7 @@ class LayerArrays:
 
     layer: int
     tensors: dict[str, mx.array]
+    end: int  # positions 0..end-1 are in the layer's cache once these are
 
 
 class LayerStepper(Protocol):

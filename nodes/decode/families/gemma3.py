@@ -2,14 +2,12 @@
 `make_cache()`: a `RotatingKVCache(max_size=window)` on sliding layers, a `KVCache` on global
 ones).
 
-A sliding layer's frame holds K/V of the prompt's new positions (the prefill side hands over
-all of them for now; only the window is the wire's next step). They go in through the cache's
-own `update_and_fetch`, as one update, as mlx-lm's prefill puts them there: the cache then
-holds what mlx-lm's would, and trims itself to its window as decoding goes on. Global layers
-are the base family's. A sliding layer takes float K/V only (bounded, and mlx-lm cannot
-quantize a `RotatingKVCache`): a quantized frame for one is a `ProtocolError`, and the request
-falls back to a local prefill. The last prompt token runs whole (no layer-at-a-time stepper:
-Gemma's layers need their own masks and embedding scale).
+A sliding layer's frame holds only the positions its window keeps, in float: they replace
+the cache (`lm.fill_window`), after what the window still reaches of a cached prefix. The
+cache then holds what mlx-lm's would after its own prefill, and trims and rotates as decoding
+goes on. Global layers are the base family's, quantized when the request asks (mlx-lm cannot
+quantize a `RotatingKVCache`; a window is bounded anyway). The last prompt token runs whole
+(no layer-at-a-time stepper: Gemma's layers need their own masks and embedding scale).
 """
 
 from __future__ import annotations
@@ -31,9 +29,12 @@ class Gemma3Family(DecodeFamily):
     ) -> Any:
         if kind.kind != "sliding":
             return super().fill(kind, cache, arrays, kv_format)
-        if lm.kind(cache) != "sliding" or kv_format is not None:
+        if lm.kind(cache) != "sliding" or cache.max_size != kind.window:
             raise ProtocolError(
-                f"layer {arrays.layer}: a sliding layer takes float K/V into its rotating cache"
+                f"layer {arrays.layer}: a sliding layer of window {kind.window} needs its "
+                f"rotating cache, not a {type(cache).__name__}"
             )
-        lm.append(cache, arrays.tensors["k"], arrays.tensors["v"])
-        return cache
+        try:
+            return lm.fill_window(cache, arrays.tensors["k"], arrays.tensors["v"], arrays.end)
+        except ValueError as e:
+            raise ProtocolError(f"layer {arrays.layer}: {e}") from None

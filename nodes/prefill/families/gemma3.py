@@ -107,10 +107,10 @@ class Gemma3Family(DenseFamily):
     def handover(
         self, p: Pass, kind: LayerKind, layer: int, state: LayerState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sliding layer hands over, for now, all K/V of the new positions as a full layer
-        does: what mlx-lm's `RotatingKVCache` holds after one prefill call (it drops what
-        falls out of the window at its next step). Sending only the window it keeps is the
-        wire's next step (issue 35, "Windowed layers on the wire")."""
+        """A sliding layer hands over all K/V of the new positions, as a full layer does: the
+        node's prefix cache keeps them (a later turn's band reaches back into them), and
+        only the last `window` of them cross the wire, in float (`prefix_cache.reusing`,
+        `Header.positions`)."""
         if kind.kind == "sliding":
             return state.k[:, :, p.start :], state.v[:, :, p.start :]
         return super().handover(p, kind, layer, state)
