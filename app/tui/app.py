@@ -204,6 +204,8 @@ class TandemApp(App[None]):
         table.show(rows)
         pipeline.layers_hint = max((r.layers for r in rows), default=0)
         trusted = self.cluster.trusted()
+        # trusted nodes serve one model (fingerprints match): its layers as any of them says
+        pipeline.layer_kinds = next((r.layer_kinds for r in trusted if r.layer_kinds), ())
         models = sorted({r.model for r in trusted if r.model})
         self.sub_title = f"{len(trusted)}/{len(rows)} nodes trusted" + (
             f" · {', '.join(models)}" if models else ""

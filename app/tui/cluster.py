@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tandem.app.tui.client import Probe, normalize
-from tandem.nodes.contract.cluster import Cluster, Health
+from tandem.nodes.contract.cluster import Cluster, Health, ModelLayer
 
 Status = Literal["connecting", "trusted", "rejected", "unreachable"]
 Severity = Literal["information", "warning", "error"]
@@ -73,6 +73,10 @@ class NodeRow:
     @property
     def layers(self) -> int:
         return self.health.layers if self.health else 0
+
+    @property
+    def layer_kinds(self) -> tuple[ModelLayer, ...]:
+        return self.health.layer_kinds if self.health else ()
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class LayerTrack:
     pinned: bool = False
     history: list[Step] = field(default_factory=list)
     send_s: float = 0.0  # seconds the K/V frame took on the wire
+    kv_bytes: int = 0  # its K/V frame as the prefill node sent it (else as decode got it)
 
     def states(self, node: str | None = None) -> list[str]:
         """States in arrival order, of one node or all."""
@@ -191,6 +192,9 @@ class PipelineModel:
         layer = req.layer(e.layer)
         if e.state == "sent":
             layer.send_s, req.pending_send_s = req.pending_send_s, 0.0
+            layer.kv_bytes = e.bytes or layer.kv_bytes
+        elif e.state == "received" and not layer.kv_bytes:
+            layer.kv_bytes = e.bytes
         layer.history.append(step)
         layer.pinned = layer.pinned or e.pinned
         if e.state in ("loading", "computing"):

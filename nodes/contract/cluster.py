@@ -60,6 +60,34 @@ def _object(obj: Any, key: str, what: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class ModelLayer:
+    """One decoder layer as `/health` tells it (nodes/model's `LayerKind` on the wire): what
+    its attention keeps. A kind not known here (a newer node's) reads as written."""
+
+    kind: str = "full"  # "full", "sliding" (K/V of the last `window` positions), "linear"
+    window: int | None = None  # positions kept: "sliding" only
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "window": self.window}
+
+
+def _layers(model: dict[str, Any], what: str) -> tuple[ModelLayer, ...]:
+    """`model.layer_kinds`: one {"kind", "window"} per layer; () from a node that says none."""
+    items = model.get("layer_kinds")
+    if items is None:
+        return ()
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ContractError(f"{what} layer_kinds is not a list of objects")
+    out = []
+    for item in items:
+        window = item.get("window")
+        if window is not None and (type(window) is not int or window < 1):
+            raise ContractError(f"{what} layer window is not a positive integer")
+        out.append(ModelLayer(_str(item, "kind", what) or "full", window))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Health:
     """`GET /health` (no auth, no secret): who a node is and what it runs."""
 
@@ -76,6 +104,7 @@ class Health:
     layers: int
     instance: str = ""  # random per process: a restart (or another process) changes it
     cert_fingerprint: str = ""  # hex sha256 of the TLS certificate it serves; "" on plain HTTP
+    layer_kinds: tuple[ModelLayer, ...] = ()  # one per layer; () from an older node: unknown
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,7 +112,8 @@ class Health:
             "proto": self.proto, "version": self.version, "device": self.device,
             "mem_bytes": self.mem_bytes, "budget_bytes": self.budget_bytes,
             "model": {"name": self.model_name, "fingerprint": self.fingerprint,
-                      "layers": self.layers},
+                      "layers": self.layers,
+                      "layer_kinds": [k.to_json() for k in self.layer_kinds]},
             "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
         }  # fmt: skip
 
@@ -101,6 +131,7 @@ class Health:
             budget_bytes=_int(obj, "budget_bytes", w), model_name=_str(model, "name", w),
             fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
             instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
+            layer_kinds=_layers(model, w),
         )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ from aiohttp import web
 from tandem.nodes import __version__
 from tandem.nodes.cluster.discovery import Advert, Discovery, url_for
 from tandem.nodes.cluster.peers import PeerTable
-from tandem.nodes.contract.cluster import Health, Peer
+from tandem.nodes.contract.cluster import Health, ModelLayer, Peer
 from tandem.nodes.contract.events import EventBus
 from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
@@ -145,6 +145,7 @@ class Node:
             version=__version__, device=self.device, mem_bytes=_mem_bytes(),
             budget_bytes=self.budget_bytes, model_name=spec.name, fingerprint=self.fingerprint,
             layers=spec.num_layers, instance=self.instance, cert_fingerprint=self.cert_fingerprint,
+            layer_kinds=tuple(ModelLayer(k.kind, k.window) for k in spec.layer_kinds),
         )  # fmt: skip
 
     def self_peer(self) -> Peer:

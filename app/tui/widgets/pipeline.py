@@ -1,5 +1,6 @@
-"""The Pipeline panel: one cell per layer of the request in flight, coloured by state, and
-the timeline of that request as three busy strips (copy, compute, send).
+"""The Pipeline panel: one cell per layer of the request in flight, coloured by state (on a
+model with sliding-window layers, lettered G global or S sliding), the K/V bytes per layer,
+and the timeline of that request as three busy strips (copy, compute, send).
 
 The widget owns a `PipelineModel`; tests read `view.model` rather than pixels.
 """
@@ -13,6 +14,8 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 from tandem.app.tui.fmt import format_seconds
 from tandem.app.tui.pipeline import PIPE_STATES, ROWS, PipelineModel, RequestTrack, Span, Timeline
+from tandem.nodes.contract.cluster import ModelLayer
+from tandem.nodes.contract.units import format_bytes
 from textual.app import RenderResult
 from textual.reactive import reactive
 from textual.widget import Widget
@@ -31,7 +34,9 @@ ROW_STYLE = {
     "compute": ("medium_purple", "purple4"),
     "send": ("dodger_blue2", "navy_blue"),
 }
-CELL = 4  # columns per layer cell, plus one space between cells
+CELL = 4  # columns per layer cell (5 with a kind letter), plus one space between cells
+# a layer's kind (`/health` layer_kinds) → its letter: global (full attention), sliding window
+KIND_MARK = {"full": "G", "sliding": "S", "linear": "L"}
 LABEL = 9  # columns before the timeline strips
 BUSY = 9  # columns after them: the row's busy time
 
@@ -41,6 +46,7 @@ class PipelineView(Widget):
 
     request_id: reactive[str] = reactive("")
     layers_hint: reactive[int] = reactive(0)  # a node's layer count, before any request
+    layer_kinds: reactive[tuple[ModelLayer, ...]] = reactive(())  # the model's, from /health
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -68,7 +74,10 @@ class PipelineView(Widget):
         if req.where == "local" and not req.layers:
             parts.append(Text("prefill ran on the decode node (mlx): no layers streamed", "dim"))
         else:
-            parts += [*_cells(req, width), _legend()]
+            kinds = self.layer_kinds if _lettered(self.layer_kinds) else ()
+            parts += [*_cells(req, width, kinds), _legend(kinds)]
+            if (kv := _kv_line(req, kinds)) is not None:
+                parts.append(kv)
         timeline = req.timeline()
         if timeline is not None:
             parts += _strips(timeline, width)
@@ -88,8 +97,13 @@ def _headline(req: RequestTrack) -> Text:
     return text
 
 
-def _cells(req: RequestTrack, width: int) -> list[Text]:
-    per_line = max(1, (width + 1) // (CELL + 1))
+def _lettered(kinds: tuple[ModelLayer, ...]) -> bool:
+    """Whether cells carry their kind: only where the model mixes kinds."""
+    return any(k.kind != "full" for k in kinds)
+
+
+def _cells(req: RequestTrack, width: int, kinds: tuple[ModelLayer, ...]) -> list[Text]:
+    per_line = max(1, (width + 1) // (CELL + bool(kinds) + 1))
     lines: list[Text] = []
     line = Text()
     for i in range(req.n_layers):
@@ -102,17 +116,45 @@ def _cells(req: RequestTrack, width: int) -> list[Text]:
             line = Text()
         elif i:
             line.append(" ")
-        line.append(f"{i:>3}{mark}", style=f"{fg} on {bg}")
+        letter = KIND_MARK.get(kinds[i].kind, "?") if i < len(kinds) else ""
+        line.append(f"{i:>3}{letter}{mark}", style=f"{fg} on {bg}")
     lines.append(line)
     return lines
 
 
-def _legend() -> Text:
+def _legend(kinds: tuple[ModelLayer, ...]) -> Text:
     text = Text()
     for state in PIPE_STATES:
         bg, _ = STATE_STYLE[state]
         text.append("■", style=bg).append(f"{state} ")
-    return text.append("• resident", style="bold")
+    text.append("• resident", style="bold")
+    if kinds:
+        text.append("  G global  S sliding window", style="bold")
+    return text
+
+
+def _kv_line(req: RequestTrack, kinds: tuple[ModelLayer, ...]) -> Text | None:
+    """The K/V bytes per layer sent so far: per kind where the model mixes them (a sliding
+    layer's stop growing at its window), else one figure; None before any was sent."""
+    sent = {i: t.kv_bytes for i, t in req.layers.items() if t.kv_bytes}
+    if not sent:
+        return None
+    groups: dict[str, list[int]] = {}
+    windows: dict[str, set[int]] = {}
+    for i, nbytes in sorted(sent.items()):
+        kind = kinds[i] if i < len(kinds) else ModelLayer()
+        groups.setdefault(KIND_MARK.get(kind.kind, "?") if kinds else "", []).append(nbytes)
+        if kind.window is not None:
+            windows.setdefault(KIND_MARK["sliding"], set()).add(kind.window)
+    text = Text("KV per layer", style="bold")
+    order = [*KIND_MARK.values(), "?", ""]  # global layers first
+    for mark, sizes in sorted(groups.items(), key=lambda kv: order.index(kv[0])):
+        lo, hi = min(sizes), max(sizes)
+        size = format_bytes(hi) if lo == hi else f"{format_bytes(lo)}–{format_bytes(hi)}"
+        text.append(f"  {mark} " if mark else "  ", style="bold").append(f"{size} ×{len(sizes)}")
+        if mark in windows:
+            text.append(f" (window {'/'.join(map(str, sorted(windows[mark])))})", style="dim")
+    return text.append(f"  · {format_bytes(sum(sent.values()))} in all", style="dim")
 
 
 def _strips(tl: Timeline, width: int) -> list[Text]:
