@@ -1,7 +1,8 @@
 """Gemma 3 (sliding-window layers) through real nodes : a remote prefill's
 K/V fill mlx-lm's own mixed cache list (`RotatingKVCache` on sliding layers, `KVCache` on
 global ones), and greedy tokens equal mlx-lm's own generation, for prompts longer than the
-window (8 here: a short-window made model), with only each sliding layer's window on the wire."""
+window (8 here: a short-window made model), with only each sliding layer's window on the wire;
+quantized K/V on global layers; prompt caches across turns."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ WINDOW = 8
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    model = tiny_model(arch="gemma3", layers=6, sliding_window=WINDOW, sliding_window_pattern=3)
+    model = tiny_model(arch="gemma3", layers=6, sliding_window=WINDOW, sliding_window_pattern=3,
+                       heads=2, kv_heads=1, head_dim=64)  # fmt: skip
     yield from _cluster(tmp_path_factory.mktemp("gemma3"), model)
 
 
@@ -56,10 +58,67 @@ def test_streamed_and_completions_equal_mlx(cluster: Cluster) -> None:
     )
 
 
-def test_quantized_kv_is_refused_for_windowed_layers(cluster: Cluster) -> None:
-    import openai
+def _ids(cluster: Cluster, prompt: list[int], bits: int = 0) -> list[int]:
+    """mlx-lm's greedy token ids from scratch; with `bits`, over the mixed cache list made by
+    hand (its global layers quantized after the prompt, its windows float)."""
+    from tandem.nodes.contract.http import KVFormat
+    from tandem.nodes.decode import lm
 
-    with pytest.raises(openai.BadRequestError) as e:
-        _chat(cluster.client(), PROMPTS[0], extra_body={"tandem": {"kv_bits": 8}})
-    assert e.value.code == "unsupported_field"
-    assert "sliding-window" in e.value.message
+    fmt = KVFormat(bits) if bits else None
+    return list(lm.reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, 6, kv_format=fmt))
+
+
+def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, dict]:
+    extra = {"tandem": {"kv_bits": bits}} if bits else None
+    reply = cluster.client().completions.create(
+        model="m", prompt=prompt, max_tokens=6, temperature=0, extra_body=extra
+    )
+    return reply.choices[0].text, reply.model_extra["tandem"]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_on_global_layers_is_mlx_greedy_over_the_mixed_cache(
+    cluster: Cluster, bits: int
+) -> None:
+    """`kv_bits` quantizes the global layers' K/V (on the wire and in the cache); sliding
+    layers stay float. The oracle: mlx-lm generating over the same mixed cache list."""
+    spec = load_index(cluster.model).spec
+    for seed in range(2):
+        prompt = [(97 * seed + 31 * i) % spec.vocab_size for i in range(3 * WINDOW + seed)]
+        text, extra = _complete(cluster, prompt, bits)
+        assert extra["prefill"] == "remote" and extra["kv_dtype"] == f"q{bits}/g64"
+        assert text == cluster.tokenizer.decode(_ids(cluster, prompt, bits))
+        n, d = len(prompt) - 1, spec.head_dim
+        full = 2 * spec.num_kv_heads * n * (d * bits // 8 + 2 * 4 * d // 64)  # words, scales
+        window = 2 * spec.num_kv_heads * WINDOW * d * 4  # float32
+        want = sum(full if k.kind == "full" else window for k in spec.layer_kinds)
+        assert 0 < extra["kv_bytes"] - want < 1024 * spec.num_layers
+
+
+def test_three_turns_past_the_window_reuse_the_cache_exactly(cluster: Cluster) -> None:
+    """Each turn extends the last (its prompt, its reply, new tokens): the decode node reuses
+    the cached conversation whole, though its windows cannot be cut back, and the reply
+    equals mlx-lm's greedy from scratch. An edit inside the cached part falls back to the
+    longest point held exactly (turn one's), and says so."""
+    vocab = load_index(cluster.model).spec.vocab_size
+    fresh = [[(13 * turn + 7 * i + 5) % vocab for i in range(WINDOW + 3)] for turn in range(3)]
+    prompt: list[int] = []
+    held = 0  # positions the decode node keeps after a turn: prompt and reply but its last
+    points = []
+    for turn in range(3):
+        prompt = prompt + fresh[turn]
+        text, extra = _complete(cluster, prompt)
+        ids = _ids(cluster, prompt)
+        assert text == cluster.tokenizer.decode(ids)
+        assert (extra["cached_tokens"], extra["cache_fallback"]) == (held, False)
+        assert extra["prefill"] == "remote" and extra["prefill_tokens"] == len(prompt) - 1 - held
+        assert extra["decode_tokens"] == len(ids)
+        held = len(prompt) + len(ids) - 1
+        points.append(held)
+        prompt = prompt + ids
+    assert held > 4 * WINDOW
+    edited = list(prompt)
+    edited[points[1] - 2] = (edited[points[1] - 2] + 1) % vocab  # inside turn two
+    text, extra = _complete(cluster, edited)
+    assert text == cluster.tokenizer.decode(_ids(cluster, edited))
+    assert (extra["cached_tokens"], extra["cache_fallback"]) == (points[0], True)

@@ -90,6 +90,8 @@ class ReplyStats:
     decode_s: float = 0.0
     kv_dtype: str = ""  # how the KV was held: the model's dtype or e.g. "q8/g64"
     steady_tok_s: float | None = None  # wire `decode_tok_s`: the steady rate; None under 3
+    cached_tokens: int = 0  # prompt positions the decode node's prompt cache held
+    cache_fallback: bool = False  # its windows could not be cut back: an earlier exact point
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,6 +106,8 @@ class ReplyStats:
             "decode_tokens": self.decode_tokens,
             "decode_s": self.decode_s,
             "decode_tok_s": self.steady_tok_s,
+            "cached_tokens": self.cached_tokens,
+            "cache_fallback": self.cache_fallback,
         }
 
     @classmethod
@@ -138,5 +142,7 @@ def _typed(name: str, kind: object, value: Any) -> Any:
     if kind in ("float", "float | None") and number:
         return float(value)
     if kind in ("str", "str | None") and isinstance(value, str):
+        return value
+    if kind == "bool" and isinstance(value, bool):
         return value
     raise ContractError(f"the reply's tandem {name} is not a {kind}")

@@ -25,7 +25,6 @@ import mlx.core as mx
 from mlx_lm import load as _load
 from mlx_lm.generate import (
     generation_stream,
-    maybe_quantize_kv_cache,
     stream_generate,
     wired_limit,
 )
@@ -105,8 +104,11 @@ def to_quantized(cache: Any, kv_format: KVFormat) -> Any:
 
 def quantize_when_due(caches: Caches, kv_format: KVFormat | None) -> None:
     """mlx-lm's own step: float caches become quantized (`quantized_kv_start=0`)."""
-    if kv_format is not None:
-        maybe_quantize_kv_cache(caches, 0, kv_format.group_size, kv_format.bits)
+    if kv_format is None:
+        return
+    for i, c in enumerate(caches):  # `maybe_quantize_kv_cache(.., 0, ..)` on full layers only
+        if type(c) is KVCache:  # mlx-lm cannot quantize a window's (nor need it: bounded)
+            caches[i] = to_quantized(c, kv_format)
 
 
 def append(cache: Any, k: mx.array, v: mx.array) -> None:
@@ -381,9 +383,14 @@ def reference_tokens(
 ) -> Iterator[int]:
     """mlx-lm's own `stream_generate` (greedy unless its defaults change), one token id per
     response: what this module's generation is checked against, and the bench's reference.
-    With `kv_format`, mlx-lm quantizes its cache from the start (`quantized_kv_start=0`)."""
-    quant = {"kv_bits": None}
-    if kv_format is not None:
+    With `kv_format`, mlx-lm quantizes its cache from the start (`quantized_kv_start=0`); a
+    model with windows (which mlx-lm cannot quantize) generates over its mixed cache list
+    built by hand: the prompt prefilled, then its full layers' caches quantized."""
+    quant: dict[str, Any] = {"kv_bits": None}
+    if kv_format is not None and any(kind(c) != "full" for c in new_caches(model)):
+        caches = caches if caches is not None else new_caches(model)
+        prompt = prefill(model, mx.array(list(prompt)), caches, kv_format).tolist()
+    elif kv_format is not None:
         quant = {"kv_bits": kv_format.bits, "kv_group_size": kv_format.group_size,
                  "quantized_kv_start": 0}  # fmt: skip
     for response in stream_generate(

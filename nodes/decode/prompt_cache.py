@@ -5,6 +5,11 @@ precision, or quantized with given bits and group size): a request reuses only a
 the form it asks for, and storing one drops only entries of its own form. A request takes a
 *copy* of the longest common prefix (slicing makes new arrays, so the stored entry is never
 touched), and only the positions after it need a prefill — remote (`start = k`) or local.
+
+A model with sliding-window layers: a window that has dropped positions cannot be cut back
+(mlx-lm's `RotatingKVCache`), so an entry serves a turn that extends it whole, and a turn
+that edits inside it falls back to the longest point held exactly (earlier turns' entries
+are kept for that while their caches cannot be cut back to them; `fallbacks` counts it).
 Bounded by bytes; the least recently used conversation goes first (conversations are not a
 cyclic scan).
 """
@@ -39,6 +44,8 @@ class PromptCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[_Form, tuple[int, ...]], _Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self.reused_tokens = 0  # positions lookups handed out, all told
+        self.fallbacks = 0  # lookups that fell back from a window to a point held exactly
 
     @property
     def nbytes(self) -> int:
@@ -56,10 +63,17 @@ class PromptCache:
         with self._lock:
             held = {key: e for (f, key), e in self._entries.items() if f == form}
             best, best_k = best_prefix(held, tokens, limit)
-            if best is None:
+            if best is not None and not lm.can_cut(held[best].caches, best_k):
+                # a window past its size cannot be cut back: the longest point held exactly
+                exact = [key for key in held if len(key) <= limit and _starts(tokens, key)]
+                best = max(exact, key=len, default=None)
+                best_k = len(best) if best is not None else 0
+                self.fallbacks += 1
+            if best is None or not best_k:
                 return 0, None
             self._entries.move_to_end((form, best))
             entry = held[best]
+        self.reused_tokens += best_k
         return best_k, lm.clone_prefix(entry.caches, best_k)
 
     def store(self, tokens: Sequence[int], caches: lm.Caches) -> None:
@@ -67,20 +81,23 @@ class PromptCache:
         key = tuple(tokens)
         if not key or lm.positions(caches) != len(key):
             return
-        if any(lm.kind(c) != "full" for c in caches):
-            return  # a window's cache cannot be cut back to a prefix (issue 35: not yet kept)
         nbytes = lm.nbytes(caches)
         kv_format = kv.format_of(caches)
         form = _form(kv_format)
         with self._lock:
             for f, other in list(self._entries):
-                if f == form and key[: len(other)] == other:  # a shorter prefix of this one
+                # a shorter prefix of this one, which these caches can be cut back to
+                if f == form and key[: len(other)] == other and lm.can_cut(caches, len(other)):
                     del self._entries[f, other]
             self._entries[form, key] = _Entry(key, caches, nbytes, kv_format)
             while self._entries and (
                 self.nbytes > self.max_bytes or len(self._entries) > self.max_entries
             ):
                 self._entries.popitem(last=False)
+
+
+def _starts(tokens: Sequence[int], key: tuple[int, ...]) -> bool:
+    return tuple(tokens[: len(key)]) == key
 
 
 _Form = tuple[int, int] | None  # (bits, group size) of quantized caches; None: full precision

@@ -62,6 +62,8 @@ class PrefillInfo:
     seconds: float = 0.0
     kv_bytes: int = 0
     first: LayerStepper | None = None  # the last prompt token's pass, already run
+    cached: int = 0  # positions the prompt cache held
+    cache_fallback: bool = False  # a window could not be cut back: an earlier exact point
 
 
 @dataclass(frozen=True)
@@ -99,12 +101,6 @@ class DecodeService:
         self.max_tokens_limit = max_tokens_limit
         self.remote_timeout_s = remote_timeout_s
         self.expect = expect
-        # a model with sliding-window layers keeps float K/V: mlx-lm cannot quantize a
-        # RotatingKVCache (issue 35: quantizing its global layers alone is the next step)
-        self.windowed = any(kind.kind != "full" for kind in spec.layer_kinds)
-        if self.windowed and kv_format is not None:
-            log.warning("--kv-bits ignored: %s has sliding-window layers (float K/V)", spec.name)
-            kv_format = None
         self.kv_format = kv_format  # the default of requests that do not say
         # a request's bits without a group size take the node's (its own bits may be 16)
         self.kv_group_size = kv_group_size
@@ -215,10 +211,6 @@ class DecodeService:
     def kv_format_in(self, body: Any) -> KVFormat | None:
         """A completion body's KV format, this node's defaults filling what it leaves out;
         ApiError (400) for one it cannot serve."""
-        asked = body.get("tandem") if isinstance(body, dict) else None
-        if self.windowed and isinstance(asked, dict) and asked.get("kv_bits") not in (None, 0, 16):
-            raise ApiError(400, "tandem: kv_bits is not available for this model yet: its "
-                           "sliding-window layers keep float K/V", "unsupported_field")  # fmt: skip
         return kv_format_in(body, self.kv_format, self.kv_kernel, self.spec.head_dim,
                             self.kv_group_size)  # fmt: skip
 
@@ -229,13 +221,16 @@ class DecodeService:
 
     def _prepare(
         self, tokens: list[int], fmt: KVFormat | None
-    ) -> tuple[int, lm.Caches, LayerStepper | None]:
+    ) -> tuple[int, lm.Caches, LayerStepper | None, bool]:
         """On the mlx thread, in one hop: caches holding the longest cached prefix 0..k-1 of
-        `tokens` (new caches where none is cached) and the last token's layer-at-a-time pass
-        over them (used by a remote prefill; None where the family has none)."""
+        `tokens` (new caches where none is cached), the last token's layer-at-a-time pass
+        over them (used by a remote prefill; None where the family has none), and whether the
+        prompt cache fell back to an earlier point (a window it could not cut back)."""
+        fallbacks = self.prompt_cache.fallbacks  # lookups run on this thread alone
         k, reused = self.prompt_cache.lookup(tokens, fmt)
         caches = reused if reused is not None else self.host.new_cache()
-        return k, caches, self.family.stepper(self.host.model, tokens[-1], caches)
+        fell_back = self.prompt_cache.fallbacks != fallbacks
+        return k, caches, self.family.stepper(self.host.model, tokens[-1], caches), fell_back
 
     def _restore(
         self, caches: lm.Caches, before: lm.Caches, k: int, last: int
@@ -256,7 +251,8 @@ class DecodeService:
         """Caches holding positions 0..k-1, k = n-1 after a remote prefill; mlx-lm prefills
         whatever the cache lacks locally. The prompt cache supplies a reused prefix first."""
         rid, n, fmt = req.request_id, len(req.tokens) - 1, req.kv_format
-        k, caches, first = await self.host.call(self._prepare, req.tokens, fmt)
+        k, caches, first, fell_back = await self.host.call(self._prepare, req.tokens, fmt)
+        reuse = {"cached": k, "cache_fallback": fell_back}
         new = n - k  # positions that need a prefill
         wire = kv_bytes(self.spec, fmt, ITEMSIZE[self.expect.dtype])
         decision = choose(self.mode, new, wire, self.local, self.peers.trusted("prefill"))
@@ -268,7 +264,7 @@ class DecodeService:
                 RequestEvent(rid, phase="prefill_start", tokens=new, where="local",
                              detail=f"kv {kv_dtype(self.expect, fmt)}")
             )  # fmt: skip
-            return caches, PrefillInfo("local", None, new)
+            return caches, PrefillInfo("local", None, new, **reuse)
         peer = decision.peer
         assert peer is not None
         publish(
@@ -283,7 +279,7 @@ class DecodeService:
             await self.host.call(self._restore, caches, before, k, req.tokens[-1])
             log.warning("remote prefill failed, prefilling locally: %s", e)
             publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
-            return caches, PrefillInfo("local", None, new)
+            return caches, PrefillInfo("local", None, new, **reuse)
         # a pass near the floor says nothing about the marginal rate
         rate = (
             result.compute_tok_s(self.spec.num_layers)
@@ -292,7 +288,7 @@ class DecodeService:
         )
         self.peers.update_rates(peer.address, rate, result.link_Bps, result.seconds)
         publish(RequestEvent(rid, phase="prefill_done", tokens=new, where=peer.address))
-        info = PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes)
+        info = PrefillInfo("remote", peer.address, new, result.seconds, result.kv_bytes, **reuse)
         if first is not None and first.complete:
             info.first = first
         elif first is not None:  # not every layer ran: the last token goes through whole
@@ -359,6 +355,7 @@ class DecodeService:
             prefill_tokens=info.tokens, prefill_s=info.seconds, kv_bytes=info.kv_bytes,
             ttft_s=ttft_s, decode_tokens=gen.tokens, decode_s=gen.decode_s,
             kv_dtype=kv_dtype(self.expect, req.kv_format), steady_tok_s=gen.steady_tok_s,
+            cached_tokens=info.cached, cache_fallback=info.cache_fallback,
         ).to_json()  # fmt: skip
 
 
