@@ -136,7 +136,7 @@ def _attend(
     # plain causal where the queries start at position 0, else causal aligned to the last
     # key (lower right); a window that leaves out keys takes the band
     if window is not None and s_end > window:
-        causal: dict[str, object] = {"attn_mask": _band(start + c0, start + c1, s_lo, window,
+        causal: dict[str, object] = {"attn_mask": band_mask(start + c0, start + c1, s_lo, window,
                                                         q.device)}  # fmt: skip
     elif start + c0 == 0:
         causal = {"is_causal": True}
@@ -153,7 +153,7 @@ def _attend(
     return out[0].transpose(0, 1)
 
 
-def _band(q_lo: int, q_hi: int, k_lo: int, window: int, device: torch.device) -> torch.Tensor:
+def band_mask(q_lo: int, q_hi: int, k_lo: int, window: int, device: torch.device) -> torch.Tensor:
     """Which keys k_lo..q_hi-1 each query q_lo..q_hi-1 attends to in a sliding window:
     q - window < k <= q (as mlx-lm's `create_causal_mask`). [q_hi - q_lo, q_hi - k_lo] bool."""
     q = torch.arange(q_lo, q_hi, device=device)[:, None]

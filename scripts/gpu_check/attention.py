@@ -60,7 +60,6 @@ def sdpa_backends(spec: Any, dtype: Any, device: str, count: int, start: int) ->
     it ran (a lower-right causal bias may pick its kernel itself)."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     D, S = spec.head_dim, start + count
@@ -70,6 +69,16 @@ def sdpa_backends(spec: Any, dtype: Any, device: str, count: int, start: int) ->
     causal: Json = (
         {"is_causal": True} if start == 0 else {"attn_mask": causal_lower_right(count, S)}
     )
+    return each_backend(
+        lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True, **causal),
+        device == "cuda",
+    )
+
+
+def each_backend(call: Callable[[], object], cuda: bool) -> Json:
+    """`call` under each SDPA backend alone: whether it takes it, and what it ran."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     out: Json = {}
     for backend in SDPBackend.__members__.values():
         if backend.name in ("ERROR", "OVERRIDEABLE"):
@@ -78,18 +87,41 @@ def sdpa_backends(spec: Any, dtype: Any, device: str, count: int, start: int) ->
             warnings.simplefilter("always")
             try:
                 with sdpa_kernel([backend]):
-                    seen = profiled(
-                        lambda: F.scaled_dot_product_attention(
-                            q, k, v, scale=D**-0.5, enable_gqa=True, **causal
-                        ),
-                        device == "cuda",
-                    )
+                    seen = profiled(call, cuda)
                 out[backend.name] = {"ok": True, "ran": seen["backend"]}
             except RuntimeError as e:
                 why = [str(w.message).splitlines()[0][:200] for w in caught]
                 why = [w for w in why if not w.startswith("No viable backend")][:4]
                 out[backend.name] = {"ok": False, "why": why or [str(e).splitlines()[0][:200]]}
     return out
+
+
+def window_of(ctx: Ctx, dtype: str) -> Json:
+    """A sliding-window layer's attention (Gemma 3 270M's shape: 4 heads, 1 KV head, head
+    dim 256, window 512): one query chunk after a long prefix under its band mask, as
+    blocks.attention_part calls it. The kernel SDPA picks, and each backend alone (flash
+    takes no mask: the band runs on the efficient kernel where it takes head dim 256)."""
+    import torch
+    import torch.nn.functional as F
+    from tandem.nodes.prefill.blocks import band_mask
+
+    window, chunk, start, D = 512, 256, 2048, 256
+    tdtype = getattr(torch, dtype)
+    k_lo = start - window + 1
+    q = torch.randn(1, 4, chunk, D, dtype=tdtype, device=ctx.device)
+    k = torch.randn(1, 1, start + chunk - k_lo, D, dtype=tdtype, device=ctx.device)
+    v = torch.randn_like(k)
+    mask = band_mask(start, start + chunk, k_lo, window, q.device)
+
+    def call() -> object:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=True
+        )
+
+    picked = profiled(call, ctx.cuda)
+    say(f"attention {dtype}, sliding window band: {picked['backend']}")
+    return {"window": window, "chunk": chunk, "start": start, "head_dim": D, **picked,
+            "backends": each_backend(call, ctx.cuda)}  # fmt: skip
 
 
 def attention_of(ctx: Ctx, dtype: str) -> Json:
@@ -130,6 +162,7 @@ def attention_section(ctx: Ctx) -> Json:
     """Which kernel a real prefill's attention runs, at start 0 and after a prefix."""
     out = {dtype: attempt(attention_of, ctx, dtype) for dtype in ("bfloat16", "float32")}
     ran = [out[d].get(c, {}).get("backend") for d in out for c in ("start_0", "start_gt_0")]
+    out["sliding_window"] = attempt(window_of, ctx, "bfloat16")  # reported, not judged
     out["ok"] = all(r not in (None, "unknown") for r in ran)
     if ctx.cuda:  # issue 17 defect 1: bf16 on CUDA must not fall back to MATH
         out["ok"] = out["ok"] and "MATH" not in ran[:2]
