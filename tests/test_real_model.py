@@ -90,7 +90,7 @@ def test_a_second_prepare_waits_for_the_first_and_reads_what_it_made(
     monkeypatch.setattr(rm, "locate_gguf", no_conversion)
     made = rm.RealModel(tmp_path / rm.NAME)
     got: list[Any] = []
-    with rm._one_at_a_time(tmp_path):  # the first one, preparing
+    with rm.one_at_a_time(tmp_path):  # the first one, preparing
         second = threading.Thread(target=lambda: got.append(rm.prepare(tmp_path, ("mlx-q4",))))
         second.start()
         second.join(0.5)

@@ -38,7 +38,6 @@ NAME = "smollm2-135m-instruct-v1"  # the suffix changes with what `prepare` writ
 FORMS = ("mlx-q4", "float32", "bfloat16")
 Form = Literal["mlx-q4", "float32", "bfloat16"]
 NAMES = ("smollm2", "gemma3-270m")
-_one_at_a_time = one_at_a_time  # the name the tests hold
 
 
 def _installed_gguf() -> Path | None:

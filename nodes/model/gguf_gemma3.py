@@ -115,8 +115,9 @@ def write_gemma3_hf(model: Gemma3Gguf, out: str | Path, dtype: FloatDtype) -> Pa
 
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
-    hf = Gemma3ForCausalLM(Gemma3TextConfig(**model.config))
-    missing, unexpected = hf.load_state_dict(model.state, strict=False)
+    with torch.device("meta"):  # no random init: every weight is assigned below
+        hf = Gemma3ForCausalLM(Gemma3TextConfig(**model.config))
+    missing, unexpected = hf.load_state_dict(model.state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise ModelError(f"{model.source}: weights do not fit ({missing=}, {unexpected=})")
     hf.tie_weights()
