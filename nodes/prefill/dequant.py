@@ -7,8 +7,12 @@ as mlx does, in the scales' dtype, rounding after the product and after the sum.
 model computes in a wider dtype than its scales (float32 norms beside float16 scales), the
 scales are widened first, as mlx's matmul does.
 
-Runs with plain torch ops, the same on CPU and CUDA; `out` takes the result in place so a
-caller's scratch bounds the memory, and rows go in blocks so temporaries stay small.
+Runs with plain torch ops, the same on CPU and CUDA, in a few kernels per matrix: for 2, 4
+and 8 bits one broadcast shift unpacks every byte's values at once (`_unpack_aligned`), then
+one conversion, one product and one sum. `out` takes the result in place so a caller's
+scratch bounds the memory; the temporaries (the unpacked uint8 values, and where the scales
+are widened a float32 copy) go into `temp`, free scratch bytes the caller lends, or else into
+at most `BLOCK_BYTES` allocated here, rows in blocks of what that holds.
 """
 
 from __future__ import annotations
@@ -19,26 +23,41 @@ import torch
 from tandem.nodes.model.quant import Quant
 from tandem.nodes.prefill.loads import ALIGN  # the plan sizes the scratch with the same alignment
 
-BLOCK_ELEMENTS = 1 << 21  # values per row block: temporaries of a few MiB
+BLOCK_BYTES = 16 << 20  # temporaries a call allocates when the caller lends too few
+CROSSING_ROW_TEMPS = 40  # bytes of int64 temporaries per value of a crossing (3/5/6-bit) row
 
 
-def _unpack_aligned(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """[R, W] words → [R, W·32/bits] uint8 values, for 2, 4 and 8 bits: byte by byte (the
-    words are little-endian, so byte k holds the values that start at bit 8k)."""
+def _unpack_aligned(words: torch.Tensor, bits: int, into: torch.Tensor | None) -> torch.Tensor:
+    """[R, W] words → [R, W·32/bits] uint8 values in `into` (uint8, R·W·32/bits bytes), for 2,
+    4 and 8 bits: the words are little-endian, so byte k holds the values that start at bit 8k,
+    and one broadcast shift [R, 4W, 1] >> [8/bits] takes them all out."""
+    rows, cols = words.shape[0], words.shape[1] * 32 // bits
     by = words.view(torch.uint8)  # [R, 4W]
     if bits == 8:
         return by
-    mask = (1 << bits) - 1
-    q = torch.stack([(by >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
-    return q.view(words.shape[0], words.shape[1] * 32 // bits)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)
+    assert into is not None
+    q = into[: rows * cols].view(rows, by.shape[1], 8 // bits)
+    torch.bitwise_right_shift(by.unsqueeze(-1), shifts, out=q)
+    q.bitwise_and_((1 << bits) - 1)
+    return q.view(rows, cols)
 
 
-def _unpack_crossing(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+def _crossing_index(
+    cols: int, bits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per value of a row: the word it starts in, and its shift there (3, 5, 6 bits)."""
+    offset = torch.arange(cols, dtype=torch.int64, device=device) * bits
+    return offset // 32, offset % 32
+
+
+def _unpack_crossing(
+    words: torch.Tensor, bits: int, index: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """[R, W] int32 words → [R, cols] int64 values for bits that cross words (3, 5, 6)."""
+    word, shift = index
     w64 = words.to(torch.int64) & 0xFFFFFFFF
     w64 = torch.cat([w64, torch.zeros_like(w64[:, :1])], dim=1)  # a word past the end
-    offset = torch.arange(cols, dtype=torch.int64, device=words.device) * bits
-    word, shift = offset // 32, offset % 32
     pair = w64[:, word] | (w64[:, word + 1] << 32)  # 64 bits starting at the value's word
     return (pair >> shift) & ((1 << bits) - 1)
 
@@ -46,8 +65,9 @@ def _unpack_crossing(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
 def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """The integer values of packed rows: [R, W] → [R, cols]."""
     if bits in (2, 4, 8):
-        return _unpack_aligned(words, bits)
-    return _unpack_crossing(words, bits, cols)
+        into = torch.empty(words.shape[0] * cols, dtype=torch.uint8, device=words.device)
+        return _unpack_aligned(words, bits, into)
+    return _unpack_crossing(words, bits, _crossing_index(cols, bits, words.device))
 
 
 def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
@@ -57,6 +77,15 @@ def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
+def temp_bytes_per_row(cols: int, bits: int, scales: torch.dtype, dtype: torch.dtype) -> int:
+    """Bytes of temporaries `dequantize` needs per row of `cols` values: the unpacked values
+    (uint8; int64 ones where values cross words), and a float32 row where the scales are
+    widened to a compute dtype other than float32."""
+    work = work_dtype(scales, dtype)
+    unpacked = cols * (CROSSING_ROW_TEMPS if bits not in (2, 4, 8) else 1 if bits != 8 else 0)
+    return unpacked + (cols * work.itemsize if work != dtype else 0)
+
+
 def dequantize(
     words: torch.Tensor,
     scales: torch.Tensor,
@@ -64,9 +93,12 @@ def dequantize(
     quant: Quant,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    temp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float weights [R, C] in `dtype` from packed `words` [R, C·bits/32] (int32 or uint32
-    storage), `scales` and `biases` [R, C/group_size]."""
+    storage), `scales` and `biases` [R, C/group_size]. `temp`: free uint8 bytes (on the
+    device) for the temporaries; a 4- or 8-bit matrix whose temporaries fit takes one block,
+    at most 6 kernels."""
     rows, groups = scales.shape
     g = quant.group_size
     cols = groups * g
@@ -80,22 +112,52 @@ def dequantize(
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype, device=words.device)
     work = work_dtype(scales.dtype, dtype)
-    step = max(1, BLOCK_ELEMENTS // cols)
+    aligned = quant.bits in (2, 4, 8)
+    per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, dtype)
+    index: tuple[torch.Tensor, torch.Tensor] | None = None
+    if not aligned:  # int64 temporaries of its own: blocks of what BLOCK_BYTES holds
+        temp, step = None, BLOCK_BYTES // per_row
+        index = _crossing_index(cols, quant.bits, words.device)
+    elif per_row:
+        temp = _lent_or_new(temp, per_row, rows, words.device)
+        step = temp.numel() // per_row
+    else:  # 8 bits in the working dtype: no temporaries
+        step = rows
+    step = max(1, step)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        q = unpack(words[r0:r1], quant.bits, cols).view(r1 - r0, groups, g)
-        # in the output itself where it has the working dtype, else in a temporary
-        w = (
-            out[r0:r1].view(r1 - r0, groups, g)
-            if work == dtype
-            else torch.empty_like(q, dtype=work)
-        )
-        w.copy_(q)
-        w.mul_(scales[r0:r1].to(work).unsqueeze(-1))  # two roundings, as mlx: the product,
-        w.add_(biases[r0:r1].to(work).unsqueeze(-1))  # then the sum
+        n, wide = r1 - r0, (r1 - r0) * cols * work.itemsize if work != dtype else 0
+        if index is not None:
+            q = _unpack_crossing(words[r0:r1], quant.bits, index)
+        else:  # the float32 rows first (aligned), the unpacked bytes after them
+            q = _unpack_aligned(words[r0:r1], quant.bits, temp[wide:] if temp is not None else None)
+        if work == dtype:  # in the output itself
+            w = out[r0:r1]
+        elif temp is not None:
+            w = temp[:wide].view(work)
+        else:
+            w = torch.empty((n, cols), dtype=work, device=words.device)
+        w = w.view(n, groups, g)
+        w.copy_(q.view(n, groups, g))
+        # two roundings, as mlx: the product, then the sum; narrower scales are widened in
+        # the kernel (exactly), as `.to(work)` would
+        w.mul_(scales[r0:r1].unsqueeze(-1))
+        w.add_(biases[r0:r1].unsqueeze(-1))
         if work != dtype:
-            out[r0:r1] = w.view(r1 - r0, cols)
+            out[r0:r1].copy_(w.view(n, cols))
     return out
+
+
+def _lent_or_new(
+    temp: torch.Tensor | None, per_row: int, rows: int, device: torch.device
+) -> torch.Tensor:
+    """The caller's free bytes when they hold every row's temporaries, or at least
+    `BLOCK_BYTES` of them; else new bytes: all that is needed, at most `BLOCK_BYTES` (and at
+    least a row's)."""
+    want = max(per_row, min(per_row * rows, BLOCK_BYTES))
+    if temp is not None and temp.numel() >= want:
+        return temp
+    return torch.empty(want, dtype=torch.uint8, device=device)
 
 
 class DequantizedWeights(Mapping[str, torch.Tensor]):
@@ -145,7 +207,8 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
         dest = self._scratch[self._cursor : self._cursor + nbytes].view(self._dtype)
         self._cursor += -(-nbytes // ALIGN) * ALIGN
         scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
-        out = dequantize(view, scales, biases, quant, self._dtype, out=dest.view(rows, cols))
+        free = self._scratch[self._cursor :]  # holds nothing asked for: the temporaries' room
+        out = dequantize(view, scales, biases, quant, self._dtype, dest.view(rows, cols), free)
         self._done[key] = out
         return out
 

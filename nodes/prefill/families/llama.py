@@ -21,7 +21,7 @@ from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part, out_rows_part
 from tandem.nodes.prefill.dequant import DequantizedWeights, dequantize
 from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
-from tandem.nodes.prefill.loads import Part, Piece, slot_size
+from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
 
 
 class DenseFamily(PrefillFamily):
@@ -69,8 +69,10 @@ def _out_rows(
     block = max(1, p.scratch.numel() // row_bytes)
     for a in range(0, rows, block):
         b = min(rows, a + block)
+        used = round_up((b - a) * row_bytes, ALIGN)
         dest = p.scratch[: (b - a) * row_bytes].view(p.dtype).view(b - a, cols)
-        wq = dequantize(weight[a:b], scales[a:b], biases[a:b], quant, p.dtype, out=dest)
+        wq = dequantize(weight[a:b], scales[a:b], biases[a:b], quant, p.dtype, dest,
+                        p.scratch[used:])  # fmt: skip
         last = part.last and b == rows
         out_rows_part(h, state, wq, part.lo + a, part.lo + b, last, p.chunk)
 

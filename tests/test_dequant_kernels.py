@@ -1,0 +1,93 @@
+"""The dequantizer's cost: a few kernels per matrix (aten ops counted at dispatch), one block
+where the caller lends the temporaries' room, and still `mx.dequantize` bit for bit when the
+rows go in blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from tandem.nodes.model.quant import Quant
+from tandem.nodes.prefill import dequant
+from tandem.nodes.prefill.dequant import dequantize, temp_bytes_per_row
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.test_quantized import MX_TO_TORCH, _bits, _torch
+
+ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty"}
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten ops that run a kernel: not views, not bare allocations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.allocations = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        if name in ALLOCATIONS:
+            self.allocations += 1
+        elif not func.is_view:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _quantized(rows: int, cols: int, bits: int, group: int, dtype: mx.Dtype) -> tuple:
+    rng = np.random.default_rng(rows + bits)
+    x = mx.array(rng.standard_normal((rows, cols)).astype(np.float32)).astype(dtype)
+    words, scales, biases = mx.quantize(x, group_size=group, bits=bits)
+    ref = mx.dequantize(words, scales, biases, group_size=group, bits=bits)
+    return _torch(words), _torch(scales), _torch(biases), ref
+
+
+@pytest.mark.parametrize(
+    ("scales", "compute"),
+    [(mx.bfloat16, torch.bfloat16), (mx.float16, torch.float32), (mx.float16, torch.bfloat16)],
+    ids=["bf16", "fp16-in-fp32", "fp16-in-bf16"],
+)
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_matrix_takes_a_few_kernels(bits: int, scales: mx.Dtype, compute: torch.dtype) -> None:
+    """A 70B-wide matrix (8192 columns; rows kept few for the test's time) in one block of at
+    most 8 kernels, its temporaries in the lent bytes (nothing allocated)."""
+    rows, cols, quant = 96, 8192, Quant(bits, 64)
+    words, s, b, ref = _quantized(rows, cols, bits, 64, scales)
+    out = torch.empty((rows, cols), dtype=compute)
+    temp = torch.empty(rows * temp_bytes_per_row(cols, bits, s.dtype, compute), dtype=torch.uint8)
+    with Launches() as count:
+        dequantize(words, s, b, quant, compute, out, temp)
+    assert len(count.ops) <= 8, count.ops
+    assert count.allocations == 0
+    if MX_TO_TORCH[scales] == compute:  # else mlx's matmul widens first: see test_quantized
+        assert torch.equal(_bits(out), _bits(_torch(ref)))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_blocks_of_what_is_lent_stay_bit_for_bit(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Too little lent room and a small BLOCK_BYTES: rows go in blocks, bits unchanged (and
+    where the scales are widened, the same bits as in one block)."""
+    rows, cols, quant = 37, 512, Quant(bits, 32)
+    words, s, b, ref = _quantized(rows, cols, bits, 32, mx.float16)
+    whole = dequantize(words, s, b, quant, torch.bfloat16)
+    monkeypatch.setattr(dequant, "BLOCK_BYTES", 4096)
+    ours = dequantize(words, s, b, quant, torch.float16, temp=torch.empty(8, dtype=torch.uint8))
+    assert torch.equal(_bits(ours), _bits(_torch(ref)))
+    widened = dequantize(words, s, b, quant, torch.bfloat16, temp=torch.empty(8, dtype=torch.uint8))
+    assert torch.equal(_bits(widened), _bits(whole))
+
+
+def test_the_launch_count_does_not_grow_with_rows() -> None:
+    """Four times the rows, the same kernels: one block when the temporaries fit."""
+    counts = []
+    for rows in (64, 256):
+        words, s, b, _ = _quantized(rows, 1024, 4, 32, mx.bfloat16)
+        with Launches() as count:
+            dequantize(words, s, b, Quant(4, 32), torch.bfloat16)
+        counts.append(len(count.ops))
+    assert counts[0] == counts[1] <= 6
