@@ -73,13 +73,13 @@ def _config(hf_config: Any, where: Path) -> dict[str, Any]:
 
 
 def read_gemma3_gguf(path: str | Path) -> Gemma3Gguf:
-    """Dequantize a Gemma 3 GGUF to float32 with transformers (about half a minute)."""
+    """Dequantize a Gemma 3 GGUF to float32 with transformers (30-60 s on a CPU)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = Path(path)
     started = time.monotonic()
-    log.info("reading %s with transformers (dequantizing, ~30 s)", src.name)
+    log.info("reading %s with transformers (dequantizing: 30-60 s on a CPU)", src.name)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(src.parent), gguf_file=src.name, dtype=torch.float32
