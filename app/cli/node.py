@@ -19,6 +19,7 @@ from tandem.nodes.contract.http import (
     KV_BITS,
     KV_GROUP_SIZES,
 )
+from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
 
 if TYPE_CHECKING:
     from tandem.nodes.model.verify import Verified
@@ -36,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", type=size, default=None, help="weights and activations")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument(
-        "--host-budget", type=size, default=None, help="layers kept in host RAM across requests"
+        "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
     )
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)

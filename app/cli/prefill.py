@@ -10,6 +10,7 @@ from pathlib import Path
 from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS
+from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
 
 log = logging.getLogger("tandem")
 
@@ -24,7 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device (Gbit/s)")
-    p.add_argument("--host-budget", type=size, default=None, help="layers kept in host RAM")
+    p.add_argument(
+        "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
+    )
     p.add_argument("--stats-json", type=Path, default=None)
     p.set_defaults(func=run)
 

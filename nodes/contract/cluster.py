@@ -88,6 +88,30 @@ def _layers(model: dict[str, Any], what: str) -> tuple[ModelLayer, ...]:
 
 
 @dataclass(frozen=True)
+class WeightTiers:
+    """Where a prefill node's weights are during a warm pass (bytes): `device`, resident on the
+    device; `ram`, streamed each pass from its RAM tier (`--host-budget`); `disk`, streamed
+    each pass from disk."""
+
+    device: int = 0
+    ram: int = 0
+    disk: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"device": self.device, "ram": self.ram, "disk": self.disk}
+
+
+def _tiers(obj: dict[str, Any], what: str) -> WeightTiers | None:
+    """`tiers`: None from a node that says none (an older one, or no prefill role)."""
+    if obj.get("tiers") is None:
+        return None
+    tiers = _object(obj, "tiers", what)
+    return WeightTiers(
+        _int(tiers, "device", what), _int(tiers, "ram", what), _int(tiers, "disk", what)
+    )
+
+
+@dataclass(frozen=True)
 class Health:
     """`GET /health` (no auth, no secret): who a node is and what it runs."""
 
@@ -105,6 +129,7 @@ class Health:
     instance: str = ""  # random per process: a restart (or another process) changes it
     cert_fingerprint: str = ""  # hex sha256 of the TLS certificate it serves; "" on plain HTTP
     layer_kinds: tuple[ModelLayer, ...] = ()  # one per layer; () from an older node: unknown
+    tiers: WeightTiers | None = None  # a prefill node's weights by tier; None: not said
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -115,6 +140,7 @@ class Health:
                       "layers": self.layers,
                       "layer_kinds": [k.to_json() for k in self.layer_kinds]},
             "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
+            "tiers": self.tiers.to_json() if self.tiers is not None else None,
         }  # fmt: skip
 
     @classmethod
@@ -131,7 +157,7 @@ class Health:
             budget_bytes=_int(obj, "budget_bytes", w), model_name=_str(model, "name", w),
             fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
             instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
-            layer_kinds=_layers(model, w),
+            layer_kinds=_layers(model, w), tiers=_tiers(obj, w),
         )  # fmt: skip
 
 

@@ -6,7 +6,9 @@ In one run, on one prompt, after a warm-up pass (which loads the resident set):
 - `load_s`: every load streamed through the budget with compute switched off, with the
   loader's rates: `loader_Bps` (bytes / loader busy time), `disk_Bps` and `copy_Bps` (the
   host→device copy: CUDA only; on a CPU the read lands in the slot);
-- `wall_s`: the real, overlapped prefill;
+- `wall_s`: the real, overlapped prefill; `disk_bytes` and `ram_bytes`: where its last run's
+  streamed bytes came from (the RAM tier, `--host-budget`, default `auto`, holds what it can
+  once the warm-up has read it);
 - with `--vs resident`, `vs_resident_ratio`: streamed / all-resident wall, the two engines
   run in turns in this one process.
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
@@ -42,6 +44,12 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
+from tandem.nodes.prefill.ram import (
+    DEFAULT_HOST_BUDGET,
+    HOST_BUDGET_HELP,
+    HostBudget,
+    host_budget_arg,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +125,7 @@ def bench(
     cold: bool = False,
     repeat: int = 3,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    host_budget: int | None = None,
+    host_budget: HostBudget | None = DEFAULT_HOST_BUDGET,
     kv_bits: int = 16,
     vs_resident: bool = False,
 ) -> dict[str, object]:
@@ -205,7 +213,9 @@ def _result(
         "budget_bytes": budget,
         "model_bytes": index.total_bytes,
         "bytes_streamed": last.bytes_streamed,
-        "disk_bytes": last.disk_bytes,
+        "disk_bytes": last.disk_bytes,  # per pass, as the next two: where the bytes came from
+        "ram_bytes": last.ram_bytes,
+        "ram_tier_bytes": engine.plan.host_bytes,  # what the RAM tier holds
         # the loader's own rates, from the load-only runs: whether it runs near the link
         "disk_Bps": _rate([(s.disk_bytes, s.disk_s) for s in p.loaded]),
         "copy_Bps": (  # on a CPU the read lands in the slot: there is no separate copy
@@ -309,7 +319,8 @@ def table(r: dict[str, object]) -> str:
         f"  overlap     {r['overlap_ratio']:.3f}   (wall / max(load, compute); 1.0 is ideal)",
         f"  sequential  {r['sequential_ratio']:.3f}   (wall / (load + compute))",
         f"  weights     peak {_fmt(r['peak_weight_bytes'])}, streamed {_fmt(r['bytes_streamed'])}"
-        f" per pass, {_fmt(r['disk_bytes'])} from disk",
+        f" per pass: {_fmt(r['ram_bytes'])} from RAM, {_fmt(r['disk_bytes'])} from disk"
+        f" (RAM tier {_fmt(r['ram_tier_bytes'])})",
         f"  activations {_fmt(r['peak_activation_bytes'])}; "
         f"peak RSS +{_fmt(r['peak_rss_delta_bytes'])}",
     ]
@@ -340,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--budget", type=parse_size, required=True)
-    p.add_argument("--host-budget", type=parse_size, default=None)
+    p.add_argument(
+        "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
+    )
     p.add_argument("--link-gbps", default=None, help="Gbit/s, or 'auto': load_s ≈ compute_s")
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=512)

@@ -38,8 +38,10 @@ from tandem.nodes.prefill.families import Pass, family_for
 from tandem.nodes.prefill.handover import LayerKV, make_handover, quantized_parts
 from tandem.nodes.prefill.loads import Load
 from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.ram import HostBudget
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
-from tandem.nodes.prefill.stream.movers import FillTimes, HostTier, Mover, make_mover
+from tandem.nodes.prefill.stream.host import host_tier
+from tandem.nodes.prefill.stream.movers import N_STAGING, FillTimes, Mover, make_mover
 from tandem.nodes.prefill.stream.streamer import (
     TORCH_DTYPES,
     LayerStreamer,
@@ -68,7 +70,8 @@ class PrefillStats:
     peak_weight_bytes: int = 0
     peak_activation_bytes: int = 0
     bytes_streamed: int = 0
-    disk_bytes: int = 0
+    disk_bytes: int = 0  # of bytes_streamed, read from disk
+    ram_bytes: int = 0  # of bytes_streamed, copied from the RAM tier (no disk read)
     disk_s: float = 0.0  # loader time reading from disk
     h2d_s: float = 0.0  # host→device copy time (CUDA: from events on the copy stream)
     pinned_bytes: int = 0
@@ -81,8 +84,8 @@ class PrefillStats:
         keys = (
             "tokens", "layers", "wall_s", "load_busy_s", "compute_busy_s", "budget_bytes",
             "peak_weight_bytes", "peak_activation_bytes", "bytes_streamed", "disk_bytes",
-            "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes", "quantize_s",
-            "resident_layers",
+            "ram_bytes", "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes",
+            "quantize_s", "resident_layers",
         )  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
@@ -99,7 +102,7 @@ class PrefillEngine:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         link_gbps: float | None = None,
         events: EventBus | None = None,
-        host_budget: int | None = None,
+        host_budget: HostBudget | None = None,  # the RAM tier: None or 0 off (the commands: auto)
         max_prompt_tokens: int | None = None,
         mover: Callable[[list[str], torch.device, float | None], Mover] = make_mover,
     ) -> None:
@@ -123,9 +126,10 @@ class PrefillEngine:
         self.activation_reserve = self.plan.reserve_bytes
         files = [str(f) for f in self.index.files]
         moving = mover(files, self.device, link_gbps)
-        if host_budget:
-            streamed = [ld for ld in self.plan.loads if not ld.resident]
-            moving.tier = HostTier(streamed, host_budget, pin=self.device.type == "cuda")
+        # RAM taken beside the tier: the staging, or the whole budget where the device is RAM
+        cuda = self.device.type == "cuda"
+        beside = N_STAGING * self.plan.slot_bytes if cuda else self.budget
+        self.plan, moving.tier = host_tier(self.plan, host_budget, beside, pin=cuda)
         self.streamer = LayerStreamer(self.plan, moving)
         # a part's quantized matrices are dequantized here, one part at a time
         self._scratch = torch.empty(self.plan.scratch_bytes, dtype=torch.uint8, device=self.device)
@@ -136,18 +140,13 @@ class PrefillEngine:
         self.last_stats = PrefillStats()
         log.info(
             "plan: %s granularity, %d ring slots of %d B, resident layers %s, pool %d B "
-            "+ scratch %d B + activations %d B (prompts up to %s tokens) of %d; %d B pinned",
-            self.plan.granularity,
-            self.plan.n_slots,
-            self.plan.slot_bytes,
-            list(self.plan.resident_layers),
-            self.plan.pool_bytes,
-            self.plan.scratch_bytes,
-            self.activation_reserve,
-            self.max_prompt_tokens or "any",
-            self.budget,
-            moving.pinned_bytes,
-        )
+            "+ scratch %d B + activations %d B (prompts up to %s tokens) of %d; %d B pinned; "
+            "per pass %d B from the RAM tier, %d B from disk",
+            self.plan.granularity, self.plan.n_slots, self.plan.slot_bytes,
+            list(self.plan.resident_layers), self.plan.pool_bytes, self.plan.scratch_bytes,
+            self.activation_reserve, self.max_prompt_tokens or "any", self.budget,
+            moving.pinned_bytes, self.plan.ram_bytes, self.plan.disk_bytes,
+        )  # fmt: skip
 
     def _activations(self, count: int, start: int, cut_ops: bool | None = None) -> int:
         """Device bytes of activations for `count` new tokens after `start` (0 for none), with
@@ -319,6 +318,7 @@ class PrefillEngine:
         stats.load_busy_s = stream.load_busy_s
         stats.bytes_streamed = stream.bytes_streamed
         stats.disk_bytes = stream.disk_bytes
+        stats.ram_bytes = stream.bytes_streamed - stream.disk_bytes  # the rest: the RAM tier
         stats.disk_s = stream.disk_s
         stats.h2d_s = stream.h2d_s
         if dev.type == "cuda":

@@ -8,12 +8,15 @@ one run of its file, read by O_DIRECT); the planner asks each layer for the coar
 that fits a slot, sizes the ring and picks the resident set.
 
 The access is cyclic (layer 0..L-1, then again), so the policy is a ring of slots fed in order
-plus a fixed resident set — never LRU, which evicts exactly the layer needed next.
+plus a fixed resident set — never LRU, which evicts exactly the layer needed next. Three tiers
+hold the weights: the device (the resident set; the ring is only a window), system RAM (the
+RAM tier: `host_loads`, a fixed set of streamed loads, `ram.py` sizes it) and the disk (the
+rest of the streamed set, read every pass).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tandem.nodes.model.errors import ModelError
@@ -43,6 +46,32 @@ class Plan:
     budget_bytes: int
     scratch_bytes: int = 0  # where a quantized model's parts are dequantized
     reserve_bytes: int = 0  # kept free for activations
+    host_loads: frozenset[int] = frozenset()  # seqs of the streamed loads kept in RAM
+
+    def with_host(self, host_bytes: int) -> Plan:
+        """This plan with a RAM tier of `host_bytes`: the first streamed loads, in cycle order,
+        that fit it whole — a fixed set (the access is cyclic: never LRU)."""
+        return replace(self, host_loads=host_set(self.loads, host_bytes))
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Weight bytes streamed through the ring each warm pass."""
+        return sum(ld.weight_bytes for ld in self.loads if not ld.resident)
+
+    @property
+    def ram_bytes(self) -> int:
+        """Of `streamed_bytes`, those served from the RAM tier once it holds them."""
+        return sum(ld.weight_bytes for ld in self.loads if ld.seq in self.host_loads)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Of `streamed_bytes`, those read from disk every warm pass."""
+        return self.streamed_bytes - self.ram_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """RAM the tier takes (its loads as laid out)."""
+        return sum(ld.nbytes for ld in self.loads if ld.seq in self.host_loads)
 
     @property
     def device_bytes(self) -> int:
@@ -96,6 +125,21 @@ def _loads(
                 )
             )
     return tuple(loads)
+
+
+def host_set(loads: tuple[Load, ...] | list[Load], budget: int) -> frozenset[int]:
+    """Seqs of the streamed loads a RAM tier of `budget` bytes keeps: the first ones in cycle
+    order, until one does not fit."""
+    chosen: set[int] = set()
+    used = 0
+    for load in loads:
+        if load.resident:
+            continue
+        if used + load.nbytes > budget:
+            break
+        chosen.add(load.seq)
+        used += load.nbytes
+    return frozenset(chosen)
 
 
 def _resident_set(layer_bytes: list[int], room: int) -> set[int]:

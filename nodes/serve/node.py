@@ -27,7 +27,7 @@ from aiohttp import web
 from tandem.nodes import __version__
 from tandem.nodes.cluster.discovery import Advert, Discovery, url_for
 from tandem.nodes.cluster.peers import PeerTable
-from tandem.nodes.contract.cluster import Health, ModelLayer, Peer
+from tandem.nodes.contract.cluster import Health, ModelLayer, Peer, WeightTiers
 from tandem.nodes.contract.events import EventBus
 from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
@@ -45,6 +45,7 @@ from tandem.nodes.contract.http import (
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
 from tandem.nodes.serve.errors import json_errors
 from tandem.nodes.serve.routes import NodeRoutes
@@ -74,7 +75,7 @@ class NodeConfig:
     node_id: str = ""
     token: str | None = None
     budget: int | None = None
-    host_budget: int | None = None
+    host_budget: HostBudget | None = DEFAULT_HOST_BUDGET  # the RAM tier (prefill/ram.py)
     max_prompt_tokens: int | None = None  # activations reserved in the budget (cuda: 8192)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     device: str | None = None
@@ -135,6 +136,7 @@ class Node:
         self.discovery: Discovery | None = None
         self.device = "cpu"
         self.budget_bytes = 0
+        self.tiers: WeightTiers | None = None  # the prefill engine's, once it has started
         self.address = url_for(config.host, config.port, identity is not None)
         self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 
@@ -146,6 +148,7 @@ class Node:
             budget_bytes=self.budget_bytes, model_name=spec.name, fingerprint=self.fingerprint,
             layers=spec.num_layers, instance=self.instance, cert_fingerprint=self.cert_fingerprint,
             layer_kinds=tuple(ModelLayer(k.kind, k.window) for k in spec.layer_kinds),
+            tiers=self.tiers,
         )  # fmt: skip
 
     def self_peer(self) -> Peer:
@@ -270,6 +273,8 @@ async def _start_prefill(node: Node) -> None:
     engine = await node.prefill.start()
     node.device = str(engine.device)
     node.budget_bytes = engine.budget
+    plan = engine.plan
+    node.tiers = WeightTiers(plan.resident_bytes, plan.ram_bytes, plan.disk_bytes)
 
 
 def _keep_torch_out() -> None:

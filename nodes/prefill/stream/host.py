@@ -14,6 +14,8 @@ import weakref
 
 import torch
 from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load
+from tandem.nodes.prefill.plan import Plan, host_set
+from tandem.nodes.prefill.ram import HostBudget, tier_bytes
 
 log = logging.getLogger(__name__)
 
@@ -73,23 +75,18 @@ def _unregister(mem: torch.Tensor) -> None:
 
 
 class HostTier:
-    """Loads kept in host memory across requests (`--host-budget`): VRAM first, system RAM
-    second, disk last. A fixed set chosen up front — the access is cyclic, so never LRU.
-    Everything else is read from disk each pass and dropped from the page cache right after
+    """Loads kept in host memory across requests (`--host-budget`, sized by `ram.tier_bytes`):
+    VRAM first, system RAM second, disk last. A fixed set chosen up front (`plan.host_set`:
+    the first streamed loads in cycle order) — the access is cyclic, so never LRU. A member is
+    read from disk once, on the first pass, and copied from RAM after that. Everything else is
+    read from disk each pass and dropped from the page cache right after
     (`POSIX_FADV_DONTNEED`), so the weights do not crowd out the tier or thrash the cache."""
 
     def __init__(self, loads: list[Load], budget: int, pin: bool = False) -> None:
         self.budget = budget
-        self.members: set[int] = set()
-        chosen: list[Load] = []
-        used = 0
-        for load in loads:  # the first streamed loads: a fixed set, in cycle order
-            if used + load.nbytes > budget:
-                break
-            self.members.add(load.seq)
-            chosen.append(load)
-            used += load.nbytes
-        self.bytes = used
+        self.members: set[int] = set(host_set(loads, budget))
+        chosen = [ld for ld in loads if ld.seq in self.members]
+        self.bytes = sum(ld.nbytes for ld in chosen)
         self._arena = HostArena([ld.nbytes for ld in chosen], pin)  # all of it now, pinned once
         self._buffers = {ld.seq: self._arena.take(ld.nbytes) for ld in chosen}
         self._holding: set[int] = set()  # loads whose buffer holds a complete read
@@ -113,6 +110,28 @@ class HostTier:
         self._buffers.clear()
         self._holding.clear()
         self._arena.close()
+
+
+def host_tier(
+    plan: Plan, budget: HostBudget | None, beside: int, pin: bool = False
+) -> tuple[Plan, HostTier | None]:
+    """The plan with its RAM tier (`Plan.host_loads`) and the tier itself, or (plan, None)
+    where there is none. `budget`: bytes, `"auto"` (what RAM can spare: `ram.tier_bytes`) or
+    0/None (off); `beside`: what the node takes from RAM besides the tier. On a CPU the
+    device is RAM, and `auto` still keeps a second copy of the streamed set there when RAM can
+    spare it beside the budget: the budget bounds what the compute works on, the tier is what
+    the page cache would have held had O_DIRECT not bypassed it."""
+    streamed = [ld for ld in plan.loads if not ld.resident]
+    size = tier_bytes(budget, sum(ld.nbytes for ld in streamed), beside)
+    if not size:
+        return plan, None
+    plan = plan.with_host(size)
+    tier = HostTier(streamed, size, pin)
+    log.info(
+        "RAM tier: %d of %d streamed loads, %d B%s", len(tier.members), len(streamed),
+        tier.bytes, " pinned" if pin else "",
+    )  # fmt: skip
+    return plan, tier
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:

@@ -1,0 +1,167 @@
+"""Issue 34 item 1: system RAM as the second tier, by default (`--host-budget auto`).
+
+A warm pass on a machine whose RAM holds the streamed set reads nothing from disk; where RAM
+holds part of it, that part is fixed and the rest is read every pass; `0` turns it off. The
+machine's free RAM is given to `ram.read_meminfo` here, so the tests do not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill import ram
+from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
+from tandem.nodes.prefill.ram import OS_RESERVE_MIN, parse_host_budget, spare_ram, tier_bytes
+
+from tests.conftest import MakeTiny
+
+GIB = 1 << 30
+LAYERS = 6
+TOKENS = list(range(24))
+
+
+def plenty(monkeypatch: pytest.MonkeyPatch, spare: int = 64 * GIB) -> None:
+    """This machine's RAM, as the kernel would say it: `spare` bytes over the OS's room."""
+    total = 256 * GIB
+    monkeypatch.setattr(ram, "read_meminfo", lambda: (total, spare + int(0.1 * total)))
+
+
+def passes(engine: PrefillEngine, n: int) -> list[PrefillStats]:
+    out = []
+    for _ in range(n):
+        for _ in engine.prefill(TOKENS):
+            pass
+        out.append(engine.last_stats)
+    return out
+
+
+def quarter_budget(model: Path) -> tuple[int, int]:
+    index = load_index(model)
+    layers = sum(index.layer_bytes(i) for i in range(LAYERS))
+    return layers // 4, layers
+
+
+def test_host_budget_values() -> None:
+    assert parse_host_budget("auto") == parse_host_budget(" AUTO ") == "auto"
+    assert parse_host_budget("0") == 0
+    assert parse_host_budget("16GiB") == 16 * GIB
+    for bad in ("lots", "-1GiB", ""):
+        with pytest.raises(ValueError, match="--host-budget takes 'auto', 0 or a size"):
+            parse_host_budget(bad)
+
+
+def test_auto_leaves_room_for_the_os_and_what_the_node_takes_beside() -> None:
+    # 10% of 64 GiB is more than the 2 GiB minimum; of 8 GiB it is less
+    assert spare_ram(0, (64 * GIB, 40 * GIB)) == 40 * GIB - int(6.4 * GIB)
+    assert spare_ram(GIB, (8 * GIB, 5 * GIB)) == 5 * GIB - OS_RESERVE_MIN - GIB
+    assert spare_ram(0, (8 * GIB, GIB)) == 0  # never negative
+    assert tier_bytes("auto", 3 * GIB, 0, (64 * GIB, 40 * GIB)) == 3 * GIB  # all of it fits
+    assert tier_bytes("auto", 90 * GIB, 0, (64 * GIB, 40 * GIB)) == 40 * GIB - int(6.4 * GIB)
+    assert tier_bytes(GIB, 3 * GIB) == GIB and tier_bytes(0, 3 * GIB) == 0
+    assert tier_bytes(None, 3 * GIB) == 0 and tier_bytes("auto", 0) == 0
+
+
+def test_the_commands_and_the_node_default_to_auto() -> None:
+    from tandem.app.cli.main import build_parser
+    from tandem.nodes.prefill.bench import build_parser as bench_parser
+    from tandem.nodes.serve.node import NodeConfig
+
+    p = build_parser()
+    node = p.parse_args(["node", "--model", "m"])
+    prefill = p.parse_args(["prefill", "--model", "m", "--tokens-file", "t", "--out", "o"])
+    bench = bench_parser().parse_args(["--model", "m", "--budget", "1MiB"])
+    assert node.host_budget == prefill.host_budget == bench.host_budget == "auto"
+    assert NodeConfig(model=Path("m")).host_budget == "auto"
+    assert p.parse_args(["node", "--model", "m", "--host-budget", "0"]).host_budget == 0
+
+
+def test_a_warm_pass_reads_nothing_from_disk_when_ram_holds_the_set(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plenty(monkeypatch)
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, _ = quarter_budget(model)
+    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget="auto")
+    try:
+        cold, warm, again = passes(engine, 3)
+        plan = engine.plan
+        assert plan.n_slots and plan.host_loads  # layers stream, and RAM keeps them
+        assert plan.disk_bytes == 0 and plan.ram_bytes == plan.streamed_bytes
+        assert cold.ram_bytes == 0 and cold.disk_bytes == cold.bytes_streamed  # read once
+        for s in (warm, again):
+            assert s.bytes_streamed == plan.streamed_bytes > 0
+            assert s.disk_bytes == 0 and s.ram_bytes == s.bytes_streamed
+        assert warm.to_json()["ram_bytes"] == warm.bytes_streamed
+    finally:
+        engine.close()
+
+
+def test_a_partial_tier_is_fixed_and_the_rest_comes_from_disk(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, layers = quarter_budget(model)
+    plenty(monkeypatch, spare=budget + layers // 2)  # on a CPU the budget is RAM too
+    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget="auto")
+    try:
+        plan = engine.plan
+        tier = engine.streamer.mover.tier
+        assert tier is not None and tier.members == set(plan.host_loads)
+        streamed = [ld.seq for ld in plan.loads if not ld.resident]
+        held = sorted(plan.host_loads)
+        assert 0 < len(held) < len(streamed) and held == streamed[: len(held)]  # the first ones
+        assert plan.ram_bytes > 0 and plan.disk_bytes > 0
+        _, warm, again = passes(engine, 3)
+        for s in (warm, again):  # the same split every pass: never LRU
+            assert (s.ram_bytes, s.disk_bytes) == (plan.ram_bytes, plan.disk_bytes)
+        assert tier.members == set(held)
+    finally:
+        engine.close()
+
+
+def test_host_budget_zero_turns_it_off(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plenty(monkeypatch)
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, _ = quarter_budget(model)
+    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget=0)
+    try:
+        assert engine.streamer.mover.tier is None and not engine.plan.host_loads
+        _, warm = passes(engine, 2)
+        assert warm.ram_bytes == 0 and warm.disk_bytes == warm.bytes_streamed > 0
+    finally:
+        engine.close()
+
+
+def test_prefill_stats_json_and_bench_json_report_ram_bytes(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from tandem.app.cli.main import main
+    from tandem.nodes.prefill import bench
+
+    plenty(monkeypatch)
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, _ = quarter_budget(model)
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    stats = tmp_path / "stats.json"
+    out = tmp_path / "cache.safetensors"
+    argv = ["prefill", "--model", str(model), "--tokens-file", str(tokens), "--out", str(out),
+            "--budget", str(budget), "--device", "cpu"]  # fmt: skip
+    assert main([*argv, "--stats-json", str(stats)]) == 0
+    one = json.loads(stats.read_text())  # one pass: cold, the tier filled from disk
+    assert one["ram_bytes"] == 0 and one["disk_bytes"] == one["bytes_streamed"]
+    args = ["--model", str(model), "--tokens", "24", "--budget", str(budget), "--repeat", "1"]
+    assert bench.main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)  # after the warm-up: from RAM
+    assert r["disk_bytes"] == 0 and r["ram_bytes"] == r["bytes_streamed"] > 0
+    assert r["ram_tier_bytes"] >= r["ram_bytes"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--host-budget", "lots"])
+    assert done.value.code == 2
+    assert "--host-budget takes 'auto', 0 or a size" in capsys.readouterr().err
