@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tandem.app.cli.errors import UsageError
 from tandem.app.cli.plan_kv import KVWire, kv_wire, render_kv, wire_kv
+from tandem.app.cli.plan_tiers import Tiers, add_host_budget_argument, render_tiers, with_tiers
 from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
 
@@ -50,6 +51,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="as the node's: activations of a prompt this long are kept free in "
                    "--budget (cuda: 8192)")  # fmt: skip
+    add_host_budget_argument(p)
     hw = p.add_argument_group("hardware (another machine's; measured here when left out)")
     hw.add_argument("--pcie-gbps", type=float, default=None, help="host→device, Gbit/s")
     hw.add_argument("--disk-gbps", type=float, default=None, help="cold weight reads, Gbit/s")
@@ -109,6 +111,7 @@ class Report:
     device: str
     budget_bytes: int
     plan: PlanSummary
+    tiers: Tiers  # device, RAM, disk
     hardware: Hardware
     source: dict[str, str]  # per rate: "given", "measured" (here) or "assumed"
     tokens: int
@@ -232,6 +235,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     whole_ops = cost.whole_ops_reserve(spec, longest, ITEMSIZE[index.dtype], device)
     budget = budget if budget is not None else _default_budget(index, device, here, whole_ops)
     plan = cost.node_plan(index, budget, longest, device)  # before measuring: fails fast
+    plan, tiers = with_tiers(plan, a.host_budget, device, here)
     reserve = plan.reserve_bytes
     hw, source = _hardware(index, a, device, here)
     main = cost.predict(plan, index, a.tokens, hw)
@@ -244,6 +248,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         device=device,
         budget_bytes=budget,
         plan=_summary(plan, reserve, longest),
+        tiers=tiers,
         hardware=hw,
         source=source,
         tokens=a.tokens,
@@ -343,6 +348,7 @@ def render(r: Report) -> str:
         f"  resident    {n_resident} layer{'' if n_resident == 1 else 's'}, "
         f"{format_bytes(p.resident_bytes)}" + (f" (layers {resident})" if resident else ""),
         f"  per pass    {format_bytes(p.bytes_per_pass)} streamed",
+        render_tiers(r.tiers),
         f"  activations {format_bytes(p.activation_reserve_bytes)} reserved ({longest})",
         f"  hardware    {link} {_GBps(hw.copy_Bps)}{tag['copy_Bps']}, disk {_GBps(hw.disk_Bps)}"
         f"{tag['disk_Bps']}, {hw.flops / 1e12:.3g} TFLOP/s{tag['flops']}",

@@ -13,6 +13,9 @@ the one before it is done. Resident loads are warm (loaded at warm-up): no read,
   once their last copy is done; the copy crosses PCIe on one copy stream after the slot's
   previous occupant's compute; the loader reads on while it runs; a slot is released as soon
   as its compute is queued.
+- The RAM tier (`Plan.host_loads`): a warm pass reads those loads from RAM, not from disk —
+  no read on CUDA (the copy starts from the tier's pinned buffer), the copy (memcpy or the
+  emulated link) on a CPU. Only the rest of the streamed set pays `disk_Bps`.
 
 What each load computes and its seconds at the hardware's rates: `work.py`; the rates of
 this machine: `calibration.py` (its names are exported here too, for `tandem plan`).
@@ -76,6 +79,8 @@ class Prediction:
     compute_s: float  # sum over all loads
     bound: Bound
     bytes_per_pass: int  # streamed through the ring
+    ram_bytes: int = 0  # of bytes_per_pass, from the RAM tier
+    disk_bytes: int = 0  # of bytes_per_pass, from disk
 
     @property
     def tokens_per_s(self) -> float:
@@ -92,11 +97,13 @@ def whole_ops_reserve(
 
 
 def node_plan(
-    index: ModelIndex, budget: int, tokens: int | None = None, device: Device = "cpu"
-) -> Plan:
+    index: ModelIndex, budget: int, tokens: int | None = None, device: Device = "cpu",
+    host_bytes: int = 0,
+) -> Plan:  # fmt: skip
     """The plan a prefill node makes for `budget` bytes, room kept for the activations of a
-    `tokens` prompt (engine.plan_for_prompts)."""
-    return plan_for_prompts(index, budget, tokens, device)
+    `tokens` prompt (engine.plan_for_prompts), with a RAM tier of `host_bytes`."""
+    plan = plan_for_prompts(index, budget, tokens, device)
+    return plan.with_host(host_bytes) if host_bytes else plan
 
 
 def steps(
@@ -113,6 +120,8 @@ def steps(
             out.append(Step(0.0, 0.0, compute_s, streamed=False))
             continue
         read_s, copy_s = load.weight_bytes / hw.disk_Bps, load.weight_bytes / hw.copy_Bps
+        if load.seq in plan.host_loads:  # warm: in RAM already
+            read_s = 0.0
         if hw.device == "cpu":  # the link caps the whole fill, the read included
             copy_s = max(0.0, copy_s - read_s)
         out.append(Step(read_s, copy_s, compute_s, streamed=True))
@@ -162,14 +171,16 @@ def predict(
 ) -> Prediction:  # fmt: skip
     """Predicted warm pass of `tokens` new positions after `start` through `plan` on `hw`."""
     run = steps(plan, index, tokens, hw, start, chunk)
-    nbytes = sum(ld.weight_bytes for ld in plan.loads if not ld.resident)
+    nbytes, from_disk = plan.streamed_bytes, plan.disk_bytes
     wall = simulate(run, plan.n_slots, N_STAGING if hw.device == "cuda" else 0)
-    disk_s, copy_s = nbytes / hw.disk_Bps, nbytes / hw.copy_Bps
+    disk_s, copy_s = from_disk / hw.disk_Bps, nbytes / hw.copy_Bps
     compute_s = sum(s.compute_s for s in run)
     bound: Bound = "disk" if disk_s >= copy_s else "pcie"
     if compute_s >= max(disk_s, copy_s):
         bound = "compute"
-    return Prediction(tokens, start, wall, disk_s, copy_s, compute_s, bound, nbytes)
+    return Prediction(
+        tokens, start, wall, disk_s, copy_s, compute_s, bound, nbytes, plan.ram_bytes, from_disk
+    )
 
 
 def break_even_tokens(
