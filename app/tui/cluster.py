@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tandem.app.tui.client import Probe, normalize
-from tandem.nodes.contract.cluster import Cluster, Health, ModelLayer
+from tandem.nodes.contract.cluster import Cluster, Health, ModelLayer, WeightTiers
 
 Status = Literal["connecting", "trusted", "rejected", "unreachable"]
 Severity = Literal["information", "warning", "error"]
@@ -65,6 +65,11 @@ class NodeRow:
     @property
     def budget_bytes(self) -> int:
         return self.health.budget_bytes if self.health else 0
+
+    @property
+    def tiers(self) -> WeightTiers | None:
+        """A prefill node's weights by tier (device, RAM, disk); None: it says none."""
+        return self.health.tiers if self.health else None
 
     @property
     def model(self) -> str:

@@ -2,6 +2,12 @@
 
 Pure state, no Textual. Records are binned by the time they arrive here, so clocks of
 different machines never need to agree.
+
+Host→device bytes are counted once. A CUDA prefill node publishes each load's copy as it is
+queued (`h2d`, its bytes, 0 seconds: the copy is timed by CUDA events only once the request
+is done) and then the pass's copies again as one `h2d` event with their seconds
+(nodes/prefill/engine.py); that closing event repeats bytes already counted. A CPU node's
+per-load events carry their own seconds and no closing event follows.
 """
 
 from __future__ import annotations
@@ -60,10 +66,13 @@ class Bandwidth:
 
     def __post_init__(self) -> None:
         self._token_counts: dict[str, int] = {}
+        self._untimed_h2d: dict[str, int] = {}  # per request: bytes of untimed (CUDA) copies
 
     def apply(self, event: Event, now: float) -> bool:
         """Fold one event in; True when it moved a series."""
         if isinstance(event, LinkEvent) and event.name in LINKS:
+            if event.name == "h2d" and self._repeats_copies(event):
+                return False
             self.series[event.name].add(float(event.bytes), now)
             return True
         if isinstance(event, TokenEvent):
@@ -73,6 +82,20 @@ class Bandwidth:
             if len(self._token_counts) > 64:
                 self._token_counts.pop(next(iter(self._token_counts)))
             self.series["tokens"].add(max(0, count - before), now)
+            return True
+        return False
+
+    def _repeats_copies(self, event: LinkEvent) -> bool:
+        """Whether an `h2d` event is a CUDA pass's closing one: timed, after untimed per-load
+        copies of the same request that add up to its bytes (then not counted again)."""
+        rid = event.request_id
+        if event.seconds == 0:
+            self._untimed_h2d[rid] = self._untimed_h2d.get(rid, 0) + event.bytes
+            if len(self._untimed_h2d) > 64:
+                self._untimed_h2d.pop(next(iter(self._untimed_h2d)))
+            return False
+        if self._untimed_h2d.get(rid) == event.bytes:
+            del self._untimed_h2d[rid]  # the request's next pass counts afresh
             return True
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from tandem.app.tui.cluster import NodeRow
 from tandem.app.tui.fmt import format_link, format_size, format_tok_s
+from tandem.nodes.contract.cluster import WeightTiers
 from textual.widgets import DataTable
 
 COLUMNS = ("node", "roles", "device", "memory / budget", "model", "status", "prefill", "link")
@@ -29,10 +30,17 @@ def status_text(row: NodeRow) -> Text:
     return Text(label, style=style)
 
 
+def tiers_text(t: WeightTiers) -> str:
+    """Where a prefill node's weights are for a warm pass: device, RAM, disk."""
+    return f"dev {format_size(t.device)} · RAM {format_size(t.ram)} · disk {format_size(t.disk)}"
+
+
 def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
     memory = format_size(row.mem_bytes) if row.mem_bytes else "–"
     if row.budget_bytes:
         memory += f" / {format_size(row.budget_bytes)}"
+    if row.tiers is not None:
+        memory += f" · {tiers_text(row.tiers)}"
     return (
         Text(row.label.removeprefix("http://"), style="bold"),
         "+".join(row.roles) or "–",
