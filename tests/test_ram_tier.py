@@ -165,3 +165,32 @@ def test_prefill_stats_json_and_bench_json_report_ram_bytes(
         main([*argv, "--host-budget", "lots"])
     assert done.value.code == 2
     assert "--host-budget takes 'auto', 0 or a size" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_warm_pass_copies_from_pinned_ram(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tier is pinned once, at its size; a warm pass reads no disk and gives the same
+    K/V as a node without the tier."""
+    plenty(monkeypatch)
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, _ = quarter_budget(model)
+    kv = []
+    for host_budget in ("auto", 0):
+        engine = PrefillEngine(model, budget=budget, device="cuda", host_budget=host_budget)
+        try:
+            tier = engine.streamer.mover.tier
+            if host_budget:
+                assert tier is not None and tier.pinned_bytes >= tier.bytes > 0
+            for _ in engine.prefill(TOKENS):  # cold: the tier is filled from disk
+                pass
+            kv.append([layer.k.cpu() for layer in engine.prefill(TOKENS)])
+            warm = engine.last_stats
+            if host_budget:
+                assert warm.disk_bytes == 0 and warm.ram_bytes == warm.bytes_streamed > 0
+            else:
+                assert warm.ram_bytes == 0 and warm.disk_bytes == warm.bytes_streamed
+        finally:
+            engine.close()
+    assert all(a.equal(b) for a, b in zip(*kv, strict=True))
