@@ -112,7 +112,8 @@ def test_a_partial_tier_is_fixed_and_the_rest_comes_from_disk(
         assert tier is not None and tier.members == set(plan.host_loads)
         streamed = [ld.seq for ld in plan.loads if not ld.resident]
         held = sorted(plan.host_loads)
-        assert 0 < len(held) < len(streamed) and held == streamed[: len(held)]  # the first ones
+        n, k = len(streamed), len(held)
+        assert 0 < k < n and held == [streamed[j * n // k] for j in range(k)]  # spread evenly
         assert plan.ram_bytes > 0 and plan.disk_bytes > 0
         _, warm, again = passes(engine, 3)
         for s in (warm, again):  # the same split every pass: never LRU

@@ -65,6 +65,7 @@ class Step:
     copy_s: float  # host → device; CPU: what the emulated link adds to the fill
     compute_s: float
     streamed: bool  # through the ring; False: resident, already in memory
+    staged: bool = True  # CUDA: through a staging buffer; False: from the RAM tier's own
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,12 @@ def steps(
             out.append(Step(0.0, 0.0, compute_s, streamed=False))
             continue
         read_s, copy_s = load.weight_bytes / hw.disk_Bps, load.weight_bytes / hw.copy_Bps
-        if load.seq in plan.host_loads:  # warm: in RAM already
+        held = load.seq in plan.host_loads  # warm: in RAM already, copied from there
+        if held:
             read_s = 0.0
         if hw.device == "cpu":  # the link caps the whole fill, the read included
             copy_s = max(0.0, copy_s - read_s)
-        out.append(Step(read_s, copy_s, compute_s, streamed=True))
+        out.append(Step(read_s, copy_s, compute_s, streamed=True, staged=not held))
     return out
 
 
@@ -134,7 +136,8 @@ def simulate(run: Sequence[Step], n_slots: int, staging: int = 0) -> float:
     `staging` = 0: each read lands in its slot and the fill (read, then `copy_s`) holds the
     loader; a slot is released when its compute ends (CPU). `staging` > 0: reads land in
     that many buffers taken in turn, copies run on their own stream after the slot's last
-    compute, and a slot is released when its compute is queued (CUDA).
+    compute, and a slot is released when its compute is queued (CUDA); a load from the RAM
+    tier (`staged=False`) is copied from the tier's own pinned buffer, no staging taken.
     """
     loader = copy_free = compute_end = 0.0
     released: list[float] = []  # per streamed load: when the loader may refill its slot
@@ -146,14 +149,15 @@ def simulate(run: Sequence[Step], n_slots: int, staging: int = 0) -> float:
         else:
             prev = len(released) - max(n_slots, 1)  # the slot's previous occupant
             read_start = max(loader, released[prev] if prev >= 0 else 0.0)
-            if staging and len(copied) >= staging:
+            if staging and step.staged and len(copied) >= staging:
                 read_start = max(read_start, copied[-staging])
             read_end = read_start + step.read_s
             if staging:
                 slot_free = computed[prev] if prev >= 0 else 0.0
                 ready = max(read_end, copy_free, slot_free) + step.copy_s
                 copy_free = ready
-                copied.append(ready)
+                if step.staged:
+                    copied.append(ready)
                 loader = read_end
             else:
                 ready = loader = read_end + step.copy_s

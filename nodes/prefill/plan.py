@@ -49,8 +49,8 @@ class Plan:
     host_loads: frozenset[int] = frozenset()  # seqs of the streamed loads kept in RAM
 
     def with_host(self, host_bytes: int) -> Plan:
-        """This plan with a RAM tier of `host_bytes`: the first streamed loads, in cycle order,
-        that fit it whole — a fixed set (the access is cyclic: never LRU)."""
+        """This plan with a RAM tier of `host_bytes`: the streamed loads `host_set` picks — a
+        fixed set (the access is cyclic: never LRU)."""
         return replace(self, host_loads=host_set(self.loads, host_bytes))
 
     @property
@@ -128,18 +128,22 @@ def _loads(
 
 
 def host_set(loads: tuple[Load, ...] | list[Load], budget: int) -> frozenset[int]:
-    """Seqs of the streamed loads a RAM tier of `budget` bytes keeps: the first ones in cycle
-    order, until one does not fit."""
-    chosen: set[int] = set()
-    used = 0
-    for load in loads:
-        if load.resident:
-            continue
-        if used + load.nbytes > budget:
+    """Seqs of the streamed loads a RAM tier of `budget` bytes keeps: as many as fit, spread
+    evenly through the cycle from the first. Between two loads from disk the link then copies
+    one from RAM while the disk reads the next (CUDA: a tier load takes no staging buffer);
+    held all in a row, the disk would idle through them and the link through the rest."""
+    streamed = [ld for ld in loads if not ld.resident]
+    n, count, used = len(streamed), 0, 0
+    for size in sorted(ld.nbytes for ld in streamed):
+        if used + size > budget:
             break
-        chosen.add(load.seq)
-        used += load.nbytes
-    return frozenset(chosen)
+        used, count = used + size, count + 1
+    while count:
+        spread = [streamed[j * n // count] for j in range(count)]
+        if sum(ld.nbytes for ld in spread) <= budget:
+            return frozenset(ld.seq for ld in spread)
+        count -= 1  # uneven loads: fewer, until an even spread fits
+    return frozenset()
 
 
 def _resident_set(layer_bytes: list[int], room: int) -> set[int]:

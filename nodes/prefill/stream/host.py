@@ -77,7 +77,7 @@ def _unregister(mem: torch.Tensor) -> None:
 class HostTier:
     """Loads kept in host memory across requests (`--host-budget`, sized by `ram.tier_bytes`):
     VRAM first, system RAM second, disk last. A fixed set chosen up front (`plan.host_set`:
-    the first streamed loads in cycle order) — the access is cyclic, so never LRU. A member is
+    spread evenly through the cycle) — the access is cyclic, so never LRU. A member is
     read from disk once, on the first pass, and copied from RAM after that. Everything else is
     read from disk each pass and dropped from the page cache right after
     (`POSIX_FADV_DONTNEED`), so the weights do not crowd out the tier or thrash the cache."""
