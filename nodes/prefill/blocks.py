@@ -264,6 +264,20 @@ def cuda_capability() -> tuple[int, int] | None:
     return major, minor
 
 
+def math_attention_bytes(nq: int, nkv: int, c: int, S: int, D: int, itemsize: int) -> int:
+    """Peak bytes SDPA's MATH kernel (torch 2.13) holds for c queries over S keys: it works
+    in float32 whatever the input, with K and V widened and repeated to every query head
+    (GQA), q scaled, two score-sized buffers [nq, c, S] alive at once (scores, then the
+    masked scores and their softmax), and the mask in the input dtype. Measured op by op on
+    the CPU (tests/test_activation_reserve.py)."""
+    fp32 = 4
+    widened = 2 * nkv * S * D * fp32  # K and V in float32, before the repeat
+    repeated = 2 * nq * S * D * fp32  # K (scaled) and V repeated to every query head
+    scores = 2 * nq * c * S * fp32
+    queries = 2 * nq * c * D * fp32  # q in float32, and scaled
+    return widened + repeated + scores + queries + c * S * itemsize
+
+
 def activation_bytes(
     spec: ModelSpec,
     count: int,
@@ -291,15 +305,19 @@ def activation_bytes(
     rope = 3 * c * nq * D * 4  # float32 copies of one chunk of q
     if fused_attention(device_type, itemsize, D):
         attn = qkv + max(rope, 2 * T * nq * D * itemsize + T * H * itemsize)  # out, o_proj
-    else:
-        scores = 2 * nq * c * S * itemsize
+    else:  # on CUDA SDPA may take its MATH kernel (a pre-Ampere card): count what it holds
+        scores = (
+            math_attention_bytes(nq, nkv, c, S, D, itemsize) if cuda else 2 * nq * c * S * itemsize
+        )
         attn = qkv + max(rope, scores + c * (nq * D + H) * itemsize)
     windows = [k.window for k in spec.layer_kinds if k.window is not None]
     if windows:  # sliding layers: their rope tables, query chunks over the band and its mask
         base += 2 * T * D * 4
         keys = min(S, c + max(windows) - 1)
-        attn = max(attn, qkv + max(rope, (2 * nq * itemsize + 1) * c * keys + c * (nq * D + H)
-                                   * itemsize))  # fmt: skip
+        band = (2 * nq * itemsize + 1) * c * keys  # scores and the boolean band
+        if cuda:  # a mask rules flash out: the MATH kernel's worst case
+            band = max(band, math_attention_bytes(nq, nkv, c, keys, D, itemsize))
+        attn = max(attn, qkv + max(rope, band + c * (nq * D + H) * itemsize))
     if cuda:
         base += kv  # the previous layer's K/V until its copy to the host is done
     mlp = c * (3 * spec.intermediate_size + H) * itemsize
