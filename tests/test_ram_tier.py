@@ -14,6 +14,7 @@ import pytest
 from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill import ram
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
+from tandem.nodes.prefill.plan import make_plan
 from tandem.nodes.prefill.ram import OS_RESERVE_MIN, parse_host_budget, spare_ram, tier_bytes
 
 from tests.conftest import MakeTiny
@@ -195,3 +196,42 @@ def test_on_cuda_a_warm_pass_copies_from_pinned_ram(
         finally:
             engine.close()
     assert all(a.equal(b) for a, b in zip(*kv, strict=True))
+
+
+async def test_a_prefill_node_says_its_tiers_in_health(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.nodes.contract.cluster import WeightTiers
+    from tandem.nodes.serve.node import Node, NodeConfig, _prefill_service, _start_prefill
+
+    plenty(monkeypatch)
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, _ = quarter_budget(model)
+    config = NodeConfig(model=model, roles=("prefill",), budget=budget, device="cpu", mdns=False)
+    node = Node(config, load_index(model), "ab")  # --host-budget: auto, as the command's
+    assert node.health().tiers is None  # not started
+    node.prefill = _prefill_service(node)
+    await _start_prefill(node)
+    try:
+        plan = node.prefill.engine.plan
+        tiers = WeightTiers(device=plan.resident_bytes, ram=plan.streamed_bytes, disk=0)
+        assert node.health().tiers == tiers and tiers.ram > 0
+    finally:
+        node.prefill.close()
+
+
+def test_auto_runs_from_disk_where_the_tier_cannot_be_pinned(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.nodes.prefill.stream import host
+
+    def refuse(*a: object, **kw: object) -> None:
+        raise host.PinError("cannot pin")
+
+    plenty(monkeypatch)
+    monkeypatch.setattr(host, "HostTier", refuse)
+    index = load_index(tiny_model(arch="llama", layers=LAYERS))
+    plan = make_plan(index, sum(index.layer_bytes(i) for i in range(LAYERS)) // 4)
+    assert host.host_tier(plan, "auto", 0, pin=True) == (plan, None)
+    with pytest.raises(host.PinError):
+        host.host_tier(plan, GIB, 0, pin=True)

@@ -120,13 +120,20 @@ def host_tier(
     0/None (off); `beside`: what the node takes from RAM besides the tier. On a CPU the
     device is RAM, and `auto` still keeps a second copy of the streamed set there when RAM can
     spare it beside the budget: the budget bounds what the compute works on, the tier is what
-    the page cache would have held had O_DIRECT not bypassed it."""
+    the page cache would have held had O_DIRECT not bypassed it. Where `auto` cannot pin its
+    tier, the node runs without one; a size asked for raises `PinError`."""
     streamed = [ld for ld in plan.loads if not ld.resident]
     size = tier_bytes(budget, sum(ld.nbytes for ld in streamed), beside)
     if not size:
         return plan, None
+    try:
+        tier = HostTier(streamed, size, pin)
+    except PinError as e:
+        if budget != "auto":
+            raise  # a size asked for: the node does not start without it
+        log.warning("no RAM tier: %s", e)  # auto: the disk, as with --host-budget 0
+        return plan, None
     plan = plan.with_host(size)
-    tier = HostTier(streamed, size, pin)
     log.info(
         "RAM tier: %d of %d streamed loads, %d B%s", len(tier.members), len(streamed),
         tier.bytes, " pinned" if pin else "",
