@@ -50,6 +50,28 @@ def test_cuda_matches_cpu(tiny_model, fraction) -> None:
         gpu.close()
 
 
+def test_a_prefix_goes_up_on_the_copy_stream_and_gives_the_same_kv(tiny_model) -> None:
+    """After a prefix held in (pageable) host memory, each layer's prefix is pinned and copied
+    on a side stream ahead of its compute (`PrefixUpload`): the same K/V as a pass over the
+    whole prompt, on a budget that streams the layers."""
+    model = tiny_model(arch="llama", layers=8)
+    index = load_index(model)
+    tokens = np.random.default_rng(2).integers(0, index.spec.vocab_size, 200).tolist()
+    budget = cuda_budget(index, index.total_bytes // 4, len(tokens), 64)
+    gpu = PrefillEngine(index, budget=budget, device="cuda", chunk_tokens=64,
+                        max_prompt_tokens=len(tokens))  # fmt: skip
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        whole = [(layer.k.clone(), layer.v.clone()) for layer in gpu.prefill(tokens)]
+        prefix = [(k[:, :, :120], v[:, :, :120]) for k, v in whole]
+        later = list(gpu.prefill(tokens[120:], start=120, prefix=prefix))
+        for (k, v), layer in zip(whole, later, strict=True):
+            assert torch.allclose(k[:, :, 120:], layer.k, atol=1e-4)
+            assert torch.allclose(v[:, :, 120:], layer.v, atol=1e-4)
+    finally:
+        gpu.close()
+
+
 def test_cuda_overlap_and_memory(tiny_model) -> None:
     model = tiny_model(arch="qwen3", layers=8, shards=2, dtype="bfloat16")
     index = load_index(model)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.prefill.prefix_upload import AHEAD as PREFIX_AHEAD
 from tandem.nodes.prefill.rope import apply_rope, rms_norm
 
 
@@ -320,6 +321,7 @@ def activation_bytes(
         attn = max(attn, qkv + max(rope, band + c * (nq * D + H) * itemsize))
     if cuda:
         base += kv  # the previous layer's K/V until its copy to the host is done
+        base += PREFIX_AHEAD * 2 * nkv * start * D * itemsize  # prefixes on their way in
     mlp = c * (3 * spec.intermediate_size + H) * itemsize
     if spec.post_norms:  # a branch's output [c, H] and its float32 norm; cut: kept [T, H]
         base += T * H * itemsize if cut_ops else 0

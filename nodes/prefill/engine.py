@@ -38,6 +38,7 @@ from tandem.nodes.prefill.families import Pass, family_for
 from tandem.nodes.prefill.handover import LayerKV, make_handover, quantized_parts
 from tandem.nodes.prefill.loads import Load
 from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.prefix_upload import PrefixUpload
 from tandem.nodes.prefill.ram import HostBudget
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stream.host import host_tier
@@ -242,6 +243,7 @@ class PrefillEngine:
         clock = _ComputeClock(self.device)
         self._handover.reset(kv_format)
         kinds, family = self.spec.layer_kinds, self.family
+        uploads = PrefixUpload(prefix, self.device, self.dtype) if start and prefix else None
         with torch.inference_mode(), self.streamer.stream(self._hooks(rid), synchronous) as run:
             # the loader is already filling the ring while the prompt's rows are read
             h = self.embed(tokens)
@@ -253,7 +255,7 @@ class PrefillEngine:
                 i = load.layer
                 if load.first_of_layer:
                     self.events.publish(self._layer_event(rid, load, "computing"))
-                    before = prefix[i] if start and prefix is not None else None
+                    before = uploads.layer(i) if uploads is not None else None
                     state = family.new_state(p, kinds[i], i, len(tokens), before)
                 assert state is not None
                 with clock.timing(i):
