@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from tandem.nodes.model.quant import Quant
-from tandem.nodes.prefill.loads import ALIGN  # the plan sizes the scratch with the same alignment
+from tandem.nodes.prefill.loads import ALIGN, round_up  # the plan's scratch: same alignment
 
 BLOCK_BYTES = 16 << 20  # temporaries a call allocates when the caller lends too few
 CROSSING_ROW_TEMPS = 40  # bytes of int64 temporaries per value of a crossing (3/5/6-bit) row
@@ -148,6 +148,13 @@ def dequantize(
     return out
 
 
+def aligned_front(scratch: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """`scratch` from its first `ALIGN` boundary of the address on, where `nbytes` still fit
+    there; else all of it."""
+    skip = -scratch.data_ptr() % ALIGN
+    return scratch[skip:] if skip + nbytes <= scratch.numel() else scratch
+
+
 def _lent_or_new(
     temp: torch.Tensor | None, per_row: int, rows: int, device: torch.device
 ) -> torch.Tensor:
@@ -197,20 +204,28 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
             return self._done[key]
         rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
         nbytes = rows * cols * torch.finfo(self._dtype).bits // 8
-        if self._cursor + nbytes > self._scratch.numel():
-            self._done.clear()  # start over: what was there is dead (see the class doc)
-            self._cursor = 0
-        if nbytes > self._scratch.numel():
-            raise ValueError(
-                f"{key}: {nbytes} B dequantized exceed the {self._scratch.numel()} B scratch"
-            )
-        dest = self._scratch[self._cursor : self._cursor + nbytes].view(self._dtype)
-        self._cursor += -(-nbytes // ALIGN) * ALIGN
+        start = self._place(key, nbytes)
+        dest = self._scratch[start : start + nbytes].view(self._dtype)
+        self._cursor = start + round_up(nbytes, ALIGN)
         scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
         free = self._scratch[self._cursor :]  # holds nothing asked for: the temporaries' room
         out = dequantize(view, scales, biases, quant, self._dtype, dest.view(rows, cols), free)
         self._done[key] = out
         return out
+
+    def _place(self, key: str, nbytes: int) -> int:
+        """Where the next matrix of `nbytes` goes: from the cursor, at an `ALIGN` boundary of
+        the address; else of the scratch (a scratch whose own start is not aligned: a
+        matrix kept beats an aligned one dequantized again); else the same from the front,
+        starting over (what was there is dead, see the class doc)."""
+        size, base = self._scratch.numel(), self._scratch.data_ptr()
+        for cursor in (self._cursor, 0):
+            for start in (round_up(base + cursor, ALIGN) - base, cursor):
+                if start + nbytes <= size:
+                    if cursor == 0 and self._cursor:
+                        self._done.clear()
+                    return start
+        raise ValueError(f"{key}: {nbytes} B dequantized exceed the {size} B scratch")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

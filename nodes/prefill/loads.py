@@ -3,9 +3,11 @@
 A *load* is what one slot holds at a time: a whole layer, or one part of it (attention or
 MLP), or a slice of a part when even parts do not fit (the model's family cuts,
 `families/`; `plan.py` places).
-Every piece is one run of its file; laid out for O_DIRECT (`Load.direct`), a piece sits at
-its file offset modulo `DIRECT_ALIGN` inside whole aligned blocks, so the disk DMAs it
-straight into the slot.
+Every piece is one run of its file, and starts `ALIGN`-aligned in slot memory (safetensors
+only promises 8 bytes in the file; cuBLASLt's fast kernels want 16, TMA more). Laid out for
+O_DIRECT (`Load.direct`), a piece's span is whole aligned blocks, read straight into the
+slot: its bytes *land* at their file offset modulo `DIRECT_ALIGN` (`landing`), at most
+`ALIGN` - 1 bytes past the piece's offset, and the mover moves them down (`moves`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Literal
 
 from tandem.nodes.model.index import ModelIndex, TensorEntry
 
-ALIGN = 64  # bytes; every piece starts aligned so typed views are valid
+ALIGN = 256  # bytes; every piece (every weight the blocks get) starts aligned to this
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory address are multiples of this
 DIRECT_MIN = 64 * 1024  # smaller pieces (norms, biases) are not worth a span of their own
 
@@ -111,25 +113,59 @@ def _direct_ok(piece: Piece) -> bool:
 
 
 def direct_span(piece: Piece, offset: int) -> tuple[int, int, int] | None:
-    """(file offset, slot offset, length) of the aligned O_DIRECT read that lands `piece` at
-    `offset` in a `DIRECT_ALIGN`-aligned slot of a `direct` load, or None."""
+    """(file offset, slot offset, length) of the aligned O_DIRECT read that puts `piece`
+    (placed at `offset` in a `DIRECT_ALIGN`-aligned slot of a `direct` load) in its span, or
+    None. The piece's bytes land `head % ALIGN` bytes past `offset` (`landing`)."""
     if not _direct_ok(piece):
         return None
     file_offset, n = piece.span()
     head = file_offset % DIRECT_ALIGN
-    if (offset - head) % DIRECT_ALIGN:
+    start = offset - (head - head % ALIGN)
+    if start % DIRECT_ALIGN:
         return None
-    return file_offset - head, offset - head, round_up(head + n, DIRECT_ALIGN)
+    return file_offset - head, start, round_up(head + n, DIRECT_ALIGN)
+
+
+def landing(piece: Piece, offset: int, direct: bool) -> int:
+    """Where a read of a `direct` (or not) load puts the first byte of `piece`, whose place
+    is `offset`: there, or inside its O_DIRECT span at the file offset modulo
+    `DIRECT_ALIGN` (always, whichever way the bytes are read, so a load's landed layout is
+    one). Less than `ALIGN` bytes past `offset`."""
+    span = direct_span(piece, offset) if direct else None
+    return offset if span is None else span[1] + piece.span()[0] - span[0]
+
+
+def moves(load: Load) -> list[tuple[int, int, int]]:
+    """(slot offset, landed offset, bytes): the copies that take a load's bytes from where
+    its reads land them to its `offsets`, every piece covered once. Neighbours that landed
+    alike go in one copy (with the padding between them), so a load whose pieces all landed
+    in place is one copy of its `nbytes`."""
+    runs: list[tuple[int, int, int]] = []
+    end = 0
+    for piece, off in zip(load.pieces, load.offsets, strict=True):
+        shift = landing(piece, off, load.direct) - off
+        if runs and runs[-1][1] - runs[-1][0] == shift:
+            dst, src, _ = runs[-1]
+            runs[-1] = (dst, src, off + piece.nbytes - dst)
+        else:
+            start = end if shift == 0 else off  # in place: from where the last copy ended
+            runs.append((start, start + shift, off + piece.nbytes - start))
+        end = off + piece.nbytes
+    if runs and runs[-1][1] == runs[-1][0]:  # the tail's padding too, as one copy of nbytes
+        dst, src, _ = runs[-1]
+        runs[-1] = (dst, src, load.nbytes - dst)
+    return runs
 
 
 def layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
     """Each piece's offset in slot memory, and the bytes the slot needs.
 
-    Pieces start `ALIGN`-aligned. With `direct`, a piece sits at its file offset modulo
-    `DIRECT_ALIGN`, inside a span of whole aligned blocks of its own: the disk then DMAs it
-    straight into the slot (O_DIRECT), no copy through the page cache, which on a CPU prefill
-    is CPU time taken from compute. Under 8 KiB per piece of at least `DIRECT_MIN` bytes;
-    smaller ones are read as before.
+    Pieces start `ALIGN`-aligned. With `direct`, a piece's span is whole aligned blocks of
+    its own, where it lands at its file offset modulo `DIRECT_ALIGN` (`landing`): the disk
+    then DMAs it straight into the slot (O_DIRECT), no copy through the page cache, which on
+    a CPU prefill is CPU time taken from compute; its offset is the `ALIGN` boundary at or
+    below where it lands. Under 8 KiB per piece of at least `DIRECT_MIN` bytes; smaller ones
+    are read as before.
     """
     offsets, cursor = [], 0
     for piece in pieces:
@@ -137,7 +173,7 @@ def layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
             file_offset, n = piece.span()
             head = file_offset % DIRECT_ALIGN
             start = round_up(cursor, DIRECT_ALIGN)
-            offsets.append(start + head)
+            offsets.append(start + head - head % ALIGN)
             cursor = start + round_up(head + n, DIRECT_ALIGN)
         else:
             start = round_up(cursor, ALIGN)

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part, out_rows_part
-from tandem.nodes.prefill.dequant import DequantizedWeights, dequantize
+from tandem.nodes.prefill.dequant import DequantizedWeights, aligned_front, dequantize
 from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
 
@@ -66,13 +66,14 @@ def _out_rows(
     scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]
     rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
     row_bytes = cols * torch.finfo(p.dtype).bits // 8
-    block = max(1, p.scratch.numel() // row_bytes)
+    scratch = aligned_front(p.scratch, row_bytes)
+    block = max(1, scratch.numel() // row_bytes)
     for a in range(0, rows, block):
         b = min(rows, a + block)
         used = round_up((b - a) * row_bytes, ALIGN)
-        dest = p.scratch[: (b - a) * row_bytes].view(p.dtype).view(b - a, cols)
+        dest = scratch[: (b - a) * row_bytes].view(p.dtype).view(b - a, cols)
         wq = dequantize(weight[a:b], scales[a:b], biases[a:b], quant, p.dtype, dest,
-                        p.scratch[used:])  # fmt: skip
+                        scratch[used:])  # fmt: skip
         last = part.last and b == rows
         out_rows_part(h, state, wq, part.lo + a, part.lo + b, last, p.chunk)
 
@@ -99,9 +100,21 @@ def matrix_pieces(
     ]
 
 
-def _bounds(total: int, n: int) -> list[int]:
-    """Cuts of [0, total) into about n even ranges (fewer when n > total)."""
-    return sorted({round(g * total / n) for g in range(n + 1)})
+ROW_UNIT = 64  # rows: a cut matrix's ranges start at multiples of this (even GEMM shapes,
+# aligned column slices of the kept activation)
+
+
+def _bounds(total: int, n: int, unit: int = 1) -> list[int]:
+    """Cuts of [0, total) into about n even ranges, each starting at a multiple of `unit`
+    (fewer when n > total / unit; the last one takes the remainder)."""
+    return sorted({min(total, round(g * total / n / unit) * unit) for g in range(n)} | {total})
+
+
+def row_unit(index: ModelIndex, i: int, module: str) -> int:
+    """The rows a cut of layer i's `module` moves by: `ROW_UNIT`, or for a quantized matrix
+    the least multiple of it that is also one of its groups."""
+    quant = index.quant(i, module)
+    return ROW_UNIT if quant is None else math.lcm(ROW_UNIT, quant.group_size)
 
 
 def attn_parts(index: ModelIndex, i: int, groups: int, with_o: bool) -> list[Part]:
@@ -137,11 +150,11 @@ def attn_parts(index: ModelIndex, i: int, groups: int, with_o: bool) -> list[Par
     return parts
 
 
-def mlp_parts(index: ModelIndex, i: int, groups: int, with_down: bool) -> list[Part]:
-    """The MLP in `groups` intermediate row ranges: one "mlp" part holding down_proj
-    (`with_down`, groups == 1), else "gate_up" parts."""
+def mlp_parts(index: ModelIndex, i: int, groups: int, with_down: bool, unit: int = 1) -> list[Part]:
+    """The MLP in `groups` intermediate row ranges (starting at multiples of `unit`): one
+    "mlp" part holding down_proj (`with_down`, groups == 1), else "gate_up" parts."""
     t = index.layers[i]
-    bounds = _bounds(index.spec.intermediate_size, groups)
+    bounds = _bounds(index.spec.intermediate_size, groups, unit)
     parts = []
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
@@ -159,10 +172,13 @@ def mlp_parts(index: ModelIndex, i: int, groups: int, with_down: bool) -> list[P
     return parts
 
 
-def out_row_parts(index: ModelIndex, i: int, op: Literal["o", "down"], groups: int) -> list[Part]:
-    """o_proj's or down_proj's output rows (the residual's columns) in `groups` ranges."""
+def out_row_parts(
+    index: ModelIndex, i: int, op: Literal["o", "down"], groups: int, unit: int = 1
+) -> list[Part]:
+    """o_proj's or down_proj's output rows (the residual's columns) in `groups` ranges,
+    starting at multiples of `unit`."""
     module = "self_attn.o_proj" if op == "o" else "mlp.down_proj"
-    bounds = _bounds(index.spec.hidden_size, groups)
+    bounds = _bounds(index.spec.hidden_size, groups, unit)
     parts = []
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         pieces = tuple(matrix_pieces(index, i, module, rows=(lo, hi)))
@@ -178,49 +194,76 @@ def _layer_groups(
     index: ModelIndex, i: int, max_bytes: int, direct: bool
 ) -> list[list[Part]] | None:
     """The coarsest split of layer i whose every load fits `max_bytes`; None if none does.
-    An op that fits one load stays whole; a cut one takes the fewest row ranges that fit."""
+    An op that fits one load stays whole; a cut one takes the fewest row ranges that fit,
+    starting at multiples of `row_unit` rows where those fit."""
     whole = whole_layer(index, i)
     if slot_size(whole, direct) <= max_bytes:
         return [whole]
     spec = index.spec
 
-    def fewest(make: Callable[[int], list[Part]], limit: int) -> list[Part] | None:
-        """About the fewest of up to `limit` ranges whose parts all fit; None if none do.
-
-        From the estimate up, each try scaled by how far its largest part overshot (at least
-        5% more ranges): a few dozen tries of O(ranges) each, even for 28672 rows. An
-        average row (or head) that does not fit ends it at once."""
-        size = slot_size(make(1), direct)
-        if size / limit > max_bytes:
-            return None
-        g = max(1, size // max_bytes)
-        while True:
-            parts = make(g)
-            worst = max(slot_size([p], direct) for p in parts)
-            if worst <= max_bytes:
-                return parts
-            if g >= limit:
-                return None
-            g = min(limit, max(g + 1, g * 21 // 20, math.ceil(g * worst / max_bytes)))
-
-    def op(whole: list[Part], cut: Callable[[int], list[Part]], limit: int,
-           out: Literal["o", "down"]) -> list[Part] | None:  # fmt: skip
+    def op(
+        whole: list[Part], cut: Callable[[], list[Part] | None], out: Literal["o", "down"]
+    ) -> list[Part] | None:
         """The op whole if it fits, else cut: its first matrices, then its output rows."""
         if slot_size(whole, direct) <= max_bytes:
             return whole
-        first = fewest(cut, limit)
+        first = cut()
         if first is None:
             return None
-        rows = fewest(lambda g: out_row_parts(index, i, out, g), spec.hidden_size)
+        module = "self_attn.o_proj" if out == "o" else "mlp.down_proj"
+        rows = _in_units(
+            lambda g, u: out_row_parts(index, i, out, g, u), spec.hidden_size,
+            row_unit(index, i, module), max_bytes, direct,
+        )  # fmt: skip
         return first + rows if rows is not None else None
 
-    attn = op(attn_parts(index, i, 1, with_o=True),
-              lambda g: attn_parts(index, i, g, with_o=False), spec.num_kv_heads, "o")  # fmt: skip
+    def heads() -> list[Part] | None:
+        make = lambda g: attn_parts(index, i, g, with_o=False)  # noqa: E731
+        return _fewest(make, spec.num_kv_heads, max_bytes, direct)
+
+    def gate_up() -> list[Part] | None:
+        make = lambda g, u: mlp_parts(index, i, g, with_down=False, unit=u)  # noqa: E731
+        unit = row_unit(index, i, "mlp.gate_proj")
+        return _in_units(make, spec.intermediate_size, unit, max_bytes, direct)
+
+    attn = op(attn_parts(index, i, 1, with_o=True), heads, "o")
     if attn is None:
         return None
-    mlp = op(mlp_parts(index, i, 1, with_down=True),
-             lambda g: mlp_parts(index, i, g, with_down=False), spec.intermediate_size,
-             "down")  # fmt: skip
+    mlp = op(mlp_parts(index, i, 1, with_down=True), gate_up, "down")
     if mlp is None:
         return None
     return [[p] for p in attn + mlp]
+
+
+def _fewest(
+    make: Callable[[int], list[Part]], limit: int, max_bytes: int, direct: bool
+) -> list[Part] | None:
+    """About the fewest of up to `limit` ranges whose parts all fit; None if none do.
+
+    From the estimate up, each try scaled by how far its largest part overshot (at least 5%
+    more ranges): a few dozen tries of O(ranges) each, even for 28672 rows. An average row
+    (or head) that does not fit ends it at once."""
+    size = slot_size(make(1), direct)
+    if size / limit > max_bytes:
+        return None
+    g = max(1, size // max_bytes)
+    while True:
+        parts = make(g)
+        worst = max(slot_size([p], direct) for p in parts)
+        if worst <= max_bytes:
+            return parts
+        if g >= limit:
+            return None
+        g = min(limit, max(g + 1, g * 21 // 20, math.ceil(g * worst / max_bytes)))
+
+
+def _in_units(
+    make: Callable[[int, int], list[Part]], total: int, unit: int, max_bytes: int, direct: bool
+) -> list[Part] | None:
+    """The fewest ranges of `total` rows, in multiples of `unit` rows, that fit; in single
+    rows only where `unit` rows do not fit a load."""
+    for u in dict.fromkeys((unit, 1)):
+        parts = _fewest(lambda g, u=u: make(g, u), -(-total // u), max_bytes, direct)
+        if parts is not None:
+            return parts
+    return None

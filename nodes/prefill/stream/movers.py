@@ -8,8 +8,10 @@ flight, the page cache dropped behind them) and keep the host tier's loads in sy
   emulates a slower link: the whole fill (disk included) takes at least bytes / rate.
 - `CudaMover`: the loader thread reads into one of `N_STAGING` pinned staging buffers, then
   enqueues `slot.copy_(staging, non_blocking=True)` on a dedicated copy stream and records an
-  event; compute waits on that event, the copy waits on the compute-done event of the slot's
-  previous occupant, and a staging buffer is refilled only once its last copy is done — so
+  event (a copy per run of pieces that landed alike, `loads.moves`: the copy itself moves an
+  O_DIRECT piece down to its aligned offset, where a CPU slot is settled in place); compute
+  waits on that event, the copy waits on the compute-done event of the slot's previous
+  occupant, and a staging buffer is refilled only once its last copy is done — so
   the disk read of load j+1 overlaps the PCIe copy of load j. Copy times come from CUDA events
   read at the end of the request (`finish`), never from a wait per load.
 
@@ -26,7 +28,7 @@ from typing import Protocol
 
 import torch
 from tandem.nodes.contract.units import gbps_to_Bps
-from tandem.nodes.prefill.loads import Load
+from tandem.nodes.prefill.loads import Load, moves
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.host import HostArena, HostTier, aligned_empty
 from tandem.nodes.prefill.stream.reads import Reader
@@ -216,7 +218,7 @@ class CudaMover:
         if host is not None:
             staging = host  # pinned: the tier copies straight from its own buffer
             if not cached:
-                disk = self._reader.read(load, staging, self.tier)
+                disk = self._reader.read(load, staging, self.tier, settle=False)
                 assert self.tier is not None
                 self.tier.hold(load)
         elif self._staging and load.nbytes <= self._staging[0].numel():
@@ -228,10 +230,10 @@ class CudaMover:
                 w0 = time.perf_counter()
                 previous.synchronize()  # free once its last copy is done (a blocking wait)
                 waited = time.perf_counter() - w0  # the copy's time, not the disk's
-            disk = self._reader.read(load, staging, self.tier)
+            disk = self._reader.read(load, staging, self.tier, settle=False)
         else:  # a resident load bigger than the staging: once, through pageable memory
             staging, pinned = aligned_empty(load.nbytes), False
-            disk = self._reader.read(load, staging, self.tier)
+            disk = self._reader.read(load, staging, self.tier, settle=False)
         t1 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             done = self._computed.get(slot)
@@ -240,7 +242,8 @@ class CudaMover:
             start = torch.cuda.Event(enable_timing=True, blocking=True)
             end = torch.cuda.Event(enable_timing=True, blocking=True)
             start.record(self._stream)
-            region[: load.nbytes].copy_(staging[: load.nbytes], non_blocking=pinned)
+            for dst, src, n in moves(load):  # each piece to its aligned offset
+                region[dst : dst + n].copy_(staging[src : src + n], non_blocking=pinned)
             end.record(self._stream)
         self._copied[slot] = end
         self._timed.append((start, end))

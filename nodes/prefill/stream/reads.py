@@ -12,6 +12,7 @@ except for the host tier's loads, which are kept in memory instead.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Piece, direct_span
+from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Piece, direct_span, landing, moves
 from tandem.nodes.prefill.stream.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -70,30 +71,47 @@ def read_load(
     dest: torch.Tensor,
     direct_fds: dict[str, int] | None = None,
     pool: ThreadPoolExecutor | None = None,
+    settle: bool = True,
 ) -> int:
     """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
 
     With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned,
     cut into `READ_CHUNK` reads; a file that refuses (EINVAL) drops back to the page cache for
-    good. With `pool`, the reads run in its threads, several in flight.
+    good. With `pool`, the reads run in its threads, several in flight. The bytes land where
+    `loads.landing` says; `settle` then moves them to their offsets (in place), else the
+    caller's copy does (`loads.moves`).
     """
     mem = memoryview(dest.numpy()).cast("B")
     direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
     reads: list[Callable[[], None]] = []
     for piece, off in zip(load.pieces, load.offsets, strict=True):
         name = str(piece.entry.file)
+        land = landing(piece, off, load.direct)
         span = direct_span(piece, off) if direct and name in direct else None
         if span is not None:
-            reads += _direct_reads(fds, direct, name, mem, span, off - span[1] + piece.nbytes, off)
+            reads += _direct_reads(
+                fds, direct, name, mem, span, land - span[1] + piece.nbytes, land
+            )
         else:
-            reads.append(_buffered_read(fds[name], mem, *piece.span(), off))
+            reads.append(_buffered_read(fds[name], mem, *piece.span(), land))
     if pool is None or len(reads) < 2:
         for read in reads:
             read()
     else:
         for done in [pool.submit(read) for read in reads]:
             done.result()  # every read finished (or raised) before the load is called in
+    if settle:
+        settle_in_place(load, dest)
     return load.weight_bytes
+
+
+def settle_in_place(load: Load, dest: torch.Tensor) -> None:
+    """Move a load's pieces from where they landed down to their `ALIGN`-aligned offsets, in
+    host memory (each by less than `ALIGN` bytes; memmove allows the overlap)."""
+    base = dest.data_ptr()
+    for dst, src, n in moves(load):
+        if dst != src:
+            ctypes.memmove(base + dst, base + src, n)
 
 
 def _buffered_read(
@@ -178,10 +196,13 @@ class Reader:
         """The files still read with O_DIRECT (not refused)."""
         return {f for f in self.direct if not f.startswith("refused:")}
 
-    def read(self, load: Load, dest: torch.Tensor, tier: HostTier | None) -> int:
-        """Read `load` into host memory `dest`; drop what went through the page cache unless
-        `dest` is the host tier's (then the tier is where the bytes are kept)."""
-        n = read_load(self.fds, load, dest, self.direct, self.pool)
+    def read(
+        self, load: Load, dest: torch.Tensor, tier: HostTier | None, settle: bool = True
+    ) -> int:
+        """Read `load` into host memory `dest` (`settle`: see `read_load`); drop what went
+        through the page cache unless `dest` is the host tier's (then the tier is where the
+        bytes are kept)."""
+        n = read_load(self.fds, load, dest, self.direct, self.pool, settle)
         if tier is None or load.seq not in tier.members:
             drop_from_page_cache(self.fds, load)
         return n
