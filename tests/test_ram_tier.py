@@ -8,6 +8,8 @@ machine's free RAM is given to `ram.read_meminfo` here, so the tests do not depe
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,13 @@ from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill import ram
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 from tandem.nodes.prefill.plan import make_plan
-from tandem.nodes.prefill.ram import OS_RESERVE_MIN, parse_host_budget, spare_ram, tier_bytes
+from tandem.nodes.prefill.ram import (
+    OS_RESERVE_MIN,
+    HostBudget,
+    parse_host_budget,
+    spare_ram,
+    tier_bytes,
+)
 
 from tests.conftest import MakeTiny
 
@@ -79,14 +87,23 @@ def test_the_commands_and_the_node_default_to_auto() -> None:
     assert p.parse_args(["node", "--model", "m", "--host-budget", "0"]).host_budget == 0
 
 
+@contextmanager
+def cpu_engine(tiny_model: MakeTiny, host_budget: HostBudget) -> Iterator[PrefillEngine]:
+    """An engine on the CPU for a quarter of a tiny model's layers."""
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, _ = quarter_budget(model)
+    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget=host_budget)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
 def test_a_warm_pass_reads_nothing_from_disk_when_ram_holds_the_set(
     tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plenty(monkeypatch)
-    model = tiny_model(arch="llama", layers=LAYERS)
-    budget, _ = quarter_budget(model)
-    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget="auto")
-    try:
+    with cpu_engine(tiny_model, "auto") as engine:
         cold, warm, again = passes(engine, 3)
         plan = engine.plan
         assert plan.n_slots and plan.host_loads  # layers stream, and RAM keeps them
@@ -96,8 +113,6 @@ def test_a_warm_pass_reads_nothing_from_disk_when_ram_holds_the_set(
             assert s.bytes_streamed == plan.streamed_bytes > 0
             assert s.disk_bytes == 0 and s.ram_bytes == s.bytes_streamed
         assert warm.to_json()["ram_bytes"] == warm.bytes_streamed
-    finally:
-        engine.close()
 
 
 def test_a_partial_tier_is_fixed_and_the_rest_comes_from_disk(
@@ -128,15 +143,10 @@ def test_host_budget_zero_turns_it_off(
     tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plenty(monkeypatch)
-    model = tiny_model(arch="llama", layers=LAYERS)
-    budget, _ = quarter_budget(model)
-    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget=0)
-    try:
+    with cpu_engine(tiny_model, 0) as engine:
         assert engine.streamer.mover.tier is None and not engine.plan.host_loads
         _, warm = passes(engine, 2)
         assert warm.ram_bytes == 0 and warm.disk_bytes == warm.bytes_streamed > 0
-    finally:
-        engine.close()
 
 
 def test_prefill_stats_json_and_bench_json_report_ram_bytes(
