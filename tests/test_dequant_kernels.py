@@ -1,20 +1,25 @@
 """The dequantizer's cost: a few kernels per matrix (aten ops counted at dispatch), one block
 where the caller lends the temporaries' room, and still `mx.dequantize` bit for bit when the
-rows go in blocks."""
+rows go in blocks; and whether resident quantized layers are kept dequantized."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from tandem.nodes.model.index import load_index
 from tandem.nodes.model.quant import Quant
 from tandem.nodes.prefill import dequant
 from tandem.nodes.prefill.dequant import dequantize, temp_bytes_per_row
+from tandem.nodes.prefill.loads import dequantized_bytes, resident_form
+from tandem.nodes.prefill.plan import make_plan
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.conftest import MakeTiny
 from tests.test_quantized import MX_TO_TORCH, _bits, _torch
 
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty"}
@@ -91,3 +96,21 @@ def test_the_launch_count_does_not_grow_with_rows() -> None:
             dequantize(words, s, b, Quant(4, 32), torch.bfloat16)
         counts.append(len(count.ops))
     assert counts[0] == counts[1] <= 6
+
+
+def test_resident_quantized_layers_are_kept_dequantized_only_where_the_budget_holds_them(
+    tiny_model: MakeTiny,
+) -> None:
+    """The decision a plan states: dequantized once when the spare bytes hold every resident
+    matrix in the compute dtype, else packed; a float model's stay as they are."""
+    shape = {"layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256}
+    index = load_index(tiny_model(**shape, quantize=4, group_size=32))
+    plan = make_plan(index, 10**9)
+    need = sum(dequantized_bytes(index, p, 4) for ld in plan.loads for p in ld.parts)
+    assert plan.resident_layers and need > 0
+    assert resident_form(index, plan.loads, need, 4) == ("dequantized", need)
+    assert resident_form(index, plan.loads, need - 1, 4) == ("packed", 0)
+    streamed = [dataclasses.replace(ld, resident=False) for ld in plan.loads]
+    assert resident_form(index, streamed, need, 4) == ("packed", 0)  # nothing resident
+    floats = load_index(tiny_model(**shape))
+    assert resident_form(floats, make_plan(floats, 10**9).loads, 10**9, 4) == ("packed", 0)

@@ -13,6 +13,7 @@ slot: its bytes *land* at their file offset modulo `DIRECT_ALIGN` (`landing`), a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -200,3 +201,26 @@ def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]
 def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
     """Scratch that holds all of a part's quantized matrices dequantized at once."""
     return sum(dequantized_sizes(index, part, itemsize))
+
+
+ResidentForm = Literal["packed", "dequantized"]
+
+
+def resident_form(
+    index: ModelIndex, loads: Sequence[Load], spare: int, itemsize: int
+) -> tuple[ResidentForm, int]:
+    """How a quantized model's resident layers are kept, and the device bytes that costs
+    beyond the plan's pool and scratch: "dequantized" (each matrix dequantized once, at
+    warm-up, into memory of its own beside the packed load, so no pass dequantizes it again)
+    where `spare` bytes (the budget less pool, scratch and activation reserve) hold all of
+    them; else "packed" (0 B: dequantized into the scratch every pass, as streamed loads are).
+    A float model's are "packed", trivially."""
+    if not index.quantized:
+        return "packed", 0
+    need = sum(
+        dequantized_bytes(index, part, itemsize)
+        for load in loads
+        if load.resident
+        for part in load.parts
+    )
+    return ("dequantized", need) if 0 < need <= spare else ("packed", 0)
