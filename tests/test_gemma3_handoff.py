@@ -62,10 +62,10 @@ def _ids(cluster: Cluster, prompt: list[int], bits: int = 0) -> list[int]:
     """mlx-lm's greedy token ids from scratch; with `bits`, over the mixed cache list made by
     hand (its global layers quantized after the prompt, its windows float)."""
     from tandem.nodes.contract.http import KVFormat
-    from tandem.nodes.decode import lm
+    from tandem.nodes.decode.reference import reference_tokens
 
     fmt = KVFormat(bits) if bits else None
-    return list(lm.reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, 6, kv_format=fmt))
+    return list(reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, 6, kv_format=fmt))
 
 
 def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, dict]:

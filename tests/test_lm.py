@@ -12,6 +12,7 @@ import pytest
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
+from tandem.nodes.decode.reference import reference_tokens
 
 from tests.conftest import MakeTiny
 
@@ -34,7 +35,7 @@ def _prefilled(model: Any) -> lm.Caches:
 
 
 def _theirs(model: Any, tokenizer: Any, caches: lm.Caches, n: int) -> list[int]:
-    return list(lm.reference_tokens(model, tokenizer, PROMPT[-1:], n, caches))
+    return list(reference_tokens(model, tokenizer, PROMPT[-1:], n, caches))
 
 
 def _ours(model: Any, caches: lm.Caches, n: int, fmt: KVFormat | None = None) -> list[int]:
@@ -64,7 +65,7 @@ def test_a_cache_cut_shorter_decodes_as_mlx_lm_after_the_same_prefix(loaded: Any
     lm.trim_to(caches, 20)
     copy = lm.clone_prefix(caches, 20)
     assert lm.positions(copy) == 20
-    want = list(lm.reference_tokens(model, tokenizer, PROMPT[20:], 6, caches))
+    want = list(reference_tokens(model, tokenizer, PROMPT[20:], 6, caches))
     got = [s.token for s in lm.steps(model, mx.array(PROMPT[20:]), copy, _greedy, 6)]
     assert _until_eos(got, tokenizer) == want
 

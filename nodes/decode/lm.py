@@ -25,7 +25,6 @@ import mlx.core as mx
 from mlx_lm import load as _load
 from mlx_lm.generate import (
     generation_stream,
-    stream_generate,
     wired_limit,
 )
 from mlx_lm.models.base import create_attention_mask
@@ -371,33 +370,6 @@ def top_logprobs(logprobs: mx.array, n: int) -> list[tuple[int, float]]:
     values = logprobs[ids]
     pairs = zip(ids.tolist(), values.tolist(), strict=True)
     return sorted(pairs, key=lambda p: -p[1])
-
-
-def reference_tokens(
-    model: Any,
-    tokenizer: Any,
-    prompt: Sequence[int],
-    max_tokens: int,
-    caches: Caches | None = None,
-    kv_format: KVFormat | None = None,
-) -> Iterator[int]:
-    """mlx-lm's own `stream_generate` (greedy unless its defaults change), one token id per
-    response: what this module's generation is checked against, and the bench's reference.
-    With `kv_format`, mlx-lm quantizes its cache from the start (`quantized_kv_start=0`); a
-    model with windows (which mlx-lm cannot quantize) generates over its mixed cache list
-    built by hand: the prompt prefilled, then its full layers' caches quantized."""
-    quant: dict[str, Any] = {"kv_bits": None}
-    if kv_format is not None and any(kind(c) != "full" for c in new_caches(model)):
-        caches = caches if caches is not None else new_caches(model)
-        prompt = prefill(model, mx.array(list(prompt)), caches, kv_format).tolist()
-    elif kv_format is not None:
-        quant = {"kv_bits": kv_format.bits, "kv_group_size": kv_format.group_size,
-                 "quantized_kv_start": 0}  # fmt: skip
-    for response in stream_generate(
-        model, tokenizer, mx.array(list(prompt)), max_tokens=max_tokens, prompt_cache=caches,
-        **quant,
-    ):  # fmt: skip
-        yield response.token
 
 
 def prefill_seconds(model: Any, count: int) -> float:

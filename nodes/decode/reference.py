@@ -13,9 +13,40 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from typing import Any
 
+import mlx.core as mx
+from mlx_lm import stream_generate
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
+
+
+def reference_tokens(
+    model: Any,
+    tokenizer: Any,
+    prompt: Sequence[int],
+    max_tokens: int,
+    caches: lm.Caches | None = None,
+    kv_format: KVFormat | None = None,
+) -> Iterator[int]:
+    """mlx-lm's own `stream_generate` (greedy unless its defaults change), one token id per
+    response: what this module's generation is checked against, and the bench's reference.
+    With `kv_format`, mlx-lm quantizes its cache from the start (`quantized_kv_start=0`); a
+    model with windows (which mlx-lm cannot quantize) generates over its mixed cache list
+    built by hand: the prompt prefilled, then its full layers' caches quantized."""
+    quant: dict[str, Any] = {"kv_bits": None}
+    if kv_format is not None and any(lm.kind(c) != "full" for c in lm.new_caches(model)):
+        caches = caches if caches is not None else lm.new_caches(model)
+        prompt = lm.prefill(model, mx.array(list(prompt)), caches, kv_format).tolist()
+    elif kv_format is not None:
+        quant = {"kv_bits": kv_format.bits, "kv_group_size": kv_format.group_size,
+                 "quantized_kv_start": 0}  # fmt: skip
+    for response in stream_generate(
+        model, tokenizer, mx.array(list(prompt)), max_tokens=max_tokens, prompt_cache=caches,
+        **quant,
+    ):  # fmt: skip
+        yield response.token
 
 
 def decode_rate(
@@ -27,7 +58,7 @@ def decode_rate(
     kv_format = KVFormat(kv_bits, kv_group) if kv_bits is not None else None
     times = [
         time.perf_counter()
-        for _ in lm.reference_tokens(model, tokenizer, prompt, max_tokens, kv_format=kv_format)
+        for _ in reference_tokens(model, tokenizer, prompt, max_tokens, kv_format=kv_format)
     ]  # one response per token; the last one carries the final token
     if len(times) < 3:
         raise SystemExit("need at least 3 decoded tokens to measure a rate")
