@@ -1,4 +1,5 @@
-"""Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
+"""Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3, Gemma 3,
+Qwen3-MoE).
 
 A new family adds its `model_type` to `FAMILIES` (and `_ARCHITECTURES`), reads its own keys
 here, and says what each layer is (`LayerKind`); each side maps the type to its code in one
@@ -20,8 +21,8 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.gemma3_config import read_gemma3
 from tandem.nodes.model.quant import QuantConfig, parse_quantization
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
 
 # What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
 # True instead (DESIGN.md trap), so the decode side must be told explicitly.
@@ -32,6 +33,7 @@ _ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -81,6 +83,33 @@ FULL = LayerKind()
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture of experts' shape (Qwen3-MoE): which layers route, and how."""
+
+    num_experts: int
+    experts_per_token: int  # top-k
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # the top-k weights renormalised to sum to 1
+    sparse: tuple[bool, ...]  # per layer: its MLP is the experts (else a dense MLP)
+
+
+def _moe(config: dict[str, Any], layers: int) -> MoeSpec:
+    """mlx-lm's rule: layer i routes unless in `mlp_only_layers`, where experts exist and
+    (i + 1) is a multiple of `decoder_sparse_step`."""
+    experts = int(config["num_experts"])
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = {int(i) for i in config.get("mlp_only_layers") or []}
+    sparse = tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(layers))
+    top_k = int(config["num_experts_per_tok"])
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok {top_k} of {experts} experts")
+    return MoeSpec(
+        experts, top_k, int(config["moe_intermediate_size"]),
+        bool(config.get("norm_topk_prob", False)), sparse,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the prefill and decode sides need to know about a model's shape."""
 
@@ -110,6 +139,7 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: D
     hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh": Gemma 3)
     post_norms: bool = False  # four norms per layer: each branch's output normed too (Gemma 3)
+    moe: MoeSpec | None = None  # a mixture of experts (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:  # today's families: every layer attends to every position
@@ -243,13 +273,15 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             rope_scaling=_rope_scaling(config, where),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[family])),
             attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
             eos_token_ids=_eos_ids(config, generation),
             bos_token_id=config.get("bos_token_id"),
             quantization=parse_quantization(config, str(where)),
         )
+        if family == "qwen3_moe":
+            extra = {"moe": _moe(config, fields["num_layers"])}
         spec = ModelSpec(**{**fields, **extra})
     except KeyError as e:
         raise ModelError(f"{where}: missing key {e.args[0]!r}") from None
