@@ -237,9 +237,10 @@ def test_attention_takes_all_queries_at_once_only_where_a_fused_kernel_runs(
 ) -> None:
     """On CUDA, half precision with a head of at most 256 goes through flash attention whole;
     an fp32 model (or a head of 512) would fall to SDPA's MATH kernel and hold the whole
-    [heads, T, S] score matrix, so it is chunked, and reserved, as on a CPU (plus CUDA's own
-    slack and the K/V in flight to the host)."""
-    from tandem.nodes.prefill.blocks import CUDA_SLACK, fused_attention
+    [heads, T, S] score matrix, so it is chunked as on a CPU, and reserved for what that
+    kernel holds (float32 scores, K/V repeated to every head), plus CUDA's own slack and the
+    K/V in flight to the host."""
+    from tandem.nodes.prefill.blocks import CUDA_SLACK, fused_attention, math_attention_bytes
 
     assert fused_attention("cuda", 2, 128) and fused_attention("cuda", 2, 256)
     assert not fused_attention("cuda", 4, 128)  # float32: no flash kernel
@@ -248,7 +249,9 @@ def test_attention_takes_all_queries_at_once_only_where_a_fused_kernel_runs(
     cpu = prompt_activations(spec, tokens, 0, 512, 4, "cpu", cut_ops=False)
     cuda = prompt_activations(spec, tokens, 0, 512, 4, "cuda", cut_ops=False)
     in_flight = 2 * spec.num_kv_heads * tokens * spec.head_dim * 4  # the previous layer's K/V
-    assert cuda == int((cpu + in_flight) * CUDA_SLACK[0]) + CUDA_SLACK[1]
+    assert cuda > int((cpu + in_flight) * CUDA_SLACK[0]) + CUDA_SLACK[1]
+    math = math_attention_bytes(spec.num_heads, spec.num_kv_heads, 512, tokens, spec.head_dim, 4)
+    assert cuda >= (cpu + in_flight + math - 2 * spec.num_heads * 512 * tokens * 4) * CUDA_SLACK[0]
 
 
 def test_the_reserve_holds_a_cut_ops_output_only_where_the_plan_cuts_one(
