@@ -95,7 +95,7 @@ def test_the_launch_count_does_not_grow_with_rows() -> None:
         with Launches() as count:
             dequantize(words, s, b, Quant(4, 32), torch.bfloat16)
         counts.append(len(count.ops))
-    assert counts[0] == counts[1] <= 6
+    assert counts[0] == counts[1] <= 7
 
 
 def test_resident_quantized_layers_are_kept_dequantized_only_where_the_budget_holds_them(

@@ -8,11 +8,12 @@ model computes in a wider dtype than its scales (float32 norms beside float16 sc
 scales are widened first, as mlx's matmul does.
 
 Runs with plain torch ops, the same on CPU and CUDA, in a few kernels per matrix: for 2, 4
-and 8 bits one broadcast shift unpacks every byte's values at once (`_unpack_aligned`), then
-one conversion, one product and one sum. `out` takes the result in place so a caller's
-scratch bounds the memory; the temporaries (the unpacked uint8 values, and where the scales
-are widened a float32 copy) go into `temp`, free scratch bytes the caller lends, or else into
-at most `BLOCK_BYTES` allocated here, rows in blocks of what that holds.
+and 8 bits one broadcast shift and one mask unpack every byte's values at once, one stack
+interleaves them (`_unpack_aligned`), then one conversion, one product and one sum. `out`
+takes the result in place so a caller's scratch bounds the memory; the temporaries (the
+unpacked uint8 values, and where the scales are widened a float32 copy) go into `temp`, free
+scratch bytes the caller lends, or else into at most `BLOCK_BYTES` allocated here, rows in
+blocks of what that holds.
 """
 
 from __future__ import annotations
@@ -28,18 +29,22 @@ CROSSING_ROW_TEMPS = 40  # bytes of int64 temporaries per value of a crossing (3
 
 
 def _unpack_aligned(words: torch.Tensor, bits: int, into: torch.Tensor | None) -> torch.Tensor:
-    """[R, W] words → [R, W·32/bits] uint8 values in `into` (uint8, R·W·32/bits bytes), for 2,
-    4 and 8 bits: the words are little-endian, so byte k holds the values that start at bit 8k,
-    and one broadcast shift [R, 4W, 1] >> [8/bits] takes them all out."""
+    """[R, W] words → [R, W·32/bits] uint8 values, for 2, 4 and 8 bits, in `into` (uint8,
+    2·R·W·32/bits bytes). The words are little-endian, so byte k holds the values that start
+    at bit 8k: one broadcast shift [1, R, 4W] >> [8/bits, 1, 1] takes every byte's j-th value
+    into plane j (long rows: vectorized on a CPU too), one stack interleaves the planes."""
     rows, cols = words.shape[0], words.shape[1] * 32 // bits
     by = words.view(torch.uint8)  # [R, 4W]
     if bits == 8:
         return by
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)
     assert into is not None
-    q = into[: rows * cols].view(rows, by.shape[1], 8 // bits)
-    torch.bitwise_right_shift(by.unsqueeze(-1), shifts, out=q)
-    q.bitwise_and_((1 << bits) - 1)
+    per = 8 // bits  # values per byte
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device).view(per, 1, 1)
+    planes = into[: rows * cols].view(per, rows, by.shape[1])
+    torch.bitwise_right_shift(by.unsqueeze(0), shifts, out=planes)
+    planes.bitwise_and_((1 << bits) - 1)
+    q = into[rows * cols : 2 * rows * cols].view(rows, by.shape[1], per)
+    torch.stack(planes.unbind(0), dim=-1, out=q)
     return q.view(rows, cols)
 
 
@@ -65,7 +70,7 @@ def _unpack_crossing(
 def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """The integer values of packed rows: [R, W] → [R, cols]."""
     if bits in (2, 4, 8):
-        into = torch.empty(words.shape[0] * cols, dtype=torch.uint8, device=words.device)
+        into = torch.empty(2 * words.shape[0] * cols, dtype=torch.uint8, device=words.device)
         return _unpack_aligned(words, bits, into)
     return _unpack_crossing(words, bits, _crossing_index(cols, bits, words.device))
 
@@ -79,10 +84,10 @@ def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
 
 def temp_bytes_per_row(cols: int, bits: int, scales: torch.dtype, dtype: torch.dtype) -> int:
     """Bytes of temporaries `dequantize` needs per row of `cols` values: the unpacked values
-    (uint8; int64 ones where values cross words), and a float32 row where the scales are
-    widened to a compute dtype other than float32."""
+    (uint8, in planes and interleaved; int64 ones where values cross words), and a float32
+    row where the scales are widened to a compute dtype other than float32."""
     work = work_dtype(scales, dtype)
-    unpacked = cols * (CROSSING_ROW_TEMPS if bits not in (2, 4, 8) else 1 if bits != 8 else 0)
+    unpacked = cols * (CROSSING_ROW_TEMPS if bits not in (2, 4, 8) else 2 if bits != 8 else 0)
     return unpacked + (cols * work.itemsize if work != dtype else 0)
 
 
@@ -98,7 +103,7 @@ def dequantize(
     """Float weights [R, C] in `dtype` from packed `words` [R, C·bits/32] (int32 or uint32
     storage), `scales` and `biases` [R, C/group_size]. `temp`: free uint8 bytes (on the
     device) for the temporaries; a 4- or 8-bit matrix whose temporaries fit takes one block,
-    at most 6 kernels."""
+    at most 7 kernels."""
     rows, groups = scales.shape
     g = quant.group_size
     cols = groups * g
