@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.quant import Quant
@@ -13,6 +14,9 @@ from tandem.nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, re
 from tandem.nodes.model.spec import ModelSpec, load_spec
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# a routed layer's experts: stacked [E, out, in] (mlx-community) or one by one (Hugging Face)
+ExpertLayout = Literal["stacked", "per-expert"]
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class ModelIndex:
     def quantized(self) -> bool:
         return self.spec.quantization.quantized
 
+    def expert_layout(self, i: int) -> ExpertLayout | None:
+        """How layer `i` stores its experts; None where its MLP is dense."""
+        return _expert_layout(self.spec, i, self.layers[i])
+
     def layer_bytes(self, i: int) -> int:
         return sum(e.nbytes for e in self.layers[i].values())
 
@@ -73,8 +81,11 @@ class ModelIndex:
         )
 
 
-def expected_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The tensors each decoder layer must hold, with their logical (float) shapes."""
+def expected_layer_shapes(
+    spec: ModelSpec, layer: int = 0, experts: ExpertLayout = "stacked"
+) -> dict[str, tuple[int, ...]]:
+    """The tensors decoder layer `layer` must hold, with their logical (float) shapes; a
+    routed layer's experts in the layout `experts`."""
     h, hd, nh, nkv, inter = (
         spec.hidden_size,
         spec.head_dim,
@@ -89,10 +100,13 @@ def expected_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (nkv * hd, h),
         "self_attn.v_proj.weight": (nkv * hd, h),
         "self_attn.o_proj.weight": (h, nh * hd),
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
     }
+    if spec.moe is not None and spec.moe.sparse[layer]:
+        shapes.update(_expert_shapes(spec, experts))
+    else:
+        shapes["mlp.gate_proj.weight"] = (inter, h)
+        shapes["mlp.up_proj.weight"] = (inter, h)
+        shapes["mlp.down_proj.weight"] = (h, inter)
     if spec.attention_bias:
         shapes["self_attn.q_proj.bias"] = (nh * hd,)
         shapes["self_attn.k_proj.bias"] = (nkv * hd,)
@@ -104,6 +118,40 @@ def expected_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["pre_feedforward_layernorm.weight"] = (h,)
         shapes["post_feedforward_layernorm.weight"] = (h,)
     return shapes
+
+
+def _expert_shapes(spec: ModelSpec, layout: ExpertLayout) -> dict[str, tuple[int, ...]]:
+    """A routed layer's router [E, H] and experts, [E, out, in] stacked or [out, in] each."""
+    assert spec.moe is not None
+    h, n, inter = spec.hidden_size, spec.moe.num_experts, spec.moe.intermediate_size
+    each = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (n, h)}
+    for proj in PROJECTIONS:
+        if layout == "stacked":
+            shapes[f"mlp.switch_mlp.{proj}.weight"] = (n, *each[proj])
+        else:
+            shapes.update({f"mlp.experts.{e}.{proj}.weight": each[proj] for e in range(n)})
+    return shapes
+
+
+def _expert_layout(spec: ModelSpec, i: int, tensors: dict[str, TensorEntry]) -> ExpertLayout | None:
+    """The layout layer `i`'s tensors hold its experts in (None: a dense MLP); ModelError
+    where they hold both or neither."""
+    if spec.moe is None or not spec.moe.sparse[i]:
+        return None
+    stacked = any(k.startswith("mlp.switch_mlp.") for k in tensors)
+    per_expert = any(k.startswith("mlp.experts.") for k in tensors)
+    if stacked and per_expert:
+        raise ModelError(
+            f"{spec.path}: layer {i} holds its experts both stacked (mlp.switch_mlp.*) "
+            "and one by one (mlp.experts.E.*)"
+        )
+    if not stacked and not per_expert:
+        raise ModelError(
+            f"{spec.path}: layer {i} routes to {spec.moe.num_experts} experts but holds "
+            "none (neither mlp.switch_mlp.*_proj.weight nor mlp.experts.E.*_proj.weight)"
+        )
+    return "stacked" if stacked else "per-expert"
 
 
 def _shard_files(path: Path) -> list[Path]:
@@ -166,16 +214,17 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 def stored_shapes(
     name: str, shape: tuple[int, ...], quant: Quant | None
 ) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """The tensors that store a module's weight `name` of logical `shape`, with the dtypes
-    each may have: the float weight, or packed words plus scales and biases."""
-    if quant is None or len(shape) != 2 or not name.endswith(".weight"):
+    """The tensors that store a module's weight `name` of logical `shape` ([out, in], or
+    [E, out, in] for stacked experts), with the dtypes each may have: the float weight, or
+    packed words plus scales and biases (one per group of input columns)."""
+    if quant is None or len(shape) not in (2, 3) or not name.endswith(".weight"):
         return {name: (shape, FLOAT_DTYPES)}
-    rows, cols = shape
+    *rows, cols = shape
     module = name.removesuffix(".weight")
     return {
-        name: ((rows, quant.packed_cols(cols)), ("U32",)),
-        f"{module}.scales": ((rows, quant.groups(cols)), FLOAT_DTYPES),
-        f"{module}.biases": ((rows, quant.groups(cols)), FLOAT_DTYPES),
+        name: ((*rows, quant.packed_cols(cols)), ("U32",)),
+        f"{module}.scales": ((*rows, quant.groups(cols)), FLOAT_DTYPES),
+        f"{module}.biases": ((*rows, quant.groups(cols)), FLOAT_DTYPES),
     }
 
 
@@ -183,7 +232,7 @@ def _check_stored(
     tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], quant: Quant | None,
     prefix: str, path: Path,
 ) -> None:  # fmt: skip
-    cols = shape[-1] if len(shape) == 2 else 0
+    cols = shape[-1] if len(shape) >= 2 else 0
     if quant is not None and cols % quant.group_size:
         raise ModelError(
             f"{path}: {prefix}{name} has {cols} columns, not whole groups of {quant.group_size}"
@@ -211,10 +260,10 @@ def _check(
         raise ModelError(f"{path}: missing tensor model.norm.weight")
     if not spec.tie_word_embeddings and "lm_head.weight" not in globals_:
         raise ModelError(f"{path}: missing tensor lm_head.weight (tie_word_embeddings is false)")
-    expected = expected_layer_shapes(spec)
     dtype = None
     for i, tensors in enumerate(layers):
         prefix = f"model.layers.{i}."
+        expected = expected_layer_shapes(spec, i, _expert_layout(spec, i, tensors) or "stacked")
         for short, shape in expected.items():
             quant = spec.quantization.of(prefix + short.removesuffix(".weight"))
             _check_stored(tensors, short, shape, quant, prefix, path)
