@@ -13,8 +13,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a tiny random-weight HF-format model")
     p.add_argument("dir", type=Path)
     p.add_argument(
-        "--arch", choices=["llama", "qwen3", "qwen2", "mistral", "gemma3"], default="llama"
-    )
+        "--arch", choices=["llama", "qwen3", "qwen2", "mistral", "gemma3", "qwen3_moe"],
+        default="llama",
+    )  # fmt: skip
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -36,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="gemma3: every pattern-th layer attends to every position",
     )  # fmt: skip
     p.add_argument("--tie-embeddings", action="store_true")
+    _add_moe_options(p)
     p.add_argument(
         "--quantize", type=int, default=None, metavar="BITS",
         help="an MLX quantized checkpoint instead, by mlx-lm's converter (2-8 bits)",
@@ -43,6 +45,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
     p.add_argument("--recipe", default=None, help="mlx-lm mixed recipe, e.g. mixed_3_6")
     p.set_defaults(func=run)
+
+
+def _add_moe_options(p: argparse.ArgumentParser) -> None:
+    """qwen3_moe's options (nodes/model/factory_moe.py)."""
+    p.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per routed layer")
+    p.add_argument("--top-k", type=int, default=2, help="qwen3_moe: experts each token uses")
+    p.add_argument("--moe-intermediate", type=int, default=64, help="qwen3_moe: an expert's width")
+    p.add_argument(
+        "--decoder-sparse-step", type=int, default=1,
+        help="qwen3_moe: layer i routes where (i + 1) is a multiple of this",
+    )  # fmt: skip
+    p.add_argument(
+        "--mlp-only-layers", type=_layer_list, default=(), metavar="I,J",
+        help="qwen3_moe: layers given a dense MLP instead of experts",
+    )  # fmt: skip
+    p.add_argument(
+        "--norm-topk-prob", action=argparse.BooleanOptionalAction, default=True,
+        help="qwen3_moe: renormalise the top-k router weights to sum to 1",
+    )  # fmt: skip
+    p.add_argument(
+        "--expert-layout", choices=["stacked", "per-expert"], default="stacked",
+        help="qwen3_moe: mlx-community's stacked [E, out, in] or Hugging Face's one by one",
+    )  # fmt: skip
+    p.add_argument(
+        "--router-bias", type=float, default=0.0, metavar="B",
+        help="qwen3_moe: > 0 sends most tokens to experts 0..top-k-1 (1: nearly all), so a "
+        "short prompt uses few experts",
+    )  # fmt: skip
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of layer numbers: {text!r}") from None
 
 
 def run(a: argparse.Namespace) -> int:
@@ -69,6 +106,14 @@ def run(a: argparse.Namespace) -> int:
         quantize=a.quantize,
         group_size=a.group_size,
         recipe=a.recipe,
+        experts=a.experts,
+        top_k=a.top_k,
+        moe_intermediate=a.moe_intermediate,
+        decoder_sparse_step=a.decoder_sparse_step,
+        mlp_only_layers=a.mlp_only_layers,
+        norm_topk_prob=a.norm_topk_prob,
+        expert_layout=a.expert_layout,
+        router_bias=a.router_bias,
     )
     out = make_model(a.dir, args)
     log.info("wrote %s", out)

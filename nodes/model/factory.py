@@ -18,6 +18,14 @@ from typing import Literal
 
 import numpy as np
 from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.factory_moe import (
+    ExpertLayout,
+    expert_weights,
+    moe_config,
+    moe_problem,
+    shared_direction,
+    sparse_layers,
+)
 from tandem.nodes.model.safetensors_format import RawTensor, encode, float_bytes
 
 CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus.txt"
@@ -27,14 +35,15 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-ARCHS: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe"]
+ARCHS: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe")
 _ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _MODEL_TYPE = {"gemma3": "gemma3_text"}  # where it is not the arch's name
 
@@ -62,6 +71,15 @@ class MakeModelArgs:
     sliding_window: int = 8  # Gemma 3: positions a sliding layer attends to
     sliding_window_pattern: int = 3  # Gemma 3: every pattern-th layer is global
     rope_local_theta: float = 10000.0  # Gemma 3: the sliding layers' RoPE base
+    # Qwen3-MoE (factory_moe.py): experts per routed layer, each `moe_intermediate` wide
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 64
+    decoder_sparse_step: int = 1  # layer i routes where (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here (dense MLP)
+    norm_topk_prob: bool = True
+    expert_layout: ExpertLayout = "stacked"
+    router_bias: float = 0.0  # > 0: experts 0..top_k-1 take most tokens (factory_moe.py)
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -71,6 +89,7 @@ def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]
     h, inter = a.hidden, a.intermediate
     q_out, kv_out = a.heads * head_dim, a.kv_heads * head_dim
     gemma = a.arch == "gemma3"
+    sparse, u = sparse_layers(a), shared_direction(a)
 
     def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
         return rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale / cols**0.5)
@@ -79,7 +98,8 @@ def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]
         w = 1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)
         return w - np.float32(1.0) if gemma else w
 
-    yield "model.embed_tokens.weight", rng.standard_normal((a.vocab, h), dtype=np.float32)
+    embed = rng.standard_normal((a.vocab, h), dtype=np.float32)  # [V, H]
+    yield "model.embed_tokens.weight", embed if u is None else embed + u
     for i in range(a.layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", norm(h)
@@ -90,16 +110,19 @@ def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]
             yield p + "self_attn.q_proj.bias", 0.1 * rng.standard_normal(q_out, dtype=np.float32)
             yield p + "self_attn.k_proj.bias", 0.1 * rng.standard_normal(kv_out, dtype=np.float32)
             yield p + "self_attn.v_proj.bias", 0.1 * rng.standard_normal(kv_out, dtype=np.float32)
-        if a.arch in ("qwen3", "gemma3"):
+        if a.arch in ("qwen3", "gemma3", "qwen3_moe"):
             yield p + "self_attn.q_norm.weight", norm(head_dim)
             yield p + "self_attn.k_norm.weight", norm(head_dim)
         yield p + "self_attn.o_proj.weight", mat(h, q_out)
         yield p + "post_attention_layernorm.weight", norm(h)
         if gemma:
             yield p + "pre_feedforward_layernorm.weight", norm(h)
-        yield p + "mlp.gate_proj.weight", mat(inter, h)
-        yield p + "mlp.up_proj.weight", mat(inter, h)
-        yield p + "mlp.down_proj.weight", mat(h, inter)
+        if sparse[i]:
+            yield from expert_weights(mat, p, a, u)
+        else:
+            yield p + "mlp.gate_proj.weight", mat(inter, h)
+            yield p + "mlp.up_proj.weight", mat(inter, h)
+            yield p + "mlp.down_proj.weight", mat(h, inter)
         if gemma:
             yield p + "post_feedforward_layernorm.weight", norm(h)
     yield "model.norm.weight", norm(h)
@@ -163,6 +186,7 @@ def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, ob
     }
     if scaling is not None:
         config["rope_scaling"] = scaling
+    config.update(moe_config(a))
     if a.arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
@@ -256,6 +280,9 @@ def _check(args: MakeModelArgs) -> None:
         raise ModelError("--vocab must be at least 300 (256 byte tokens plus merges and specials)")
     if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:
         raise ModelError("--heads must be a multiple of --kv-heads and 1 <= --shards <= --layers")
+    problem = moe_problem(args)
+    if problem is not None:
+        raise ModelError(problem)
 
 
 def _write_tokenizer(out: Path, args: MakeModelArgs) -> tuple[int, int, int]:
@@ -319,8 +346,14 @@ def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
         raise ModelError(f"--quantize must be one of 2, 3, 4, 5, 6, 8 bits, not {args.quantize}")
     if args.group_size not in (32, 64, 128):
         raise ModelError(f"--group-size must be 32, 64 or 128, not {args.group_size}")
-    if args.hidden % args.group_size or args.intermediate % args.group_size:
-        raise ModelError("--hidden and --intermediate must be multiples of --group-size")
+    sparse = sparse_layers(args)
+    widths = [args.hidden] + ([args.intermediate] if not all(sparse) else [])
+    widths += [args.moe_intermediate] if any(sparse) else []
+    if any(w % args.group_size for w in widths):
+        raise ModelError(
+            "--hidden, --intermediate (dense layers) and --moe-intermediate (routed layers) "
+            "must be multiples of --group-size"
+        )
     float_args = dataclasses.replace(args, quantize=None, recipe=None)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
