@@ -16,6 +16,7 @@ FAMILIES: dict[str, DecodeFamily] = {
     "mistral": DenseFamily(),
     "qwen2": DenseFamily(),
     "qwen3": DenseFamily(),
+    "qwen3_moe": DenseFamily(),  # mlx-lm's Model has the dense structure; its MLP routes
     "gemma3_text": Gemma3Family(),
 }
 
