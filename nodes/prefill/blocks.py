@@ -326,6 +326,10 @@ def activation_bytes(
     if spec.post_norms:  # a branch's output [c, H] and its float32 norm; cut: kept [T, H]
         base += T * H * itemsize if cut_ops else 0
         attn, mlp = attn + 3 * c * H * 4, mlp + 3 * c * H * 4
+    if spec.moe is not None:  # a sparse layer: its routes and float32 sum of the experts'
+        # outputs; one expert's SwiGLU over every token at worst (a token picks each once)
+        base += T * H * 4 + T * spec.moe.experts_per_token * (8 + itemsize)
+        mlp = max(mlp, T * (2 * H + 2 * spec.moe.intermediate_size) * itemsize + T * H * 4)
     total = base + max(attn, mlp)
     if cuda:
         return int(total * CUDA_SLACK[0]) + CUDA_SLACK[1]

@@ -11,6 +11,7 @@ from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.families.base import Pass, PrefillFamily
 from tandem.nodes.prefill.families.gemma3 import Gemma3Family
 from tandem.nodes.prefill.families.llama import DenseFamily
+from tandem.nodes.prefill.families.qwen3_moe import Qwen3MoeFamily
 
 FAMILIES: dict[str, PrefillFamily] = {
     "llama": DenseFamily(),
@@ -18,6 +19,7 @@ FAMILIES: dict[str, PrefillFamily] = {
     "qwen2": DenseFamily(),
     "qwen3": DenseFamily(),
     "gemma3_text": Gemma3Family(),
+    "qwen3_moe": Qwen3MoeFamily(),
 }
 
 __all__ = ["FAMILIES", "Pass", "PrefillFamily", "family_for"]

@@ -1,0 +1,121 @@
+"""Qwen3-MoE (`qwen3_moe`) on the prefill engine against mlx-lm's own prefill, the oracle:
+experts stored one by one and stacked, a dense layer mixed in, at a budget that holds the
+model, a quarter of the layers and one below a single layer's experts; after a prefix; and
+mlx-lm's greedy continuation from our K/V. Made fp32 models, all on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.prefill.engine import PrefillEngine
+
+from tests.conftest import MakeTiny
+from tests.test_gemma3_prefill import mlx_prefill
+from tests.test_prefill_engine import greedy
+
+LAYOUTS = ("per-expert", "stacked")
+N = 24  # prompt tokens
+STEPS = 6
+
+
+def moe_args(layout: str) -> dict[str, object]:
+    return {"arch": "qwen3_moe", "layers": 4, "experts": 8, "top_k": 2, "mlp_only_layers": (1,),
+            "expert_layout": layout, "shards": 2}  # fmt: skip
+
+
+def prompt(n: int) -> list[int]:
+    return np.random.default_rng(n).integers(0, 512, n).tolist()
+
+
+def experts_bytes(index: ModelIndex, layer: int) -> int:
+    return sum(e.nbytes for k, e in index.layers[layer].items() if "experts" in k or "switch" in k)
+
+
+BUDGETS: dict[str, Callable[[ModelIndex], int | None]] = {
+    "whole": lambda index: None,
+    "quarter": lambda index: sum(index.layer_bytes(i) for i in range(4)) // 4,
+    "below_experts": lambda index: experts_bytes(index, 0) * 2 // 3,
+}
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def moe_dir(request: pytest.FixtureRequest, tiny_model: MakeTiny) -> Path:
+    return tiny_model(**moe_args(request.param))
+
+
+@pytest.fixture(scope="module")
+def mlx_model(moe_dir: Path) -> Any:
+    import mlx_lm
+
+    return mlx_lm.load(str(moe_dir))[0]
+
+
+@pytest.fixture
+def open_engine() -> Iterator[Callable[..., PrefillEngine]]:
+    engines: list[PrefillEngine] = []
+
+    def make(model: Path, **kwargs: Any) -> PrefillEngine:
+        engines.append(PrefillEngine(model, device="cpu", chunk_tokens=8, **kwargs))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def assert_matches(kv: list[Any], cache: list[Any], start: int = 0) -> None:
+    for layer, c in zip(kv, cache, strict=True):
+        k, v = (
+            np.array(c.keys[..., start : c.offset, :]),
+            np.array(c.values[..., start : c.offset, :]),
+        )
+        np.testing.assert_allclose(layer.k.numpy(), k, rtol=0, atol=1e-4, err_msg=f"{layer.layer}")
+        np.testing.assert_allclose(layer.v.numpy(), v, rtol=0, atol=1e-4, err_msg=f"{layer.layer}")
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_matches_mlx_lm(
+    budget: str, moe_dir: Path, mlx_model: Any, open_engine: Callable[..., PrefillEngine]
+) -> None:
+    index = load_index(moe_dir)
+    assert index.spec.moe is not None and index.spec.moe.sparse == (True, False, True, True)
+    engine = open_engine(moe_dir, budget=BUDGETS[budget](index))
+    if budget == "below_experts":  # a sparse layer's experts come in more than one load
+        loads = [ld for ld in engine.plan.loads if ld.layer == 0]
+        assert sum(part.op == "experts" for ld in loads for part in ld.parts) > 1
+    tokens = prompt(N)
+    kv = list(engine.prefill(tokens))
+    assert_matches(kv, mlx_prefill(mlx_model, tokens))
+
+
+def test_after_a_prefix(
+    moe_dir: Path, mlx_model: Any, open_engine: Callable[..., PrefillEngine]
+) -> None:
+    tokens, k = prompt(N), 9
+    index = load_index(moe_dir)
+    engine = open_engine(moe_dir, budget=BUDGETS["quarter"](index))
+    prefix = [(layer.k, layer.v) for layer in engine.prefill(tokens[:k])]
+    rest = list(engine.prefill(tokens[k:], start=k, prefix=prefix))
+    assert_matches(rest, mlx_prefill(mlx_model, tokens), start=k)
+
+
+def test_decode_continues_from_our_kv(
+    moe_dir: Path, mlx_model: Any, open_engine: Callable[..., PrefillEngine]
+) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    tokens = prompt(N)
+    index = load_index(moe_dir)
+    engine = open_engine(moe_dir, budget=BUDGETS["below_experts"](index))
+    caches = []
+    for layer in engine.prefill(tokens[:-1]):
+        cache = KVCache()
+        cache.update_and_fetch(mx.array(layer.k.numpy()), mx.array(layer.v.numpy()))
+        caches.append(cache)
+    assert greedy(mlx_model, tokens[-1:], caches, STEPS) == greedy(mlx_model, tokens, None, STEPS)
