@@ -119,16 +119,8 @@ def dequantize(
     work = work_dtype(scales.dtype, dtype)
     aligned = quant.bits in (2, 4, 8)
     per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, dtype)
-    index: tuple[torch.Tensor, torch.Tensor] | None = None
-    if not aligned:  # int64 temporaries of its own: blocks of what BLOCK_BYTES holds
-        temp, step = None, BLOCK_BYTES // per_row
-        index = _crossing_index(cols, quant.bits, words.device)
-    elif per_row:
-        temp = _lent_or_new(temp, per_row, rows, words.device)
-        step = temp.numel() // per_row
-    else:  # 8 bits in the working dtype: no temporaries
-        step = rows
-    step = max(1, step)
+    temp, step = _blocks(temp, per_row, rows, aligned, words.device)
+    index = None if aligned else _crossing_index(cols, quant.bits, words.device)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         n, wide = r1 - r0, (r1 - r0) * cols * work.itemsize if work != dtype else 0
@@ -158,6 +150,20 @@ def aligned_front(scratch: torch.Tensor, nbytes: int) -> torch.Tensor:
     there; else all of it."""
     skip = -scratch.data_ptr() % ALIGN
     return scratch[skip:] if skip + nbytes <= scratch.numel() else scratch
+
+
+def _blocks(
+    temp: torch.Tensor | None, per_row: int, rows: int, aligned: bool, device: torch.device
+) -> tuple[torch.Tensor | None, int]:
+    """(the temporaries' bytes, rows per block): a crossing width allocates int64
+    temporaries of its own, blocks of what `BLOCK_BYTES` holds; 8 bits in the working dtype
+    need none, one block."""
+    if not aligned:
+        return None, max(1, BLOCK_BYTES // per_row)
+    if not per_row:
+        return temp, rows
+    temp = _lent_or_new(temp, per_row, rows, device)
+    return temp, max(1, temp.numel() // per_row)
 
 
 def _lent_or_new(
