@@ -18,14 +18,17 @@ from tests.conftest import MakeTiny
 from tests.test_gemma3_prefill import mlx_prefill
 from tests.test_prefill_engine import greedy
 
-LAYOUTS = ("per-expert", "stacked")
+LAYOUTS = ("per-expert", "stacked", "stacked-4bit")
 N = 24  # prompt tokens
 STEPS = 6
 
 
 def moe_args(layout: str) -> dict[str, object]:
+    """4 layers (layer 1 dense), 8 experts, top-2; "stacked-4bit": mlx-lm's converter's
+    4-bit checkpoint (experts stacked, the router at 8 bits)."""
+    quantize = {"quantize": 4, "intermediate": 128} if "4bit" in layout else {}
     return {"arch": "qwen3_moe", "layers": 4, "experts": 8, "top_k": 2, "mlp_only_layers": (1,),
-            "expert_layout": layout, "shards": 2}  # fmt: skip
+            "expert_layout": layout.removesuffix("-4bit"), "shards": 2, **quantize}  # fmt: skip
 
 
 def prompt(n: int) -> list[int]:

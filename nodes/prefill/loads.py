@@ -193,7 +193,7 @@ def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]
     for piece in part.pieces:
         quant = index.quant(part.layer, piece.key.removesuffix(".weight"))
         if quant is not None and piece.key.endswith(".weight"):
-            rows, words = piece.shape
+            rows, words = piece.shape[-2:]  # stacked experts: one expert's, used in turn
             sizes.append(round_up(rows * words * 32 // quant.bits * itemsize, ALIGN))
     return sizes
 

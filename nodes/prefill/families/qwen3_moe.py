@@ -14,6 +14,7 @@ Experts are stored one by one (Hugging Face: `mlp.experts.E.{gate,up,down}_proj`
 experts' tensors, or the stacked tensors' rows [lo, hi). Loads: the layer whole where it
 fits; else attention as the dense family cuts it, the router, and the experts in the fewest
 ranges that fit. Every expert streams (routing-aware loads are the streamer's next step).
+MLX-quantized experts are dequantized one expert at a time, as they are used.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.blocks import LayerState
-from tandem.nodes.prefill.errors import PrefillError
+from tandem.nodes.prefill.dequant import aligned_front, dequantize
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import (
     DenseFamily,
@@ -34,11 +35,12 @@ from tandem.nodes.prefill.families.llama import (
     _in_units,
     _layer_groups,
     attn_parts,
+    dequantized,
     matrix_pieces,
     out_row_parts,
     row_unit,
 )
-from tandem.nodes.prefill.loads import Part, Piece, slot_size
+from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
 from tandem.nodes.prefill.rope import rms_norm
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
@@ -84,7 +86,7 @@ class Qwen3MoeFamily(DenseFamily):
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
     ) -> bool:
         if part.op == "router":
-            _route(p, weights, h, state)
+            _route(p, part, weights, h, state)
             return False
         if part.op == "experts":
             _experts(p, part, weights, h, state)
@@ -103,8 +105,6 @@ def _stacked(index: ModelIndex, layer: int) -> bool:
 
 def moe_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
     """The router, then the experts in `groups` ranges."""
-    if index.quantized:
-        raise PrefillError("quantized Qwen3-MoE checkpoints are not streamed yet")
     moe = index.spec.moe
     assert moe is not None
     t = index.layers[i]
@@ -114,12 +114,12 @@ def moe_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
     bounds = _bounds(moe.num_experts, groups)
     parts = [router]
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        if _stacked(index, i):
-            pieces = [Piece(f"mlp.switch_mlp.{m}.weight", t[f"mlp.switch_mlp.{m}.weight"],
-                            rows=(lo, hi)) for m in MATRICES]  # fmt: skip
+        if _stacked(index, i):  # rows of the stacked [E, out, in] tensors: experts lo..hi
+            modules = [f"mlp.switch_mlp.{m}" for m in MATRICES]
+            pieces = [p for m in modules for p in matrix_pieces(index, i, m, rows=(lo, hi))]
         else:
-            pieces = [Piece(f"mlp.experts.{e}.{m}.weight", t[f"mlp.experts.{e}.{m}.weight"])
-                      for e in range(lo, hi) for m in MATRICES]  # fmt: skip
+            modules = [f"mlp.experts.{e}.{m}" for e in range(lo, hi) for m in MATRICES]
+            pieces = [p for m in modules for p in matrix_pieces(index, i, m)]
         last = g == len(bounds) - 2
         parts.append(Part(i, "experts", lo, hi, g == 0, last, tuple(pieces)))  # type: ignore[arg-type]
     return parts
@@ -142,13 +142,14 @@ def _attention_loads(index: ModelIndex, i: int, max_bytes: int, direct: bool) ->
     return [[p] for p in heads + rows]
 
 
-def _route(p: Pass, w: Weights, h: torch.Tensor, state: LayerState) -> None:
+def _route(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) -> None:
     """The router: each token's top-k experts and their weights, as mlx-lm's block picks
     them (softmax in float32, back to the model dtype; renormalised where the config says)."""
     moe = p.spec.moe
     assert moe is not None and isinstance(state, MoeState)
     x = rms_norm(h, w["post_attention_layernorm.weight"], p.spec.rms_norm_eps)  # [T, H]
-    gates = torch.softmax(F.linear(x, w["mlp.gate.weight"]).float(), dim=-1).to(h.dtype)
+    gate = dequantized(p, part, w)["mlp.gate.weight"]  # [E, H]
+    gates = torch.softmax(F.linear(x, gate).float(), dim=-1).to(h.dtype)
     weights, experts = torch.topk(gates, moe.experts_per_token, dim=-1)  # [T, k]
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -171,10 +172,13 @@ def _experts(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState
         if not n:
             continue
         rows = tokens[at : at + n]
-        gate, up, down = _expert_weights(w, part, j)
         xe = x[rows]  # [n, H]
-        act = F.silu(F.linear(xe, gate)).mul_(F.linear(xe, up))  # [n, I]
-        y = F.linear(act, down).float() * r.weights[rows, slots[at : at + n]].float()[:, None]
+        act = F.silu(F.linear(xe, _matrix(p, w, part, j, "gate_proj")))  # [n, I]
+        act.mul_(F.linear(xe, _matrix(p, w, part, j, "up_proj")))
+        y = (
+            F.linear(act, _matrix(p, w, part, j, "down_proj")).float()
+            * r.weights[rows, slots[at : at + n]].float()[:, None]
+        )
         r.out.index_add_(0, rows, y)
         at += n
     if part.last:
@@ -182,8 +186,20 @@ def _experts(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState
         state.routes, state.x_norm = None, None
 
 
-def _expert_weights(w: Weights, part: Part, j: int) -> tuple[torch.Tensor, ...]:
-    """Expert lo + j's gate, up [I, H] and down [H, I] (views into the slot)."""
-    if "mlp.switch_mlp.gate_proj.weight" in w:
-        return tuple(w[f"mlp.switch_mlp.{m}.weight"][j] for m in MATRICES)
-    return tuple(w[f"mlp.experts.{part.lo + j}.{m}.weight"] for m in MATRICES)
+def _matrix(p: Pass, w: Weights, part: Part, j: int, m: str) -> torch.Tensor:
+    """Expert lo + j's `m` matrix (gate, up [I, H]; down [H, I]): a view into the slot, or
+    dequantized into the scratch's front (the matrix before it is used already: the plan
+    may size the scratch for one matrix)."""
+    stacked = "mlp.switch_mlp.gate_proj.weight" in w
+    module = f"mlp.switch_mlp.{m}" if stacked else f"mlp.experts.{part.lo + j}.{m}"
+    pick = (lambda t: t[j]) if stacked else (lambda t: t)
+    words = pick(w[f"{module}.weight"])
+    quant = p.index.quant(part.layer, module)
+    if quant is None:
+        return words
+    scales, biases = pick(w[f"{module}.scales"]), pick(w[f"{module}.biases"])
+    rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
+    nbytes = rows * cols * torch.finfo(p.dtype).bits // 8
+    dest = aligned_front(p.scratch, nbytes)
+    into = dest[:nbytes].view(p.dtype).view(rows, cols)
+    return dequantize(words, scales, biases, quant, p.dtype, into, dest[round_up(nbytes, ALIGN) :])
