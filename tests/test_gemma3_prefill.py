@@ -180,14 +180,14 @@ def test_sliding_attention_masks_one_chunk_at_a_time(
     """No [T, S] mask for the prompt: a band per query chunk over its window's keys only, the
     same K/V in chunks of 7 as in one chunk of 64."""
     shapes: list[tuple[int, ...]] = []
-    band = blocks._band
+    band = blocks.band_mask
 
     def recording(*args: Any) -> torch.Tensor:
         mask = band(*args)
         shapes.append(tuple(mask.shape))
         return mask
 
-    monkeypatch.setattr(blocks, "_band", recording)
+    monkeypatch.setattr(blocks, "band_mask", recording)
     tokens = prompt(LONG)
     chunked = list(open_engine(gemma3_dir, chunk_tokens=CHUNK).prefill(tokens))
     assert shapes and all(q <= CHUNK and k <= CHUNK + WINDOW - 1 for q, k in shapes)
