@@ -15,10 +15,11 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 SECTIONS = {
-    "env", "h2d", "attention", "kv", "requests", "sanitizer", "model", "memory", "small_card",
-    "bench", "cuda_tests",
+    "env", "h2d", "attention", "kv", "requests", "quantized", "race", "sanitizer", "model",
+    "memory", "small_card", "bench", "cuda_tests",
 }  # fmt: skip
-NEEDS_CUDA = {"h2d", "sanitizer", "cuda_tests"}
+NO_CUDA = {"h2d", "sanitizer", "cuda_tests"}  # their plumbing runs on a CPU where it can
+NEEDS_CUDA = {"race"}  # not even started on a CPU
 pytestmark = pytest.mark.timeout(200)  # the smoke run is one subprocess of up to 150 s
 
 
@@ -52,8 +53,10 @@ def test_smoke_runs_every_section(smoke: dict[str, Any]) -> None:
     sections = smoke["sections"]
     assert set(sections) == SECTIONS
     for name, section in sections.items():
-        if name in NEEDS_CUDA:
+        if name in NO_CUDA:
             assert section["ok"] is None and section["skipped"] == "no cuda", (name, section)
+        elif name in NEEDS_CUDA:
+            assert section == {"ok": None, "skipped": "needs CUDA"}, (name, section)
         else:
             assert section["ok"] is True, (name, section)
     assert smoke["summary"]["failed"] == [] and smoke["rc"] == 0
@@ -94,10 +97,30 @@ def test_smoke_requests_attention_memory_bench(smoke: dict[str, Any]) -> None:
         for case in ("start_0", "start_gt_0"):
             assert s["attention"][dtype][case]["backend"] != "unknown"
             assert s["attention"][dtype][case]["backends"]["MATH"]["ok"]
-    assert all(run["ok"] and not run["oom"] for run in s["memory"]["runs"].values())
+    memory = s["memory"]
+    assert memory["model"]["layers"] == 2 and memory["max_prompt_tokens"] == 128
+    for run in memory["runs"].values():  # the plan's own count, on a CPU: within its reserve
+        assert run["ok"] and not run["oom"] and 0 < run["measured_over_reserve"] <= 1.0
+    assert memory["runs"]["128"]["reserve_bytes"] == memory["reserve_bytes"] > 0
     assert s["small_card"]["plan"]["granularity"] != "resident" and not s["small_card"]["oom"]
-    assert s["bench"]["overlap_ratio"] > 0 and s["bench"]["loader"]["cold"]["bytes_streamed"] > 0
-    assert s["bench"]["vs_resident_ratio"] > 0 and s["bench"]["ok"]
+    bench = s["bench"]
+    assert bench["overlap_ratio"] > 0 and bench["balanced"]["link_gbps"] > 0  # throttled
+    assert bench["unthrottled"]["link_gbps"] is None and bench["load_over_compute"] > 0
+    assert bench["vs_resident_ratio"] > 0 and bench["ok"]
+    ram, cold = bench["loader"]["ram"], bench["loader"]["cold"]  # a warm pass: all from RAM
+    assert ram["disk_bytes"] == 0 and ram["ram_bytes"] == ram["bytes_streamed"] > 0
+    assert cold["disk_bytes"] == cold["bytes_streamed"] > 0 and cold["ram_bytes"] == 0
+
+
+@pytest.mark.slow
+def test_smoke_quantized_model_and_wire_kv(smoke: dict[str, Any]) -> None:
+    q = smoke["sections"]["quantized"]
+    assert q["weights"]["bits"] == 4 and q["devices"] == "cpu vs cpu"
+    for bits in (8, 4):  # streamed against all resident, on the CPU: the same values
+        case = q[f"kv_bits_{bits}"]
+        assert case["ok"] and case["kv"]["layers"] == 3 and case["kv"]["max_abs"] == 0.0
+        assert case["wire"]["bits"] == bits and case["wire"]["values"] > 0
+        assert case["wire"]["max_level_diff"] == 0
 
 
 def test_without_cuda_it_says_so_quickly(tmp_path: Path) -> None:

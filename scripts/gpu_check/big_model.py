@@ -1,5 +1,4 @@
-"""The sections on the big model: writing it (`model`), peak memory (`memory`), a small card
-(`small_card`) and `tandem bench prefill` with the loader's own rates (`bench`)."""
+"""The sections on the big models: writing them (`model`) and a small card (`small_card`)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,11 @@ import time
 from pathlib import Path
 
 from .context import Ctx, attempt, say
-from .engines import measured_run, plan_json, reserve_of, stream_rates
+from .engines import measured_run, plan_json
 from .models import tokens, write_random_model
 from .sizes import Json
+
+WIDE_WRITE_CAP_S = 45.0  # seconds the wide model's write may take at the big one's rate
 
 
 def model_section(ctx: Ctx) -> Json:
@@ -34,7 +35,9 @@ def model_section(ctx: Ctx) -> Json:
         "bench": index.total_bytes // 4,
     }
     say(f"model: {index.total_bytes / 1e9:.2f} GB written in {write_s:.1f} s")
+    wide = attempt(write_wide, ctx, index.total_bytes / write_s)
     return {
+        "wide": wide,
         "shape": ctx.sizes.big_model,
         "dtype": "bfloat16",
         "bytes": index.total_bytes,
@@ -47,6 +50,28 @@ def model_section(ctx: Ctx) -> Json:
     }
 
 
+def write_wide(ctx: Ctx, write_Bps: float) -> Json:
+    """The memory section's model, unless the disk, as fast as it wrote the big one, would take
+    more than WIDE_WRITE_CAP_S (a slow disk must not starve the sections after this one)."""
+    from tandem.nodes.model import load_index
+    from tandem.nodes.model.factory import MakeModelArgs
+
+    a = MakeModelArgs(**ctx.sizes.wide_model)  # type: ignore[arg-type]
+    per_layer = 2 * a.hidden * (2 * a.hidden + 2 * a.hidden * a.kv_heads // a.heads)
+    approx = a.layers * (per_layer + 6 * a.hidden * a.intermediate) + 4 * a.vocab * a.hidden
+    if approx / write_Bps > WIDE_WRITE_CAP_S:
+        return {"ok": False, "error": f"skipped: {approx} B at {write_Bps:.0f} B/s would take"
+                f" over {WIDE_WRITE_CAP_S:.0f} s"}  # fmt: skip
+    partial = ctx.work / "wide.partial"
+    t0 = time.perf_counter()
+    write_random_model(partial, ctx.sizes.wide_model, "bfloat16", ctx.device)
+    write_s = time.perf_counter() - t0
+    partial.rename(ctx.work / "wide")
+    index = load_index(ctx.work / "wide")
+    say(f"model: the wide one, {index.total_bytes / 1e9:.2f} GB in {write_s:.1f} s")
+    return {"shape": ctx.sizes.wide_model, "bytes": index.total_bytes, "write_s": write_s}
+
+
 def filesystem_of(path: Path) -> str | None:
     """The filesystem type holding `path` (tmpfs makes the disk rates memory rates)."""
     best, kind = "", None
@@ -56,28 +81,6 @@ def filesystem_of(path: Path) -> str | None:
             if len(fields) > 2 and str(path).startswith(fields[1]) and len(fields[1]) > len(best):
                 best, kind = fields[1], fields[2]
     return kind
-
-
-def memory_section(ctx: Ctx) -> Json:
-    """Peak device memory per prompt length under the default budget."""
-    from tandem.nodes.model import load_index
-    from tandem.nodes.prefill.engine import PrefillEngine
-
-    index = load_index(ctx.big)
-    engine = PrefillEngine(index, device=ctx.device)
-    try:
-        list(engine.prefill(tokens(16, index.spec.vocab_size)))  # loads the resident set
-        runs = {}
-        for n in ctx.sizes.memory_tokens:
-            ids = tokens(n, index.spec.vocab_size, seed=n)
-            run = runs[str(n)] = attempt(measured_run, engine, ids, ctx.cuda)
-            peak = run.get("max_memory_allocated", run.get("peak_activation_bytes"))
-            say(f"memory {n} tokens: ok={run['ok']} peak={peak} B")
-        out = {"budget_bytes": engine.budget, "plan": plan_json(engine.plan), "runs": runs}
-    finally:
-        engine.close()
-    out["ok"] = all(r["ok"] for r in runs.values())
-    return out
 
 
 def small_card_section(ctx: Ctx) -> Json:
@@ -105,58 +108,3 @@ def small_card_section(ctx: Ctx) -> Json:
         engine.close()
     say(f"small card: oom={out.get('oom')} peak={out.get('max_memory_allocated')}")
     return out
-
-
-def bench_section(ctx: Ctx) -> Json:
-    """`tandem bench prefill` at a quarter of the model, unthrottled and with the link set so
-    loading takes as long as compute; then the loader's own rates, warm and cold."""
-    import torch
-    from tandem.nodes.model import load_index
-    from tandem.nodes.model.page_cache import evict_page_cache
-    from tandem.nodes.prefill.bench import bench
-    from tandem.nodes.prefill.engine import PrefillEngine
-
-    s, model = ctx.sizes, ctx.big
-    index = load_index(model)
-    # a quarter of the model for weights, plus what the engine keeps back for activations
-    budget = index.total_bytes // 4 + reserve_of(index, ctx.device, 512)
-    if ctx.cuda:
-        torch.cuda.empty_cache()  # after reserve_of's resident engine
-    common = {"tokens": s.bench_tokens, "budget": budget, "device": ctx.device, "cold": False}
-    # each run on its own: one that fails leaves the others' numbers
-    free = attempt(
-        lambda: bench(model, link_gbps=None, repeat=s.bench_repeat, vs_resident=True, **common)
-    )
-    say(f"bench unthrottled: overlap {free.get('overlap_ratio')}, streamed / resident"
-        f" {free.get('vs_resident_ratio')}")  # fmt: skip
-    if ctx.cuda:
-        torch.cuda.empty_cache()  # after the resident engine
-    auto = attempt(lambda: bench(model, link_gbps="auto", repeat=1, **common))
-    say(f"bench auto link: overlap {auto.get('overlap_ratio')}")
-
-    def loader_rates() -> Json:
-        engine = PrefillEngine(index, budget=budget, device=ctx.device)
-        loader: Json = {}
-        try:
-            ids = tokens(64, index.spec.vocab_size)
-            list(engine.prefill(ids))  # the resident set, the allocator
-            for phase in ("warm", "cold"):
-                if phase == "cold":
-                    evict_page_cache(index)
-                engine.stream_weights()
-                loader[phase] = stream_rates(engine)
-            loader["plan"] = plan_json(engine.plan)
-        finally:
-            engine.close()
-        return loader
-
-    return {
-        "overlap_ratio": free.get("overlap_ratio"),
-        "vs_resident_ratio": free.get("vs_resident_ratio"),
-        "disk_Bps": free.get("disk_Bps"),
-        "copy_Bps": free.get("copy_Bps"),
-        "unthrottled": free,
-        "auto_link": auto,
-        "loader": attempt(loader_rates),
-        "ok": all(r.get("ok") is not False for r in (free, auto)),
-    }

@@ -9,10 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .attention import attention_section
-from .big_model import bench_section, memory_section, model_section, small_card_section
+from .big_model import model_section, small_card_section
 from .context import Ctx
 from .device import env_section, h2d_section
 from .kv import kv_section
+from .memory import memory_section
+from .overlap import bench_section
+from .quantized import quantized_section
+from .race import race_section
 from .report import clean
 from .requests import requests_section
 from .sanitizer import planted_section, sanitized_section
@@ -25,6 +29,8 @@ SECTIONS: dict[str, Callable[[Ctx], Json]] = {
     "attention": attention_section,
     "kv": kv_section,
     "requests": requests_section,
+    "quantized": quantized_section,
+    "race": race_section,
     "sanitized": sanitized_section,
     "planted": planted_section,
     "memory": memory_section,

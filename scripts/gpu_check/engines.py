@@ -80,6 +80,7 @@ def stream_rates(engine: Any) -> Json:
         "wall_s": st.wall_s,
         "bytes_streamed": st.bytes_streamed,
         "disk_bytes": st.disk_bytes,
+        "ram_bytes": st.ram_bytes,
         "disk_s": disk_s,
         "h2d_s": h2d_s,
         "loader_Bps": st.bytes_streamed / st.wall_s if st.wall_s else None,

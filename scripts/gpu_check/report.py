@@ -1,5 +1,5 @@
-"""The report: issue 17's numbers picked out of the sections, as strict JSON on stdout and in
-$OUT/gpu-check.json."""
+"""The report: issues 17's and 34's numbers picked out of the sections, as strict JSON on
+stdout and in $OUT/gpu-check.json."""
 
 from __future__ import annotations
 
@@ -29,28 +29,36 @@ def ratio(a: Any, b: Any) -> float | None:
 
 
 def summarize(sections: Json, smoke: bool) -> Json:
-    """The numbers issue 17 asks for, picked out of the sections (its bounds are judged on
-    CUDA only: the smoke run's numbers are too small to mean anything)."""
+    """The numbers issues 17 and 34 ask for, picked out of the sections (their bounds are
+    judged on CUDA only: the smoke run's numbers are too small to mean anything)."""
     h2d, bench = sections.get("h2d", {}), sections.get("bench", {})
     pinned = (h2d.get("pinned") or {}).get("best_Bps")
-    warm = (bench.get("loader") or {}).get("warm") or {}
-    card = sections.get("small_card", {})
+    ram = (bench.get("loader") or {}).get("ram") or {}
+    card, memory = sections.get("small_card", {}), sections.get("memory", {})
     kv, attn = sections.get("kv", {}), sections.get("attention", {})
-    copy_ratio, overlap = ratio(warm.get("copy_Bps"), pinned), bench.get("overlap_ratio")
-    targets = {  # issue 17's bounds; None where the number is missing
-        "loader copy / pinned peak >= 0.9": None if copy_ratio is None else copy_ratio >= 0.9,
-        "overlap_ratio <= 1.10": None if overlap is None else overlap <= 1.10,
+    ram_ratio, overlap = ratio(ram.get("loader_Bps"), pinned), bench.get("overlap_ratio")
+    reserve = [r.get("measured_over_reserve") for r in (memory.get("runs") or {}).values()]
+    worst = max(reserve) if reserve and None not in reserve else None
+    targets = {  # issue 17's and 34's bounds; None where the number is missing
+        "RAM tier loader / pinned peak >= 0.9": None if ram_ratio is None else ram_ratio >= 0.9,
+        "overlap_ratio (load ~ compute) <= 1.10": None if overlap is None else overlap <= 1.10,
+        "70B-wide peak / reserve <= 1 at 512, 2k, 8k": None if worst is None else worst <= 1.0,
         "no OOM at 8k tokens, 6 GiB budget": None if card.get("oom") is None else not card["oom"],
     }
     return {
         "targets": "not judged in a smoke run" if smoke else targets,
         "pinned_h2d_Bps": pinned,
-        "loader_copy_Bps": warm.get("copy_Bps"),
-        "loader_copy_over_pinned": copy_ratio,
-        "loader_end_to_end_over_pinned": ratio(warm.get("loader_Bps"), pinned),
+        "ram_loader_Bps": ram.get("loader_Bps"),
+        "ram_loader_over_pinned": ram_ratio,
+        "ram_copy_over_pinned": ratio(ram.get("copy_Bps"), pinned),
+        "ram_pass_disk_bytes": ram.get("disk_bytes"),
         "overlap_ratio": overlap,
-        "overlap_ratio_auto_link": (bench.get("auto_link") or {}).get("overlap_ratio"),
+        "load_over_compute": bench.get("load_over_compute"),
+        "overlap_ratio_unthrottled": bench.get("unthrottled_overlap_ratio"),
         "streamed_over_resident": bench.get("vs_resident_ratio"),
+        "memory_over_reserve": {
+            k: r.get("measured_over_reserve") for k, r in (memory.get("runs") or {}).items()
+        },
         "small_card_oom": card.get("oom"),
         "small_card_max_memory_allocated": card.get("max_memory_allocated"),
         "kv_ok": kv.get("ok"),
@@ -58,6 +66,8 @@ def summarize(sections: Json, smoke: bool) -> Json:
             dtype: {g: e.get("skipped") or e.get("ok") for g, e in (kv.get(dtype) or {}).items()}
             for dtype in ("float32", "bfloat16")
         },
+        "quantized_ok": sections.get("quantized", {}).get("ok"),
+        "race_ok": sections.get("race", {}).get("ok"),
         "attention": {
             dtype: {
                 case: (attn.get(dtype) or {}).get(case, {}).get("backend")

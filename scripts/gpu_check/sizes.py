@@ -20,7 +20,8 @@ class Sizes:
     kv_model: Json
     kv_tokens: int
     chunk: int
-    big_model: Json  # the memory, small-card and bench sections' model
+    big_model: Json  # the small-card and bench sections' model
+    wide_model: Json  # the memory section's: a few layers at 70B's widths
     memory_tokens: tuple[int, ...]
     card_budget: int | None  # None: a third of the big model
     card_bytes: int
@@ -41,6 +42,9 @@ CUDA_SIZES = Sizes(
     # Llama-3-8B layers, 16 of them: 7.0 GB bf16, more than the 6 GiB budget
     big_model={"layers": 16, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
                "vocab": 4096, "shards": 4, "max_position_embeddings": 16384},
+    # Llama-3-70B layers, 2 of them: 3.5 GB bf16
+    wide_model={"layers": 2, "hidden": 8192, "heads": 64, "kv_heads": 8, "intermediate": 28672,
+                "vocab": 4096, "shards": 1, "max_position_embeddings": 16384},
     memory_tokens=(512, 2048, 8192),
     card_budget=6 * GiB,
     card_bytes=8 * GiB,
@@ -59,6 +63,8 @@ SMOKE_SIZES = Sizes(
     chunk=16,
     big_model={"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 512,
                "vocab": 512, "shards": 2},
+    wide_model={"layers": 2, "hidden": 256, "heads": 8, "kv_heads": 2, "intermediate": 896,
+                "vocab": 512, "shards": 1},
     memory_tokens=(32, 64, 128),
     card_budget=None,
     card_bytes=0,
