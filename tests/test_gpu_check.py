@@ -120,7 +120,8 @@ def test_smoke_quantized_model_and_wire_kv(smoke: dict[str, Any]) -> None:
         case = q[f"kv_bits_{bits}"]
         assert case["ok"] and case["kv"]["layers"] == 3 and case["kv"]["max_abs"] == 0.0
         assert case["wire"]["bits"] == bits and case["wire"]["values"] > 0
-        assert case["wire"]["max_level_diff"] == 0
+        assert case["wire"]["max_level_diff"] == 0 and case["wire"]["ok"]
+        assert case["same_input"]["differ_share"] == 0.0 and case["same_input"]["ok"]
 
 
 def test_without_cuda_it_says_so_quickly(tmp_path: Path) -> None:
@@ -131,3 +132,48 @@ def test_without_cuda_it_says_so_quickly(tmp_path: Path) -> None:
     assert rc == 0 and report["cuda"] is False and list(report["sections"]) == ["env"]
     assert seconds < 30
     assert (tmp_path / "gpu-check.json").exists()
+
+
+def _gpu_check_module(name: str) -> Any:
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module(f"gpu_check.{name}")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_the_4bit_model_is_mlx_s_layout(tmp_path: Path) -> None:
+    """quantize_model's words, scales and biases are what mx.dequantize reads back."""
+    mx = pytest.importorskip("mlx.core")
+    np = pytest.importorskip("numpy")
+    from safetensors.numpy import load_file
+    from tandem.nodes.model.factory import MakeModelArgs, make_model
+
+    quantized = _gpu_check_module("quantized")
+    shape = {"layers": 1, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate": 256}
+    src = make_model(tmp_path / "f", MakeModelArgs(**shape, vocab=384), with_tokenizer=False)
+    out = quantized.quantize_model(src, tmp_path / "q")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 4}
+    floats = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    packed = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    name = "model.layers.0.mlp.down_proj"
+    w = floats[f"{name}.weight"]  # [128, 256] float32
+    words = packed[f"{name}.weight"]
+    assert words.dtype == np.uint32 and words.shape == (128, 32)  # 256 values of 4 bits
+    want = mx.quantize(mx.array(w), group_size=64, bits=4)  # (words, scales, biases)
+    for k, expected in zip(("weight", "scales", "biases"), want, strict=True):
+        np.testing.assert_array_equal(packed[f"{name}.{k}"], np.asarray(expected), err_msg=k)
+    assert packed["model.layers.0.input_layernorm.weight"].dtype == w.dtype  # norms stay float
+
+
+def test_the_balanced_prompt_makes_compute_outlast_loading() -> None:
+    overlap = _gpu_check_module("overlap")
+    free = {"load_s": 1.0, "compute_s": 0.05}
+    assert overlap.balanced_tokens(free, 4096, 512, 8192) == 8192  # capped at the longest
+    free = {"load_s": 0.1, "compute_s": 0.06}
+    assert overlap.balanced_tokens(free, 4096, 512, 8192) == 8192  # 4096 * 1.67 * 1.15: chunks
+    assert overlap.balanced_tokens({"load_s": 0.05, "compute_s": 0.06}, 4096, 512, 8192) == 4096
+    assert overlap.balanced_tokens({"ok": False}, 4096, 512, 8192) == 4096
