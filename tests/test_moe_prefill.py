@@ -122,3 +122,67 @@ def test_decode_continues_from_our_kv(
         cache.update_and_fetch(mx.array(layer.k.numpy()), mx.array(layer.v.numpy()))
         caches.append(cache)
     assert greedy(mlx_model, tokens[-1:], caches, STEPS) == greedy(mlx_model, tokens, None, STEPS)
+
+
+def mlx_choices(model: Any, tokens: list[int]) -> dict[int, list[set[int]]]:
+    """Per sparse layer, each token's top-k experts as mlx-lm's own router picks them (its
+    gate's logits, recorded on a prefill of `tokens`)."""
+    import mlx.core as mx
+
+    k = model.args.num_experts_per_tok
+    seen: dict[int, Any] = {}
+
+    class Recording:
+        def __init__(self, i: int, gate: Any) -> None:
+            self.i, self.gate = i, gate
+
+        def __call__(self, x: Any) -> Any:
+            seen[self.i] = out = self.gate(x)
+            return out
+
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "switch_mlp"):
+            layer.mlp.gate = Recording(i, layer.mlp.gate)
+    try:
+        model(mx.array([tokens]))
+    finally:
+        for i, layer in enumerate(model.model.layers):
+            if i in seen:
+                layer.mlp.gate = layer.mlp.gate.gate
+    out = {}
+    for i, logits in seen.items():
+        gates = mx.softmax(logits[0], axis=-1, precise=True)  # [T, E]
+        top = mx.argpartition(gates, kth=-k, axis=-1)[:, -k:]
+        out[i] = [set(row) for row in top.tolist()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def biased(tiny_model: MakeTiny) -> Path:
+    """A short prompt routes to few of its experts (the router bias)."""
+    return tiny_model(**moe_args("stacked"), router_bias=1.0)
+
+
+def test_a_short_prompt_streams_exactly_the_routed_experts(
+    biased: Path, open_engine: Callable[..., PrefillEngine]
+) -> None:
+    import mlx_lm
+
+    model = mlx_lm.load(str(biased))[0]
+    index = load_index(biased)
+    tokens = prompt(N)
+    engine = open_engine(biased, budget=BUDGETS["quarter"](index))
+    assert not any(ld.resident for ld in engine.plan.loads)
+    all_bytes = engine.stream_weights().bytes_streamed  # every expert
+    kv = list(engine.prefill(tokens[:4]))
+    assert_matches(kv, mlx_prefill(model, tokens[:4]))
+    chosen = mlx_choices(model, tokens[:4])
+    used = {i: len(set().union(*rows)) for i, rows in chosen.items()}
+    assert engine.last_stats.experts_streamed == used and max(used.values()) < 8
+    assert engine.last_stats.bytes_streamed < all_bytes
+    # after a cached prefix, only the new tokens route
+    prefix = [(layer.k, layer.v) for layer in engine.prefill(tokens[:9])]
+    list(engine.prefill(tokens[9:13], start=9, prefix=prefix))
+    later = mlx_choices(model, tokens[:13])
+    new = {i: len(set().union(*rows[9:])) for i, rows in later.items()}
+    assert engine.last_stats.experts_streamed == new

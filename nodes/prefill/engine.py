@@ -80,13 +80,14 @@ class PrefillStats:
     quantize_s: float = 0.0  # quantizing K/V for the wire (CPU: wall; CUDA: its kernels)
     resident_layers: list[int] = field(default_factory=list)
     layer_compute_s: list[float] = field(default_factory=list)
+    experts_streamed: dict[int, int] = field(default_factory=dict)  # MoE layer → experts read
 
     def to_json(self) -> dict[str, object]:
         keys = (
             "tokens", "layers", "wall_s", "load_busy_s", "compute_busy_s", "budget_bytes",
             "peak_weight_bytes", "peak_activation_bytes", "bytes_streamed", "disk_bytes",
             "ram_bytes", "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes",
-            "quantize_s", "resident_layers",
+            "quantize_s", "resident_layers", "experts_streamed",
         )  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
@@ -264,6 +265,8 @@ class PrefillEngine:
                         if family.compute(p, part, weights, h, state):
                             full = kinds[i].kind == "full"  # the others cross in float
                             self._handover.kv_done(i, *family.handover(p, kinds[i], i, state), full)
+                        if (used := family.routing(part, state)) is not None:
+                            run.route(i, used, self.spec.moe.num_experts)  # type: ignore[union-attr]
                 self._released(rid, run, load)
                 if load.last_of_layer:
                     yield from self._handover.push()
@@ -277,7 +280,7 @@ class PrefillEngine:
         """Every load streamed through the ring once, nothing computed (bench `load_s`)."""
         rid = request_id or uuid.uuid4().hex[:12]
         stats, t_start = self._begin(rid, 0, 0)
-        with self.streamer.stream(self._hooks(rid), False) as run:
+        with self.streamer.stream(self._hooks(rid), False, route=False) as run:
             for load, _ in run:
                 if load.first_of_layer:
                     self.events.publish(self._layer_event(rid, load, "computing"))
@@ -323,6 +326,7 @@ class PrefillEngine:
         stats.ram_bytes = stream.bytes_streamed - stream.disk_bytes  # the rest: the RAM tier
         stats.disk_s = stream.disk_s
         stats.h2d_s = stream.h2d_s
+        stats.experts_streamed = dict(stream.experts_streamed)
         if dev.type == "cuda":
             if stream.h2d_s:  # per-load copy times exist only once the request is done
                 link = LinkEvent(rid, name="h2d", bytes=stream.bytes_streamed, seconds=stream.h2d_s)

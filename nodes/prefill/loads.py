@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tandem.nodes.model.index import ModelIndex, TensorEntry
@@ -94,6 +94,12 @@ class Load:
     last_of_layer: bool
     resident: bool
     direct: bool = False  # laid out for O_DIRECT reads (see `layout`)
+    partial: bool = False  # some parts left out (experts no token chose): never a tier's
+
+    @property
+    def routed(self) -> bool:
+        """Only experts: read once the layer's router has chosen (`routed_only`)."""
+        return bool(self.parts) and all(part.op == "experts" for part in self.parts)
 
     @property
     def pieces(self) -> tuple[Piece, ...]:
@@ -103,6 +109,22 @@ class Load:
     def weight_bytes(self) -> int:
         """The tensor bytes in this load (`nbytes` adds alignment padding)."""
         return sum(p.nbytes for p in self.pieces)
+
+
+def routed_only(load: Load, used: frozenset[int]) -> Load | None:
+    """The experts `used` of a routed load, at their places in its slot (the others'
+    bytes are not read); None when it holds none of them."""
+    keep = [i for i, part in enumerate(load.parts) if part.lo in used]
+    if len(keep) == len(load.parts):
+        return load
+    if not keep:
+        return None
+    offsets = iter(load.offsets)
+    placed = [[next(offsets) for _ in part.pieces] for part in load.parts]
+    return replace(
+        load, parts=tuple(load.parts[i] for i in keep),
+        offsets=tuple(o for i in keep for o in placed[i]), partial=True,
+    )  # fmt: skip
 
 
 def _direct_ok(piece: Piece) -> bool:
@@ -145,14 +167,16 @@ def moves(load: Load) -> list[tuple[int, int, int]]:
     end = 0
     for piece, off in zip(load.pieces, load.offsets, strict=True):
         shift = landing(piece, off, load.direct) - off
-        if runs and runs[-1][1] - runs[-1][0] == shift:
+        beside = not load.partial or off - end < DIRECT_ALIGN  # no left-out piece between
+        if runs and runs[-1][1] - runs[-1][0] == shift and beside:
             dst, src, _ = runs[-1]
             runs[-1] = (dst, src, off + piece.nbytes - dst)
         else:
             start = end if shift == 0 else off  # in place: from where the last copy ended
             runs.append((start, start + shift, off + piece.nbytes - start))
         end = off + piece.nbytes
-    if runs and runs[-1][1] == runs[-1][0]:  # the tail's padding too, as one copy of nbytes
+    tail = not load.partial or load.nbytes - end < DIRECT_ALIGN
+    if runs and runs[-1][1] == runs[-1][0] and tail:  # the tail's padding, one copy of nbytes
         dst, src, _ = runs[-1]
         runs[-1] = (dst, src, load.nbytes - dst)
     return runs

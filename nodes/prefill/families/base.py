@@ -15,9 +15,9 @@ we; its decode side is `nodes/decode/families/`). It does three jobs, per layer:
   positions; a "sliding" layer the window of K/V its decode cache keeps; a "linear" layer
   its fixed-size state.
 
-Mixtures of experts: `routed` names the parts that load only when the router sends tokens to
-them. The planner leaves them out of the ring's fixed order and the streamer fetches them on
-demand; no family here routes yet (issue 36 adds the streamer's side).
+Mixtures of experts: a layer's "experts" parts (one expert each) come in loads after the
+layer's router. `routing` tells the engine which experts the tokens chose once the router
+ran; the streamer then reads only those experts' pieces of the loads that follow.
 
 `PrefillFamily` hands over "full" layers and refuses the other kinds (a `PrefillError`),
 which the families that have them override.
@@ -25,7 +25,7 @@ which the families that have them override.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -81,9 +81,10 @@ class PrefillFamily:
         (which it may scale in place): the dense families' as it is."""
         return p
 
-    def routed(self, index: ModelIndex, layer: int) -> Sequence[Part]:
-        """Parts loaded only when routed to (a mixture of experts); none here."""
-        return ()
+    def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
+        """After `part` computed: the experts the layer's tokens chose, once its router ran (a
+        mixture of experts: the streamer then loads only those); None otherwise."""
+        return None
 
     def new_state(
         self,

@@ -11,9 +11,10 @@ A sparse layer's MLP is two kinds of part:
 
 Experts are stored one by one (Hugging Face: `mlp.experts.E.{gate,up,down}_proj`) or stacked
 (mlx-community: `mlp.switch_mlp.{gate,up,down}_proj` [E, out, in]); a part's pieces are the
-experts' tensors, or the stacked tensors' rows [lo, hi). Loads: the layer whole where it
-fits; else attention as the dense family cuts it, the router, and the experts in the fewest
-ranges that fit. Every expert streams (routing-aware loads are the streamer's next step).
+experts' tensors, or the stacked tensors' rows [lo, hi), one part per expert. Loads: the
+layer whole where it is resident; streamed, its attention (as the dense family cuts it) with
+the router, then its experts packed into loads, which the streamer reads once the router has
+chosen, only the chosen experts' pieces of them (`routing`).
 MLX-quantized experts are dequantized one expert at a time, as they are used.
 """
 
@@ -30,7 +31,6 @@ from tandem.nodes.prefill.dequant import aligned_front, dequantize
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import (
     DenseFamily,
-    _bounds,
     _fewest,
     _in_units,
     _layer_groups,
@@ -48,11 +48,19 @@ MATRICES = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass
 class Routes:
-    """Each token's experts and weights (one layer)."""
+    """Each token's experts and weights (one layer), grouped by expert."""
 
-    experts: torch.Tensor  # [T, k] int64
-    weights: torch.Tensor  # [T, k], the model dtype
+    order: torch.Tensor  # [T·k] int64: the flat (token, slot) entries sorted by expert
+    weights: torch.Tensor  # [T·k] the model dtype: each entry's weight
+    starts: list[int]  # per expert: where its entries begin in `order` (E + 1 values)
+    k: int  # experts per token
     out: torch.Tensor  # [T, H] float32: the weighted experts' outputs so far
+
+    @property
+    def used(self) -> frozenset[int]:
+        return frozenset(
+            e for e in range(len(self.starts) - 1) if self.starts[e + 1] > self.starts[e]
+        )
 
 
 @dataclass
@@ -67,20 +75,37 @@ class Qwen3MoeFamily(DenseFamily):
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         if not _sparse(index, layer):
             return super().whole_layer(index, layer)
-        return attn_parts(index, layer, 1, with_o=True) + moe_parts(index, layer, 1)
+        return attn_parts(index, layer, 1, with_o=True) + moe_parts(index, layer)
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
+        """A sparse layer streams as its attention (cut as the dense family cuts it) with the
+        router in its last load, then its experts packed in order into loads that fit, so
+        that they are read once the router has chosen (`routing`)."""
         if not _sparse(index, layer):
             return _layer_groups(index, layer, max_bytes, direct)
-        whole = self.whole_layer(index, layer)
-        if slot_size(whole, direct) <= max_bytes:
-            return [whole]
         attn = _attention_loads(index, layer, max_bytes, direct)
-        experts = index.spec.moe.num_experts  # type: ignore[union-attr]
-        moe = _fewest(lambda g: moe_parts(index, layer, g), experts, max_bytes, direct)
-        if attn is None or moe is None:
+        router, *experts = moe_parts(index, layer)
+        if attn is None or slot_size([router], direct) > max_bytes:
             return None
-        return attn + [[p] for p in moe]
+        if slot_size([*attn[-1], router], direct) <= max_bytes:
+            attn[-1] = [*attn[-1], router]
+        else:
+            attn.append([router])
+        loads: list[list[Part]] = []
+        for part in experts:
+            if loads and slot_size([*loads[-1], part], direct) <= max_bytes:
+                loads[-1].append(part)
+            elif slot_size([part], direct) <= max_bytes:
+                loads.append([part])
+            else:
+                return None  # one expert does not fit a slot
+        return attn + loads
+
+    def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
+        if part.op != "router":
+            return None
+        assert isinstance(state, MoeState) and state.routes is not None
+        return state.routes.used
 
     def compute(
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
@@ -103,25 +128,25 @@ def _stacked(index: ModelIndex, layer: int) -> bool:
     return "mlp.switch_mlp.gate_proj.weight" in index.layers[layer]
 
 
-def moe_parts(index: ModelIndex, i: int, groups: int) -> list[Part]:
-    """The router, then the experts in `groups` ranges."""
+def moe_parts(index: ModelIndex, i: int) -> list[Part]:
+    """The router, then one part per expert."""
     moe = index.spec.moe
     assert moe is not None
     t = index.layers[i]
     norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
     router = Part(i, "router", 0, moe.num_experts, True, True,  # type: ignore[arg-type]
                   (norm, *matrix_pieces(index, i, "mlp.gate")))  # fmt: skip
-    bounds = _bounds(moe.num_experts, groups)
     parts = [router]
-    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+    for lo in range(moe.num_experts):
+        hi = lo + 1
         if _stacked(index, i):  # rows of the stacked [E, out, in] tensors: experts lo..hi
             modules = [f"mlp.switch_mlp.{m}" for m in MATRICES]
             pieces = [p for m in modules for p in matrix_pieces(index, i, m, rows=(lo, hi))]
         else:
             modules = [f"mlp.experts.{e}.{m}" for e in range(lo, hi) for m in MATRICES]
             pieces = [p for m in modules for p in matrix_pieces(index, i, m)]
-        last = g == len(bounds) - 2
-        parts.append(Part(i, "experts", lo, hi, g == 0, last, tuple(pieces)))  # type: ignore[arg-type]
+        last = hi == moe.num_experts
+        parts.append(Part(i, "experts", lo, hi, lo == 0, last, tuple(pieces)))  # type: ignore[arg-type]
     return parts
 
 
@@ -154,33 +179,29 @@ def _route(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) 
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     state.x_norm = x
+    flat = experts.flatten()  # [T·k]
+    counts = torch.bincount(flat, minlength=moe.num_experts).tolist()  # the one read-back
+    starts = [0, *itertools.accumulate(counts)]
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    state.routes = Routes(experts, weights, out)
+    order = torch.argsort(flat, stable=True)
+    state.routes = Routes(order, weights.flatten(), starts, moe.experts_per_token, out)
 
 
 def _experts(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) -> None:
-    """Experts [lo, hi) on the tokens routed to them, grouped by expert: one SwiGLU each."""
+    """Experts [lo, hi) on the tokens routed to them: one SwiGLU each, times each token's
+    weight, into the float32 sum; the layer's last expert adds the sum into h."""
     assert isinstance(state, MoeState) and state.routes is not None and state.x_norm is not None
     r, x = state.routes, state.x_norm
-    tokens, slots = ((r.experts >= part.lo) & (r.experts < part.hi)).nonzero(as_tuple=True)
-    local = r.experts[tokens, slots] - part.lo
-    order = torch.argsort(local, stable=True)
-    tokens, slots = tokens[order], slots[order]
-    counts = torch.bincount(local, minlength=part.hi - part.lo).tolist()  # one read-back a part
-    at = 0
-    for j, n in enumerate(counts):
-        if not n:
-            continue
-        rows = tokens[at : at + n]
+    for e in range(part.lo, part.hi):
+        if r.starts[e + 1] == r.starts[e]:
+            continue  # no token chose it: its weights may not even be loaded
+        entries = r.order[r.starts[e] : r.starts[e + 1]]  # flat (token, slot) indices
+        rows, j = entries // r.k, e - part.lo
         xe = x[rows]  # [n, H]
         act = F.silu(F.linear(xe, _matrix(p, w, part, j, "gate_proj")))  # [n, I]
         act.mul_(F.linear(xe, _matrix(p, w, part, j, "up_proj")))
-        y = (
-            F.linear(act, _matrix(p, w, part, j, "down_proj")).float()
-            * r.weights[rows, slots[at : at + n]].float()[:, None]
-        )
-        r.out.index_add_(0, rows, y)
-        at += n
+        y = F.linear(act, _matrix(p, w, part, j, "down_proj")).float()
+        r.out.index_add_(0, rows, y * r.weights[entries].float()[:, None])
     if part.last:
         h += r.out.to(h.dtype)
         state.routes, state.x_norm = None, None

@@ -98,12 +98,15 @@ class HostTier:
     def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
         """(host buffer for a member load or None, whether it already holds the load)."""
         buf = self._buffers.get(load.seq)
-        return buf, buf is not None and load.seq in self._holding
+        held = buf is not None and load.seq in self._holding
+        if load.partial and not held:  # some experts only: read past the tier, never kept
+            return None, False
+        return buf, held
 
     def hold(self, load: Load) -> None:
         """The load's buffer now holds it: called only once its read has succeeded, so a read
         that failed halfway is read again next time, never used as weights."""
-        if load.seq in self.members:
+        if load.seq in self.members and not load.partial:
             self._holding.add(load.seq)
 
     def close(self) -> None:

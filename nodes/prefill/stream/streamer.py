@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
-from tandem.nodes.prefill.loads import Load
+from tandem.nodes.prefill.loads import Load, routed_only
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes, Mover
 
@@ -40,6 +40,7 @@ class StreamStats:
     h2d_s: float = 0.0
     bytes_streamed: int = 0  # into device memory
     disk_bytes: int = 0  # of those, read from disk (not the host tier)
+    experts_streamed: dict[int, int] = field(default_factory=dict)  # layer → experts read
 
 
 @dataclass
@@ -85,14 +86,17 @@ class LayerStreamer:
         return None if k is None else k % self.plan.n_slots
 
     @contextmanager
-    def stream(self, hooks: LoaderHooks | None = None, synchronous: bool = False) -> Iterator[_Run]:
+    def stream(
+        self, hooks: LoaderHooks | None = None, synchronous: bool = False, route: bool = True
+    ) -> Iterator[_Run]:
         """Yield a run: iterate it for (load, weight views) in plan order, each ready to
         compute on, and `release(load)` as soon as the load's compute is queued — the loader
         may then refill its slot. (A load not released by then is released when the next one
         is asked for.) `synchronous=True` loads each load only when asked for it, so no copy
-        overlaps compute (the bench's `compute_s` denominator).
+        overlaps compute (the bench's `compute_s` denominator). `route=False`: a routed
+        load is read whole, without waiting for its router (a pass that computes nothing).
         """
-        run = _Run(self, hooks or LoaderHooks(), synchronous)
+        run = _Run(self, hooks or LoaderHooks(), synchronous, route)
         try:
             yield run
         finally:
@@ -100,7 +104,7 @@ class LayerStreamer:
 
     def load_only(self, hooks: LoaderHooks | None = None) -> StreamStats:
         """Stream every load through the pool with compute switched off (bench `load_s`)."""
-        with self.stream(hooks) as it:
+        with self.stream(hooks, route=False) as it:
             for _ in it:
                 pass
         return self.last_stats
@@ -136,6 +140,8 @@ class LayerStreamer:
         self._resident_mem.clear()
 
 
+ALL_EXPERTS = 0.9  # a router that chose this share of its experts: read later ones whole
+
 DEVICE_NICE = 5  # the compute thread: below a node's event loop, which sends the K/V
 LOADER_NICE = CpuMover.loader_nice  # a CPU loader: below compute, its reads wait for the gaps
 
@@ -160,7 +166,9 @@ def part_weights(views: dict[str, torch.Tensor], op: str, lo: int) -> dict[str, 
 class _Run:
     """One pass over the plan: a loader thread ahead of the consuming (compute) thread."""
 
-    def __init__(self, streamer: LayerStreamer, hooks: LoaderHooks, synchronous: bool) -> None:
+    def __init__(
+        self, streamer: LayerStreamer, hooks: LoaderHooks, synchronous: bool, route: bool = True
+    ) -> None:
         self.s = streamer
         self.hooks = hooks
         self.synchronous = synchronous
@@ -171,6 +179,8 @@ class _Run:
         self.error: BaseException | None = None
         self.cancelled = False
         self.stats = StreamStats()
+        self.routes: dict[int, frozenset[int]] = {}  # layer → the experts its tokens chose
+        self.await_routes = route  # read only chosen experts (waiting for the router)
         self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
         self.thread.start()
 
@@ -192,10 +202,17 @@ class _Run:
                     if self.cancelled:
                         return
                 self.hooks.on_loading(load, slot)
-                if j + 1 < len(loads):  # the disk reads ahead while this load copies
+                if j + 1 < len(loads) and not loads[j + 1].routed:  # the disk reads ahead
                     self.s.mover.prefetch(loads[j + 1])
+                moved = self._chosen(load)
+                if moved is None:  # no token chose any of its experts: nothing to read
+                    with self.cond:
+                        if slot is not None:
+                            self.ring.filled[slot] = load.seq
+                    self._mark_ready(load)
+                    continue
                 t0 = time.perf_counter()
-                times = self.s.mover.fill(self.s.slot_id(load), self.s._memory(load), load)
+                times = self.s.mover.fill(self.s.slot_id(load), self.s._memory(load), moved)
                 self.stats.load_busy_s += time.perf_counter() - t0
                 self.stats.disk_s += times.disk_s
                 self.stats.h2d_s += times.h2d_s
@@ -208,11 +225,41 @@ class _Run:
                         self.ring.filled[slot] = load.seq
                 self.hooks.on_ready(load, slot, times)
                 self._mark_ready(load)
+        except StreamCancelled:
+            return
         except BaseException as e:  # surfaced on the compute thread
             log.exception("loader failed")
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def route(self, layer: int, used: frozenset[int], experts: int) -> None:
+        """On the compute thread, once layer `layer`'s router ran: the experts its tokens
+        chose. Where they are nearly all of them, later layers' experts are read without
+        waiting for their routers (a long prompt: every expert is used anyway)."""
+        with self.cond:
+            self.routes[layer] = used
+            if len(used) >= ALL_EXPERTS * experts:
+                self.await_routes = False
+            self.cond.notify_all()
+
+    def _chosen(self, load: Load) -> Load | None:
+        """What of `load` to read: a routed load's chosen experts (after waiting for its
+        router), else all of it; None when no token chose any of its experts."""
+        if not load.routed or load.resident:
+            return load
+        with self.cond:
+            if not self.await_routes and load.layer not in self.routes:
+                moved: Load | None = load
+            else:
+                self.cond.wait_for(lambda: self.cancelled or load.layer in self.routes)
+                if self.cancelled:
+                    raise StreamCancelled
+                moved = routed_only(load, self.routes[load.layer])
+        if moved is not None:
+            n = self.stats.experts_streamed.get(load.layer, 0)
+            self.stats.experts_streamed[load.layer] = n + len(moved.parts)
+        return moved
 
     def _may_fill(self, load: Load, slot: int | None, k: int) -> bool:
         if self.synchronous and load.seq > self.asked:
