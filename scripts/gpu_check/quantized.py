@@ -9,6 +9,7 @@ layout: uint32 words packed from the low bits up, scales and biases per group), 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,7 @@ def quantized_section(ctx: Ctx) -> Json:
     from tandem.nodes.model import load_index
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_num_threads(max(1, (os.cpu_count() or 4) // 4))  # it runs beside other sections
     dtype = "bfloat16" if ctx.cuda else "float32"  # a CPU without native bf16 is ~47x slower
     shape = {**ctx.sizes.kv_model, "layers": 3}  # streamed: a ring of at least one slot
     float_model = small_model(ctx, "quantized-float", shape, dtype)
