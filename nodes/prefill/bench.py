@@ -128,6 +128,7 @@ def bench(
     host_budget: HostBudget | None = DEFAULT_HOST_BUDGET,
     kv_bits: int = 16,
     vs_resident: bool = False,
+    experts: str = "routed",
 ) -> dict[str, object]:
     index = load_index(model)
     fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
@@ -135,6 +136,7 @@ def bench(
         index, budget=budget, device=device, chunk_tokens=chunk_tokens, link_gbps=fixed,
         host_budget=host_budget,
     )  # fmt: skip
+    engine.route_experts = experts == "routed"
     rng = np.random.default_rng(0)
     ids = rng.integers(0, index.spec.vocab_size, tokens).tolist()
     before = (lambda: evict_page_cache(index)) if cold else (lambda: None)
@@ -143,7 +145,8 @@ def bench(
         phases = _phases(engine, ids, repeat, before, auto, fixed, kv_bits, vs_resident)
     finally:
         engine.close()
-    return _result(phases, engine, index, budget, tokens, kv_bits, cold, repeat)
+    moe = {"experts": experts, "experts_streamed": sum(phases.last.experts_streamed.values())}
+    return _result(phases, engine, index, budget, tokens, kv_bits, cold, repeat) | moe
 
 
 def _phases(
@@ -364,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16,
                    help="also time quantizing K/V for the wire")  # fmt: skip
+    p.add_argument("--experts", choices=["routed", "all"], default="routed",
+                   help="MoE: read only the chosen experts (default), or all of them")  # fmt: skip
     p.add_argument("--json", action="store_true")
     return p
 
@@ -382,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = a.model or make_random_model(a.random, Path(tmp) / "model", a.dtype)
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
-                a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident",
+                a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident", a.experts,
             )  # fmt: skip
             if a.vs == "accelerate":
                 other = vs_accelerate(model, a.tokens, a.budget, a.device)

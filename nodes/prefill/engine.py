@@ -13,8 +13,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.prefix_upload import PrefixUpload
 from tandem.nodes.prefill.ram import HostBudget
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
+from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
 from tandem.nodes.prefill.stream.movers import N_STAGING, FillTimes, Mover, make_mover
 from tandem.nodes.prefill.stream.streamer import (
@@ -57,39 +56,6 @@ __all__ = [  # what the node, the bench and the cost model take from here
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefillStats:
-    tokens: int = 0
-    start: int = 0
-    layers: int = 0
-    wall_s: float = 0.0
-    load_busy_s: float = 0.0
-    compute_busy_s: float = 0.0
-    budget_bytes: int = 0
-    peak_weight_bytes: int = 0
-    peak_activation_bytes: int = 0
-    bytes_streamed: int = 0
-    disk_bytes: int = 0  # of bytes_streamed, read from disk
-    ram_bytes: int = 0  # of bytes_streamed, copied from the RAM tier (no disk read)
-    disk_s: float = 0.0  # loader time reading from disk
-    h2d_s: float = 0.0  # host→device copy time (CUDA: from events on the copy stream)
-    pinned_bytes: int = 0
-    activation_reserve_bytes: int = 0
-    quantize_s: float = 0.0  # quantizing K/V for the wire (CPU: wall; CUDA: its kernels)
-    resident_layers: list[int] = field(default_factory=list)
-    layer_compute_s: list[float] = field(default_factory=list)
-    experts_streamed: dict[int, int] = field(default_factory=dict)  # MoE layer → experts read
-
-    def to_json(self) -> dict[str, object]:
-        keys = (
-            "tokens", "layers", "wall_s", "load_busy_s", "compute_busy_s", "budget_bytes",
-            "peak_weight_bytes", "peak_activation_bytes", "bytes_streamed", "disk_bytes",
-            "ram_bytes", "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes",
-            "quantize_s", "resident_layers", "experts_streamed",
-        )  # fmt: skip
-        return {k: getattr(self, k) for k in keys}
 
 
 class PrefillEngine:
@@ -138,6 +104,7 @@ class PrefillEngine:
         self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
         self._freqs = inv_freq(self.spec)
         self.family = family_for(self.spec.family)  # what each layer computes, hands over
+        self.route_experts = True  # MoE: read only the experts a layer's router chose
         self._handover = make_handover(self.device)
         self.last_stats = PrefillStats()
         log.info(
@@ -241,11 +208,15 @@ class PrefillEngine:
         self.check_fits(len(tokens), start)
         rid = request_id or uuid.uuid4().hex[:12]
         stats, t_start = self._begin(rid, len(tokens), start)
-        clock = _ComputeClock(self.device)
+        clock = ComputeClock(self.device)
         self._handover.reset(kv_format)
         kinds, family = self.spec.layer_kinds, self.family
         uploads = PrefixUpload(prefix, self.device, self.dtype) if start and prefix else None
-        with torch.inference_mode(), self.streamer.stream(self._hooks(rid), synchronous) as run:
+        route = self.route_experts
+        with (
+            torch.inference_mode(),
+            self.streamer.stream(self._hooks(rid), synchronous, route) as run,
+        ):
             # the loader is already filling the ring while the prompt's rows are read
             h = self.embed(tokens)
             rope = rope_tables(self._freqs, start, len(tokens), self.device)
@@ -362,39 +333,6 @@ class PrefillEngine:
             publish(self._layer_event(rid, load, "ready", t.nbytes))
 
         return hook
-
-
-class _ComputeClock:
-    """Compute seconds per layer, waits for loads excluded. CPU: wall time around each load's
-    compute. CUDA: events around each load's kernels, read once the request is done — never
-    a sync per load, which would leave the GPU idle while Python queues the next one."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._device = device
-        self._seconds: dict[int, float] = {}
-        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
-
-    @contextmanager
-    def timing(self, layer: int) -> Iterator[None]:
-        if self._cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(torch.cuda.current_stream(self._device))
-            yield
-            b.record(torch.cuda.current_stream(self._device))
-            self._events.append((layer, a, b))
-            return
-        t0 = time.perf_counter()
-        yield
-        self._seconds[layer] = self._seconds.get(layer, 0.0) + time.perf_counter() - t0
-
-    def per_layer(self, layers: int) -> list[float]:
-        if self._events:
-            self._events[-1][2].synchronize()
-            for layer, a, b in self._events:
-                self._seconds[layer] = self._seconds.get(layer, 0.0) + a.elapsed_time(b) / 1000
-            self._events.clear()
-        return [self._seconds.get(i, 0.0) for i in range(layers)]
 
 
 def _indexed(device: torch.device) -> torch.device:
