@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from .context import Ctx, attempt, say
 from .engines import measured_run, plan_json
@@ -18,17 +19,11 @@ WIDE_WRITE_CAP_S = 45.0  # seconds the wide model's write may take at the big on
 def model_section(ctx: Ctx) -> Json:
     """The big random model (written to the work directory) and the plans it gets."""
     import torch
-    from tandem.nodes.model import load_index
     from tandem.nodes.prefill.budget import default_budget
     from tandem.nodes.prefill.plan import make_plan
 
     torch.set_num_threads(max(1, (os.cpu_count() or 4) // 4))  # it runs beside other sections
-    partial = ctx.work / "big.partial"
-    t0 = time.perf_counter()
-    write_random_model(partial, ctx.sizes.big_model, "bfloat16", ctx.device)
-    write_s = time.perf_counter() - t0
-    partial.rename(ctx.work / "big")
-    index = load_index(ctx.work / "big")
+    index, write_s = write_timed(ctx, "big", ctx.sizes.big_model)
     budgets = {
         "default": default_budget(index, torch.device(ctx.device)),
         "small_card": ctx.sizes.card_budget or index.total_bytes // 3,
@@ -46,14 +41,25 @@ def model_section(ctx: Ctx) -> Json:
         "filesystem": filesystem_of(ctx.work),
         "plans": {k: plan_json(make_plan(index, b, direct=True)) for k, b in budgets.items()},
         "plans_note": "weights only (make_plan); the engines' plans, with any activation "
-        "reserve, are in the memory, small_card and bench sections",
+        "reserve, are in the small_card and bench sections",
     }
+
+
+def write_timed(ctx: Ctx, name: str, shape: Json) -> tuple[Any, float]:
+    """A random bf16 model at work/`name` (whole or not at all): (its index, seconds)."""
+    from tandem.nodes.model import load_index
+
+    partial = ctx.work / f"{name}.partial"
+    t0 = time.perf_counter()
+    write_random_model(partial, shape, "bfloat16", ctx.device)
+    write_s = time.perf_counter() - t0
+    partial.rename(ctx.work / name)
+    return load_index(ctx.work / name), write_s
 
 
 def write_wide(ctx: Ctx, write_Bps: float) -> Json:
     """The memory section's model, unless the disk, as fast as it wrote the big one, would take
     more than WIDE_WRITE_CAP_S (a slow disk must not starve the sections after this one)."""
-    from tandem.nodes.model import load_index
     from tandem.nodes.model.factory import MakeModelArgs
 
     a = MakeModelArgs(**ctx.sizes.wide_model)  # type: ignore[arg-type]
@@ -62,12 +68,7 @@ def write_wide(ctx: Ctx, write_Bps: float) -> Json:
     if approx / write_Bps > WIDE_WRITE_CAP_S:
         return {"ok": False, "error": f"skipped: {approx} B at {write_Bps:.0f} B/s would take"
                 f" over {WIDE_WRITE_CAP_S:.0f} s"}  # fmt: skip
-    partial = ctx.work / "wide.partial"
-    t0 = time.perf_counter()
-    write_random_model(partial, ctx.sizes.wide_model, "bfloat16", ctx.device)
-    write_s = time.perf_counter() - t0
-    partial.rename(ctx.work / "wide")
-    index = load_index(ctx.work / "wide")
+    index, write_s = write_timed(ctx, "wide", ctx.sizes.wide_model)
     say(f"model: the wide one, {index.total_bytes / 1e9:.2f} GB in {write_s:.1f} s")
     return {"shape": ctx.sizes.wide_model, "bytes": index.total_bytes, "write_s": write_s}
 
