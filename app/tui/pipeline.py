@@ -39,6 +39,7 @@ class LayerTrack:
     history: list[Step] = field(default_factory=list)
     send_s: float = 0.0  # seconds the K/V frame took on the wire
     kv_bytes: int = 0  # its K/V frame as the prefill node sent it (else as decode got it)
+    experts: tuple[int, int] | None = None  # a mixture of experts: (read, of all) ("routed")
 
     def states(self, node: str | None = None) -> list[str]:
         """States in arrival order, of one node or all."""
@@ -195,6 +196,8 @@ class PipelineModel:
             layer.kv_bytes = e.bytes or layer.kv_bytes
         elif e.state == "received" and not layer.kv_bytes:
             layer.kv_bytes = e.bytes
+        elif e.state == "routed" and 0 <= e.experts <= e.experts_total:
+            layer.experts = (e.experts, e.experts_total)
         layer.history.append(step)
         layer.pinned = layer.pinned or e.pinned
         if e.state in ("loading", "computing"):

@@ -18,7 +18,9 @@ from typing import Literal, get_args
 
 from tandem.nodes.contract.http import sse_encode
 
-LayerStage = Literal["queued", "loading", "ready", "computing", "sent", "received", "evicted"]
+LayerStage = Literal[
+    "queued", "loading", "ready", "computing", "sent", "received", "evicted", "routed"
+]
 LinkName = Literal["disk", "h2d", "net_out", "net_in"]
 RequestPhase = Literal[
     "queued", "prefill_start", "prefill_done", "first_token", "done", "failed", "cancelled"
@@ -45,6 +47,8 @@ class LayerEvent(Event):
     slot: int | None = None
     pinned: bool = False
     bytes: int = 0
+    experts: int = 0  # "routed": the experts its tokens chose (a mixture of experts' layer)
+    experts_total: int = 0  # ... out of its experts
     kind: str = "layer"
 
 

@@ -237,7 +237,7 @@ class PrefillEngine:
                             full = kinds[i].kind == "full"  # the others cross in float
                             self._handover.kv_done(i, *family.handover(p, kinds[i], i, state), full)
                         if (used := family.routing(part, state)) is not None:
-                            run.route(i, used, self.spec.moe.num_experts)  # type: ignore[union-attr]
+                            self._routed(rid, run, i, used)
                 self._released(rid, run, load)
                 if load.last_of_layer:
                     yield from self._handover.push()
@@ -246,6 +246,13 @@ class PrefillEngine:
         stats.compute_busy_s = sum(stats.layer_compute_s)
         stats.quantize_s = self._handover.quantize_seconds()
         self._finish(rid, stats, t_start)
+
+    def _routed(self, rid: str, run: Any, layer: int, used: frozenset[int]) -> None:
+        """Layer `layer`'s router chose `used`: the loader reads only those experts."""
+        total = self.spec.moe.num_experts if self.spec.moe else len(used)
+        run.route(layer, used, total)
+        event = LayerEvent(rid, layer=layer, state="routed", experts=len(used), experts_total=total)
+        self.events.publish(event)
 
     def stream_weights(self, request_id: str | None = None) -> PrefillStats:
         """Every load streamed through the ring once, nothing computed (bench `load_s`)."""

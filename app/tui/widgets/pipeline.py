@@ -78,6 +78,8 @@ class PipelineView(Widget):
             parts += [*_cells(req, width, kinds), _legend(kinds)]
             if (kv := _kv_line(req, kinds)) is not None:
                 parts.append(kv)
+            if (experts := _experts_line(req)) is not None:
+                parts.append(experts)
         timeline = req.timeline()
         if timeline is not None:
             parts += _strips(timeline, width)
@@ -155,6 +157,20 @@ def _kv_line(req: RequestTrack, kinds: tuple[ModelLayer, ...]) -> Text | None:
         if mark in windows:
             text.append(f" (window {'/'.join(map(str, sorted(windows[mark])))})", style="dim")
     return text.append(f"  · {format_bytes(sum(sent.values()))} in all", style="dim")
+
+
+def _experts_line(req: RequestTrack) -> Text | None:
+    """A mixture of experts: per routed layer, the experts its router chose (the only ones
+    streamed) out of all; None for a model without experts."""
+    routed = {i: t.experts for i, t in sorted(req.layers.items()) if t.experts is not None}
+    if not routed:
+        return None
+    text = Text("experts read", style="bold")
+    for i, (read, total) in routed.items():
+        text.append(f"  {i}:", style="dim").append(f"{read}/{total}")
+    read = sum(r for r, _ in routed.values())
+    total = sum(t for _, t in routed.values())
+    return text.append(f"  · {read} of {total} in all", style="dim")
 
 
 def _strips(tl: Timeline, width: int) -> list[Text]:
