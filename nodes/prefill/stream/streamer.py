@@ -188,6 +188,9 @@ class _Run:
         if self.s.mover.loader_nice:
             lower_this_thread(self.s.mover.loader_nice)
         loads = self.s.plan.loads
+        plain_after: list[int | None] = [None] * len(loads)  # the next load not routed
+        for j in range(len(loads) - 2, -1, -1):
+            plain_after[j] = j + 1 if not loads[j + 1].routed else plain_after[j + 1]
         try:
             for j, load in enumerate(loads):
                 if load.resident and load.seq in self.s._resident_ready:
@@ -202,8 +205,10 @@ class _Run:
                     if self.cancelled:
                         return
                 self.hooks.on_loading(load, slot)
-                if j + 1 < len(loads) and not loads[j + 1].routed:  # the disk reads ahead
-                    self.s.mover.prefetch(loads[j + 1])
+                # the disk reads ahead while this load copies (past the experts its router
+                # has still to choose: the next layer's attention, while routing runs)
+                if (ahead := plain_after[j]) is not None:
+                    self.s.mover.prefetch(loads[ahead])
                 moved = self._chosen(load)
                 if moved is None:  # no token chose any of its experts: nothing to read
                     with self.cond:
