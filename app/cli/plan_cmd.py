@@ -75,6 +75,7 @@ class ModelSummary:
     kv_window_bytes: int  # over the sliding layers, at most: bounded by their windows
     sliding_layers: int
     windows: list[int]  # the sliding layers' windows (positions), each once
+    experts: tuple[int, int] | None = None  # a mixture of experts: (experts, top-k)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Row:
     remote_s: float  # prefill here + KV to the Mac (router.predict_remote_s)
     local_s: float  # the Mac's own prefill
     fits: bool  # within the node's longest prompt (else it answers 413)
+    bytes_streamed: int = 0  # per pass (MoE: the experts expected to be chosen)
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class Report:
     compute_s: float
     bound: str
     tokens_per_s: float
+    bytes_streamed: int  # in that pass (MoE: the experts expected to be chosen)
     table: list[Row]
     break_even_tokens: int | None  # the shortest prompt remote prefill is faster for
     break_even_limit: int  # searched up to this many tokens
@@ -259,6 +262,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         compute_s=main.compute_s,
         bound=main.bound,
         tokens_per_s=main.tokens_per_s,
+        bytes_streamed=main.bytes_per_pass,
         table=[_row(p, remote_s, local_s, fits(p.tokens)) for p in table],
         break_even_tokens=cost.break_even_tokens(remote_s, local_s, limit),
         break_even_limit=limit,
@@ -292,7 +296,8 @@ def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Secon
 
 def _row(p: Prediction, remote_s: Seconds, local_s: Seconds, fits: bool) -> Row:
     n = p.tokens
-    return Row(n, p.wall_s, p.tokens_per_s, p.bound, remote_s(n), local_s(n), fits)
+    return Row(n, p.wall_s, p.tokens_per_s, p.bound, remote_s(n), local_s(n), fits,
+               p.bytes_per_pass)  # fmt: skip
 
 
 def _model_summary(index: ModelIndex) -> ModelSummary:
@@ -308,6 +313,7 @@ def _model_summary(index: ModelIndex) -> ModelSummary:
         kv_window_bytes=kv.window_bytes,
         sliding_layers=kv.sliding_layers,
         windows=sorted({w for w in kv.windows if w is not None}),
+        experts=(spec.moe.num_experts, spec.moe.experts_per_token) if spec.moe else None,
     )
 
 
@@ -357,16 +363,26 @@ def render(r: Report) -> str:
         f"  prefill     {r.tokens} tokens in {r.predicted_wall_s:.3g} s "
         f"({r.tokens_per_s:.0f} tok/s), {r.bound}-bound: disk {r.disk_s:.3g} s, "
         f"{link} {r.copy_s:.3g} s, compute {r.compute_s:.3g} s"
+        + (f"; {format_bytes(r.bytes_streamed)} streamed" if m.experts else "")
         + ("" if r.fits else " — longer than the node takes (413)"),
         "",
-        f"  {'tokens':>8} {'wall s':>9} {'tok/s':>8} {'bound':>8} {'remote s':>9} {'Mac s':>9}",
+        f"  {'tokens':>8} {'wall s':>9} {'tok/s':>8} {'bound':>8} {'remote s':>9} {'Mac s':>9}"
+        f" {'streamed':>10}",
     ]
     lines += [
         f"  {row.tokens:>8} {row.predicted_wall_s:>9.3g} {row.tokens_per_s:>8.0f} "
         f"{row.bound:>8} {row.remote_s:>9.3g} {row.local_s:>9.3g}"
+        f" {format_bytes(row.bytes_streamed):>10}"
         + ("" if row.fits else "  (over the longest prompt: 413)")
         for row in r.table
     ]
+    if m.experts:
+        e, k = m.experts
+        lines.append(
+            f"  experts     top-{k} of {e} per token: a pass reads the experts its tokens choose,"
+            f" 1 - (1 - {k}/{e})^tokens of them (routing taken as uniform; a skewed router"
+            " reads fewer)"
+        )
     lines += render_kv(r.tokens, r.kv_wire, m.layers, m.sliding_layers, m.windows)
     n = r.break_even_tokens
     lines.append(

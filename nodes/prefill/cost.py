@@ -45,6 +45,7 @@ from tandem.nodes.prefill.disk_probe import measure_disk_Bps
 from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import N_STAGING
+from tandem.nodes.prefill.stream.streamer import ALL_EXPERTS
 from tandem.nodes.prefill.work import Device, Hardware, Work, load_work
 
 __all__ = [  # what `tandem plan` and its tests take from here
@@ -66,6 +67,8 @@ class Step:
     compute_s: float
     streamed: bool  # through the ring; False: resident, already in memory
     staged: bool = True  # CUDA: through a staging buffer; False: from the RAM tier's own
+    routed: bool = False  # read once the previous load's compute (its router) is done
+    nbytes: int = 0  # read (a routed load: its expected share)
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ def steps(
 ) -> list[Step]:  # fmt: skip
     """The plan's loads as simulator steps on `hw`."""
     itemsize = ITEMSIZE[index.dtype]
+    share = experts_share(index.spec, tokens)
+    routed = share < ALL_EXPERTS  # else every expert is read, with no wait for the router
     out = []
     for load in plan.loads:
         work = load_work(index.spec, load, tokens, start, hw.device, itemsize, chunk)
@@ -120,14 +125,25 @@ def steps(
         if load.resident:
             out.append(Step(0.0, 0.0, compute_s, streamed=False))
             continue
-        read_s, copy_s = load.weight_bytes / hw.disk_Bps, load.weight_bytes / hw.copy_Bps
+        nbytes = round(load.weight_bytes * share) if load.routed and routed else load.weight_bytes
+        read_s, copy_s = nbytes / hw.disk_Bps, nbytes / hw.copy_Bps
         held = load.seq in plan.host_loads  # warm: in RAM already, copied from there
         if held:
             read_s = 0.0
         if hw.device == "cpu":  # the link caps the whole fill, the read included
             copy_s = max(0.0, copy_s - read_s)
-        out.append(Step(read_s, copy_s, compute_s, streamed=True, staged=not held))
+        out.append(Step(read_s, copy_s, compute_s, True, not held, load.routed and routed, nbytes))
     return out
+
+
+def experts_share(spec: ModelSpec, tokens: int) -> float:
+    """The expected share of a layer's experts that `tokens` tokens choose: each picks its
+    top-k of E, taken as independent and uniform, 1 - (1 - k/E)^tokens (a real router is
+    skewed, and reads fewer; checked against made models in tests/test_moe_plan.py). 1 for a
+    model without experts."""
+    if spec.moe is None or not spec.moe.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - spec.moe.experts_per_token / spec.moe.num_experts) ** max(tokens, 0)
 
 
 def simulate(run: Sequence[Step], n_slots: int, staging: int = 0) -> float:
@@ -149,6 +165,8 @@ def simulate(run: Sequence[Step], n_slots: int, staging: int = 0) -> float:
         else:
             prev = len(released) - max(n_slots, 1)  # the slot's previous occupant
             read_start = max(loader, released[prev] if prev >= 0 else 0.0)
+            if step.routed:  # its experts are chosen by the compute before it
+                read_start = max(read_start, compute_end)
             if staging and step.staged and len(copied) >= staging:
                 read_start = max(read_start, copied[-staging])
             read_end = read_start + step.read_s
@@ -175,7 +193,8 @@ def predict(
 ) -> Prediction:  # fmt: skip
     """Predicted warm pass of `tokens` new positions after `start` through `plan` on `hw`."""
     run = steps(plan, index, tokens, hw, start, chunk)
-    nbytes, from_disk = plan.streamed_bytes, plan.disk_bytes
+    nbytes = sum(s.nbytes for s in run if s.streamed)
+    from_disk = round(plan.disk_bytes * nbytes / plan.streamed_bytes) if plan.streamed_bytes else 0
     wall = simulate(run, plan.n_slots, N_STAGING if hw.device == "cuda" else 0)
     disk_s, copy_s = from_disk / hw.disk_Bps, nbytes / hw.copy_Bps
     compute_s = sum(s.compute_s for s in run)

@@ -9,6 +9,7 @@ Rates are bytes/s and FLOP/s; times seconds.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,6 +110,12 @@ def out_rows_work(inner: int, rows: int, tokens: int, itemsize: int) -> Work:
 def part_work(spec: ModelSpec, part: Part, tokens: int, pairs: int, itemsize: int) -> Work:
     """What one part computes over `tokens` positions (`pairs`: `attention_pairs`)."""
     width = part.hi - part.lo
+    if part.op == "router" and spec.moe is not None:  # hidden → experts
+        return out_rows_work(spec.hidden_size, spec.moe.num_experts, tokens, itemsize)
+    if part.op == "experts" and spec.moe is not None:  # its share of the routed tokens
+        moe = spec.moe
+        routed = math.ceil(tokens * moe.experts_per_token * width / moe.num_experts)
+        return mlp_work(spec, moe.intermediate_size, routed, False, itemsize, True)
     if part.op in ("mlp", "gate_up"):
         return mlp_work(spec, width, tokens, part.first, itemsize, part.op == "mlp")
     if part.op == "o":

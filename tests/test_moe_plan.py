@@ -1,0 +1,60 @@
+"""Issue 36 item 4: `tandem plan` predicts a MoE model's bytes per pass from the expected
+share of experts its tokens choose, 1 - (1 - k/E)^T, checked against measured passes of a
+made model, and the simulator waits for a routed load's router."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill import cost
+from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.work import Hardware
+
+from tests.conftest import MakeTiny
+
+ARGS = {"arch": "qwen3_moe", "layers": 4, "experts": 8, "top_k": 2, "mlp_only_layers": (1,)}
+
+
+def test_the_expected_share_of_experts() -> None:
+    class Spec:
+        moe = type("Moe", (), {"num_experts": 8, "experts_per_token": 2})()
+
+    share = lambda t: cost.experts_share(Spec(), t)  # type: ignore[arg-type]  # noqa: E731
+    assert share(0) == 0 and share(1) == pytest.approx(0.25)
+    assert share(4) == pytest.approx(1 - 0.75**4) and share(64) > 0.99
+
+
+def test_the_curve_tracks_measured_passes(tiny_model: MakeTiny) -> None:
+    index = load_index(tiny_model(**ARGS))
+    quarter = sum(index.layer_bytes(i) for i in range(4)) // 4
+    engine = PrefillEngine(index, budget=quarter, device="cpu")
+    try:
+        for tokens in (1, 2, 4, 8):
+            shares = []
+            for seed in range(4):
+                ids = np.random.default_rng(100 + seed).integers(0, 512, tokens).tolist()
+                list(engine.prefill(ids))
+                shares += [n / 8 for n in engine.last_stats.experts_streamed.values()]
+            assert shares  # the sparse layers streamed
+            expected = cost.experts_share(index.spec, tokens)
+            assert np.mean(shares) == pytest.approx(expected, abs=0.12)
+    finally:
+        engine.close()
+
+
+def test_a_short_prompt_is_predicted_to_stream_fewer_bytes(tiny_model: MakeTiny) -> None:
+    index = load_index(tiny_model(**ARGS))
+    plan = cost.node_plan(index, sum(index.layer_bytes(i) for i in range(4)) // 4)
+    hw = Hardware("cpu", copy_Bps=1e9, disk_Bps=1e9, flops=1e10, net_Bps=1e9, mac_tok_s=100)
+    one, many = cost.predict(plan, index, 1, hw), cost.predict(plan, index, 64, hw)
+    assert many.bytes_per_pass == plan.streamed_bytes  # every expert
+    routed = sum(ld.weight_bytes for ld in plan.loads if ld.routed and not ld.resident)
+    assert one.bytes_per_pass == pytest.approx(plan.streamed_bytes - 0.75 * routed, abs=64)
+    # a routed load is read only once its router ran: the loader waits for compute
+    run = cost.steps(plan, index, 1, hw)
+    waiting = [s for s in run if s.routed]
+    assert waiting and cost.simulate(run, plan.n_slots) >= cost.simulate(
+        [s if not s.routed else cost.Step(s.read_s, s.copy_s, s.compute_s, True) for s in run],
+        plan.n_slots,
+    )
