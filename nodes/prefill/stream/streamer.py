@@ -181,6 +181,8 @@ class _Run:
         self.stats = StreamStats()
         self.routes: dict[int, frozenset[int]] = {}  # layer → the experts its tokens chose
         self.await_routes = route  # read only chosen experts (waiting for the router)
+        self.waited_s = 0.0  # the loader's time waiting for routers
+        self.saved_bytes = 0  # experts' bytes left unread thanks to them
         self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
         self.thread.start()
 
@@ -253,18 +255,35 @@ class _Run:
         router), else all of it; None when no token chose any of its experts."""
         if not load.routed or load.resident:
             return load
+        self._worth_waiting()  # on what the layers before this one waited and saved
         with self.cond:
             if not self.await_routes and load.layer not in self.routes:
                 moved: Load | None = load
             else:
+                t0 = time.perf_counter()
                 self.cond.wait_for(lambda: self.cancelled or load.layer in self.routes)
                 if self.cancelled:
                     raise StreamCancelled
+                self.waited_s += time.perf_counter() - t0
                 moved = routed_only(load, self.routes[load.layer])
+        self.saved_bytes += load.weight_bytes - (moved.weight_bytes if moved else 0)
         if moved is not None:
             n = self.stats.experts_streamed.get(load.layer, 0)
             self.stats.experts_streamed[load.layer] = n + len(moved.parts)
         return moved
+
+    def _worth_waiting(self) -> None:
+        """Stop waiting for routers once the link has idled, waiting for them, longer than
+        the experts they left out would have taken to read (at the rate loads have filled):
+        routing saved bytes but cost more time (the loader reads in order, so the link
+        stands while a layer's attention computes)."""
+        if self.await_routes and self.stats.load_busy_s > 0 and self.stats.bytes_streamed:
+            rate = self.stats.bytes_streamed / self.stats.load_busy_s  # bytes/s
+            if self.waited_s > self.saved_bytes / rate:
+                log.debug(
+                    "routing stopped paying (%.3f s waited): every expert from here", self.waited_s
+                )
+                self.await_routes = False
 
     def _may_fill(self, load: Load, slot: int | None, k: int) -> bool:
         if self.synchronous and load.seq > self.asked:
