@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tandem.nodes.model.index import load_index
+from tandem.nodes.model.spec import MoeSpec
 from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.work import Hardware
@@ -17,12 +18,10 @@ ARGS = {"arch": "qwen3_moe", "layers": 4, "experts": 8, "top_k": 2, "mlp_only_la
 
 
 def test_the_expected_share_of_experts() -> None:
-    class Spec:
-        moe = type("Moe", (), {"num_experts": 8, "experts_per_token": 2})()
-
-    share = lambda t: cost.experts_share(Spec(), t)  # type: ignore[arg-type]  # noqa: E731
-    assert share(0) == 0 and share(1) == pytest.approx(0.25)
-    assert share(4) == pytest.approx(1 - 0.75**4) and share(64) > 0.99
+    moe = MoeSpec(num_experts=8, experts_per_token=2, intermediate_size=64, norm_topk_prob=True,
+                  sparse=(True,))  # fmt: skip
+    assert moe.expected_share(0) == 0 and moe.expected_share(1) == pytest.approx(0.25)
+    assert moe.expected_share(4) == pytest.approx(1 - 0.75**4) and moe.expected_share(64) > 0.99
 
 
 def test_the_curve_tracks_measured_passes(tiny_model: MakeTiny) -> None:

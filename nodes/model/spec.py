@@ -92,6 +92,14 @@ class MoeSpec:
     norm_topk_prob: bool  # the top-k weights renormalised to sum to 1
     sparse: tuple[bool, ...]  # per layer: its MLP is the experts (else a dense MLP)
 
+    def expected_share(self, tokens: int) -> float:
+        """The share of a layer's experts that `tokens` tokens are expected to choose, each
+        its top-k of E, taken as independent and uniform: 1 - (1 - k/E)^tokens (a real
+        router is skewed, and chooses fewer)."""
+        if not self.num_experts:
+            return 1.0
+        return 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** max(tokens, 0)
+
 
 def _moe(config: dict[str, Any], layers: int) -> MoeSpec:
     """mlx-lm's rule: layer i routes unless in `mlp_only_layers`, where experts exist and

@@ -137,13 +137,9 @@ def steps(
 
 
 def experts_share(spec: ModelSpec, tokens: int) -> float:
-    """The expected share of a layer's experts that `tokens` tokens choose: each picks its
-    top-k of E, taken as independent and uniform, 1 - (1 - k/E)^tokens (a real router is
-    skewed, and reads fewer; checked against made models in tests/test_moe_plan.py). 1 for a
-    model without experts."""
-    if spec.moe is None or not spec.moe.num_experts:
-        return 1.0
-    return 1.0 - (1.0 - spec.moe.experts_per_token / spec.moe.num_experts) ** max(tokens, 0)
+    """The expected share of a layer's experts `tokens` tokens choose (`MoeSpec`; checked
+    against made models in tests/test_moe_plan.py); 1 for a model without experts."""
+    return spec.moe.expected_share(tokens) if spec.moe is not None else 1.0
 
 
 def simulate(run: Sequence[Step], n_slots: int, staging: int = 0) -> float:
