@@ -43,7 +43,6 @@ from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
 from tandem.nodes.prefill.stream.movers import N_STAGING, FillTimes, Mover, make_mover
 from tandem.nodes.prefill.stream.streamer import (
-    ALL_EXPERTS,
     TORCH_DTYPES,
     LayerStreamer,
     LoaderHooks,
@@ -213,11 +212,7 @@ class PrefillEngine:
         self._handover.reset(kv_format)
         kinds, family = self.spec.layer_kinds, self.family
         uploads = PrefixUpload(prefix, self.device, self.dtype) if start and prefix else None
-        # MoE: wait for routers unless nearly every expert is expected to be chosen anyway
-        moe = self.spec.moe
-        route = self.route_experts and (
-            moe is None or moe.expected_share(len(tokens)) < ALL_EXPERTS
-        )
+        route = self.route_experts  # MoE: the routers' counts decide (streamer.route)
         with (
             torch.inference_mode(),
             self.streamer.stream(self._hooks(rid), synchronous, route) as run,
