@@ -1,6 +1,7 @@
 """The activation reserve counts what SDPA's MATH kernel really holds (the kernel a CUDA card
 without flash attention may take): its float32 scores and its K/V repeated to every query
-head, against torch's own allocations, counted op by op on the CPU, within 10%."""
+head, against torch's own allocations, counted op by op on the CPU, within 10%: heads of
+8B- and 70B-like models, chunks longer and shorter than the head dim."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class PeakBytes(TorchDispatchMode):
 
 @pytest.mark.parametrize(
     ("nq", "nkv", "c", "S", "D"),
-    [(32, 8, 256, 2048, 128), (64, 8, 128, 4096, 128)],  # 8B-like, 70B-like heads
+    [(32, 8, 128, 1024, 128), (64, 8, 64, 2048, 128), (32, 8, 256, 512, 64), (8, 1, 32, 1024, 64)],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_math_kernels_peak_is_what_the_reserve_counts(
@@ -56,5 +57,5 @@ def test_the_math_kernels_peak_is_what_the_reserve_counts(
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     counted = math_attention_bytes(nq, nkv, c, S, D, dtype.itemsize)
     assert abs(counted / peak.peak - 1) <= 0.10, (counted, peak.peak)
-    # what the reserve counted before: scores in the input dtype, K/V not repeated
-    assert 2 * nq * c * S * dtype.itemsize < 0.7 * peak.peak
+    if dtype == torch.bfloat16:  # what the reserve counted before: bf16 scores, K/V as is
+        assert 2 * nq * c * S * dtype.itemsize < 0.7 * peak.peak

@@ -266,17 +266,20 @@ def cuda_capability() -> tuple[int, int] | None:
 
 
 def math_attention_bytes(nq: int, nkv: int, c: int, S: int, D: int, itemsize: int) -> int:
-    """Peak bytes SDPA's MATH kernel (torch 2.13) holds for c queries over S keys: it works
-    in float32 whatever the input, with K and V widened and repeated to every query head
-    (GQA), q scaled, two score-sized buffers [nq, c, S] alive at once (scores, then the
-    masked scores and their softmax), and the mask in the input dtype. Measured op by op on
-    the CPU (tests/test_activation_reserve.py)."""
+    """Peak bytes SDPA's MATH kernel (torch 2.13) holds for c queries over S keys. It works
+    in float32 whatever the input: K and V widened, then repeated to every query head (GQA),
+    K scaled (a third K-sized buffer, until the scores are made), q widened and scaled, the
+    mask in the input dtype; then score-sized buffers [nq, c, S]. Its peak is the larger of
+    two moments: the scores' product with the three K/V-sized buffers alive, or two score
+    buffers (masked scores, their softmax) beside K (scaled) and V. Measured op by op on the
+    CPU for four shapes (tests/test_activation_reserve.py)."""
     fp32 = 4
     widened = 2 * nkv * S * D * fp32  # K and V in float32, before the repeat
-    repeated = 2 * nq * S * D * fp32  # K (scaled) and V repeated to every query head
-    scores = 2 * nq * c * S * fp32
+    kv = nq * S * D * fp32  # one of K, K scaled, V repeated to every query head
+    scores = nq * c * S * fp32
     queries = 2 * nq * c * D * fp32  # q in float32, and scaled
-    return widened + repeated + scores + queries + c * S * itemsize
+    peak = max(3 * kv + scores, 2 * kv + 2 * scores)
+    return widened + peak + queries + c * S * itemsize
 
 
 def activation_bytes(
