@@ -34,7 +34,7 @@ from tandem.nodes.prefill.dequant import dequantize
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.families import Pass, family_for
 from tandem.nodes.prefill.handover import LayerKV, make_handover, quantized_parts
-from tandem.nodes.prefill.loads import Load
+from tandem.nodes.prefill.loads import ALIGN, Load
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.prefix_upload import PrefixUpload
 from tandem.nodes.prefill.ram import HostBudget
@@ -99,8 +99,11 @@ class PrefillEngine:
         beside = N_STAGING * self.plan.slot_bytes if cuda else self.budget
         self.plan, moving.tier = host_tier(self.plan, host_budget, beside, pin=cuda)
         self.streamer = LayerStreamer(self.plan, moving)
-        # a part's quantized matrices are dequantized here, one part at a time
-        self._scratch = torch.empty(self.plan.scratch_bytes, dtype=torch.uint8, device=self.device)
+        # a part's quantized matrices are dequantized here, one part at a time, from a
+        # 256-byte boundary (torch's CPU allocator gives 64)
+        nbytes = self.plan.scratch_bytes
+        scratch = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=self.device)
+        self._scratch = scratch[-scratch.data_ptr() % ALIGN :][:nbytes]
         self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
         self._freqs = inv_freq(self.spec)
         self.family = family_for(self.spec.family)  # what each layer computes, hands over
