@@ -181,6 +181,9 @@ def test_a_short_prompt_streams_exactly_the_routed_experts(
     used = {i: len(set().union(*rows)) for i, rows in chosen.items()}
     assert engine.last_stats.experts_streamed == used and max(used.values()) < 8
     assert engine.last_stats.bytes_streamed < all_bytes
+    kinds = engine.last_stats.bytes_by_kind  # what routing saved shows in the experts' bytes
+    assert set(kinds) >= {"attention", "router", "experts"}
+    assert sum(kinds.values()) == engine.last_stats.bytes_streamed
     # after a cached prefix, only the new tokens route
     prefix = [(layer.k, layer.v) for layer in engine.prefill(tokens[:9])]
     list(engine.prefill(tokens[9:13], start=9, prefix=prefix))

@@ -308,6 +308,7 @@ class PrefillEngine:
         stats.disk_s = stream.disk_s
         stats.h2d_s = stream.h2d_s
         stats.experts_streamed = dict(stream.experts_streamed)
+        stats.bytes_by_kind = dict(stream.bytes_by_kind)
         if dev.type == "cuda":
             if stream.h2d_s:  # per-load copy times exist only once the request is done
                 link = LinkEvent(rid, name="h2d", bytes=stream.bytes_streamed, seconds=stream.h2d_s)

@@ -41,6 +41,7 @@ class StreamStats:
     bytes_streamed: int = 0  # into device memory
     disk_bytes: int = 0  # of those, read from disk (not the host tier)
     experts_streamed: dict[int, int] = field(default_factory=dict)  # layer → experts read
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)  # attention, mlp, router, experts
 
 
 @dataclass
@@ -140,6 +141,9 @@ class LayerStreamer:
         self._resident_mem.clear()
 
 
+# what a part streams, by kind (`StreamStats.bytes_by_kind`): what routing saved shows there
+PART_KINDS = {"attn": "attention", "qkv": "attention", "o": "attention", "gate_up": "mlp",
+              "down": "mlp"}  # fmt: skip
 ALL_EXPERTS = 0.9  # a router that chose this share of its experts: read later ones whole
 
 DEVICE_NICE = 5  # the compute thread: below a node's event loop, which sends the K/V
@@ -224,6 +228,10 @@ class _Run:
                 self.stats.disk_s += times.disk_s
                 self.stats.h2d_s += times.h2d_s
                 self.stats.bytes_streamed += times.nbytes
+                for part in moved.parts:
+                    kind = PART_KINDS.get(part.op, part.op)
+                    n = sum(piece.nbytes for piece in part.pieces)
+                    self.stats.bytes_by_kind[kind] = self.stats.bytes_by_kind.get(kind, 0) + n
                 self.stats.disk_bytes += times.disk_bytes
                 if load.resident:
                     self.s._resident_ready.add(load.seq)
