@@ -15,7 +15,10 @@ experts' tensors, or the stacked tensors' rows [lo, hi), one part per expert. Lo
 layer whole where it is resident; streamed, its attention (as the dense family cuts it) with
 the router, then its experts packed into loads, which the streamer reads once the router has
 chosen, only the chosen experts' pieces of them (`routing`).
-MLX-quantized experts are dequantized one expert at a time, as they are used.
+MLX-quantized experts are dequantized one expert at a time, as they are used. The resident
+set holds whole layers, as for dense models (the planner's fixed choice, never LRU): a layer
+kept resident needs no router wait at all, while a fixed set of "hot" experts would need a
+router's counts from past prompts to choose, and would still leave every layer's routing wait.
 """
 
 from __future__ import annotations
