@@ -173,6 +173,7 @@ def test_a_short_prompt_streams_exactly_the_routed_experts(
     tokens = prompt(N)
     # a slow link (1.25 MB/s): the experts left unread save more than the routers cost
     engine = open_engine(biased, budget=BUDGETS["quarter"](index), link_gbps=0.01)
+    engine.route_experts = "always"  # exactness, whatever a busy machine's timing says
     assert not any(ld.resident for ld in engine.plan.loads)
     all_bytes = engine.stream_weights().bytes_streamed  # every expert
     kv = list(engine.prefill(tokens[:4]))

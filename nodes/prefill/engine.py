@@ -46,6 +46,7 @@ from tandem.nodes.prefill.stream.streamer import (
     TORCH_DTYPES,
     LayerStreamer,
     LoaderHooks,
+    Route,
     part_weights,
 )
 
@@ -107,7 +108,9 @@ class PrefillEngine:
         self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
         self._freqs = inv_freq(self.spec)
         self.family = family_for(self.spec.family)  # what each layer computes, hands over
-        self.route_experts = True  # MoE: read only the experts a layer's router chose
+        # MoE: read only the experts a layer's router chose, while waiting for routers pays
+        # ("always": even where it does not; False: every expert)
+        self.route_experts: Route = True
         self._handover = make_handover(self.device)
         self.last_stats = PrefillStats()
         log.info(

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
@@ -88,14 +89,15 @@ class LayerStreamer:
 
     @contextmanager
     def stream(
-        self, hooks: LoaderHooks | None = None, synchronous: bool = False, route: bool = True
+        self, hooks: LoaderHooks | None = None, synchronous: bool = False, route: Route = True
     ) -> Iterator[_Run]:
         """Yield a run: iterate it for (load, weight views) in plan order, each ready to
         compute on, and `release(load)` as soon as the load's compute is queued — the loader
         may then refill its slot. (A load not released by then is released when the next one
         is asked for.) `synchronous=True` loads each load only when asked for it, so no copy
         overlaps compute (the bench's `compute_s` denominator). `route=False`: a routed
-        load is read whole, without waiting for its router (a pass that computes nothing).
+        load is read whole, without waiting for its router (a pass that computes nothing);
+        True: its chosen experts, while waiting pays (`_worth_waiting`); "always": always.
         """
         run = _Run(self, hooks or LoaderHooks(), synchronous, route)
         try:
@@ -145,6 +147,7 @@ class LayerStreamer:
 PART_KINDS = {"attn": "attention", "qkv": "attention", "o": "attention", "gate_up": "mlp",
               "down": "mlp"}  # fmt: skip
 ALL_EXPERTS = 0.9  # a router that chose this share of its experts: read later ones whole
+Route = bool | Literal["always"]  # whether a routed load waits for its router (`stream`)
 
 DEVICE_NICE = 5  # the compute thread: below a node's event loop, which sends the K/V
 LOADER_NICE = CpuMover.loader_nice  # a CPU loader: below compute, its reads wait for the gaps
@@ -171,7 +174,7 @@ class _Run:
     """One pass over the plan: a loader thread ahead of the consuming (compute) thread."""
 
     def __init__(
-        self, streamer: LayerStreamer, hooks: LoaderHooks, synchronous: bool, route: bool = True
+        self, streamer: LayerStreamer, hooks: LoaderHooks, synchronous: bool, route: Route = True
     ) -> None:
         self.s = streamer
         self.hooks = hooks
@@ -184,7 +187,8 @@ class _Run:
         self.cancelled = False
         self.stats = StreamStats()
         self.routes: dict[int, frozenset[int]] = {}  # layer → the experts its tokens chose
-        self.await_routes = route  # read only chosen experts (waiting for the router)
+        self.await_routes = bool(route)  # read only chosen experts (waiting for the router)
+        self.always_route = route == "always"  # even where waiting does not pay (tests)
         self.waited_s = 0.0  # the loader's time waiting for routers
         self.saved_bytes = 0  # experts' bytes left unread thanks to them
         self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
@@ -285,7 +289,8 @@ class _Run:
         the experts they left out would have taken to read (at the rate loads have filled):
         routing saved bytes but cost more time (the loader reads in order, so the link
         stands while a layer's attention computes)."""
-        if self.await_routes and self.stats.load_busy_s > 0 and self.stats.bytes_streamed:
+        busy = self.stats.load_busy_s > 0 and self.stats.bytes_streamed
+        if self.await_routes and not self.always_route and busy:
             rate = self.stats.bytes_streamed / self.stats.load_busy_s  # bytes/s
             if self.waited_s > self.saved_bytes / rate:
                 log.debug(
