@@ -23,6 +23,7 @@ REAL_MODEL_CACHE = Path(__file__).resolve().parents[1] / ".cache" / "tandem" / "
 LONGEST_FIRST = (
     "test_real_model.py", "test_gemma3_real.py", "test_gpu_check.py", "test_netns.py",
     "test_turns.py", "test_bad_input.py", "test_trust.py", "test_handoff.py", "test_tui_demo.py",
+    "test_bad_input_peer.py", "test_moe_handoff.py", "test_gemma3_handoff.py",
 )  # fmt: skip
 
 
