@@ -191,3 +191,23 @@ def test_a_short_prompt_streams_exactly_the_routed_experts(
     later = mlx_choices(model, tokens[:13])
     new = {i: len(set().union(*rows[9:])) for i, rows in later.items()}
     assert engine.last_stats.experts_streamed == new
+
+
+@pytest.mark.parametrize(("waited_s", "saved_bytes", "keeps_waiting"), [(0.05, 1000, True),
+                         (0.5, 1000, False), (0.5, 10**6, True)])  # fmt: skip
+def test_waiting_for_routers_stops_once_it_costs_more_than_it_saves(
+    waited_s: float, saved_bytes: int, keeps_waiting: bool
+) -> None:
+    """Loads have filled at 10 kB/s: 1000 bytes left unread saved 0.1 s of the link."""
+    from types import SimpleNamespace
+
+    from tandem.nodes.prefill.stream.streamer import StreamStats, _Run
+
+    run = SimpleNamespace(await_routes=True, always_route=False, waited_s=waited_s,
+                          saved_bytes=saved_bytes,
+                          stats=StreamStats(load_busy_s=1.0, bytes_streamed=10_000))  # fmt: skip
+    _Run._worth_waiting(run)  # type: ignore[arg-type]
+    assert run.await_routes is keeps_waiting
+    always = SimpleNamespace(**{**vars(run), "await_routes": True, "always_route": True})
+    _Run._worth_waiting(always)  # type: ignore[arg-type]
+    assert always.await_routes
