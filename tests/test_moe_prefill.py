@@ -176,11 +176,16 @@ def test_a_short_prompt_streams_exactly_the_routed_experts(
     engine.route_experts = "always"  # exactness, whatever a busy machine's timing says
     assert not any(ld.resident for ld in engine.plan.loads)
     all_bytes = engine.stream_weights().bytes_streamed  # every expert
+    seen: list[Any] = []
+    engine.events.add_listener(seen.append)
     kv = list(engine.prefill(tokens[:4]))
     assert_matches(kv, mlx_prefill(model, tokens[:4]))
     chosen = mlx_choices(model, tokens[:4])
     used = {i: len(set().union(*rows)) for i, rows in chosen.items()}
     assert engine.last_stats.experts_streamed == used and max(used.values()) < 8
+    routed = [e for e in seen if getattr(e, "state", "") == "routed"]  # said as it happens
+    assert {e.layer: e.experts for e in routed} == used and all(e.bytes > 0 for e in routed)
+    assert sum(e.bytes for e in routed) == engine.last_stats.bytes_by_kind["experts"]
     assert engine.last_stats.bytes_streamed < all_bytes
     kinds = engine.last_stats.bytes_by_kind  # what routing saved shows in the experts' bytes
     assert set(kinds) >= {"attention", "router", "experts"}

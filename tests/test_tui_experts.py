@@ -26,10 +26,10 @@ def test_the_pipeline_panel_shows_the_experts_each_layer_read() -> None:
     for layer, read in ((0, 3), (2, 2), (3, 8)):
         view.apply(LayerEvent(RID, layer=layer, state="computing", node="p"))
         view.apply(LayerEvent(RID, layer=layer, state="routed", node="p", experts=read,
-                              experts_total=8))  # fmt: skip
+                              experts_total=8, bytes=read * 1024))  # fmt: skip
     view.apply(LayerEvent(RID, layer=1, state="computing", node="p"))  # a dense layer
     text = panel_text(view)
-    assert "experts read  0:3/8  2:2/8  3:8/8  · 13 of 24 in all" in text
+    assert "experts read  0:3/8  2:2/8  3:8/8  · 13 of 24 in all, 13.0 KiB streamed" in text
     # a bad count from a confused node is not drawn
     view.apply(LayerEvent(RID, layer=1, state="routed", node="p", experts=9, experts_total=8))
     assert "1:9/8" not in panel_text(view)

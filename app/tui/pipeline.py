@@ -40,6 +40,7 @@ class LayerTrack:
     send_s: float = 0.0  # seconds the K/V frame took on the wire
     kv_bytes: int = 0  # its K/V frame as the prefill node sent it (else as decode got it)
     experts: tuple[int, int] | None = None  # a mixture of experts: (read, of all) ("routed")
+    experts_bytes: int = 0  # the chosen experts' bytes streamed (0: the layer is resident)
 
     def states(self, node: str | None = None) -> list[str]:
         """States in arrival order, of one node or all."""
@@ -197,7 +198,7 @@ class PipelineModel:
         elif e.state == "received" and not layer.kv_bytes:
             layer.kv_bytes = e.bytes
         elif e.state == "routed" and 0 <= e.experts <= e.experts_total:
-            layer.experts = (e.experts, e.experts_total)
+            layer.experts, layer.experts_bytes = (e.experts, e.experts_total), e.bytes
         layer.history.append(step)
         layer.pinned = layer.pinned or e.pinned
         if e.state in ("loading", "computing"):

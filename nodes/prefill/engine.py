@@ -257,8 +257,11 @@ class PrefillEngine:
         """Layer `layer`'s router chose `used`: the loader reads only those experts."""
         total = self.spec.moe.num_experts if self.spec.moe else len(used)
         run.route(layer, used, total)
-        event = LayerEvent(rid, layer=layer, state="routed", experts=len(used), experts_total=total)
-        self.events.publish(event)
+        streamed = [p for ld in self.plan.loads if ld.layer == layer and ld.routed
+                    and not ld.resident for p in ld.parts if p.lo in used]  # fmt: skip
+        nbytes = sum(piece.nbytes for part in streamed for piece in part.pieces)
+        self.events.publish(LayerEvent(rid, layer=layer, state="routed", bytes=nbytes,
+                                       experts=len(used), experts_total=total))  # fmt: skip
 
     def stream_weights(self, request_id: str | None = None) -> PrefillStats:
         """Every load streamed through the ring once, nothing computed (bench `load_s`)."""

@@ -170,7 +170,10 @@ def _experts_line(req: RequestTrack) -> Text | None:
         text.append(f"  {i}:", style="dim").append(f"{read}/{total}")
     read = sum(r for r, _ in routed.values())
     total = sum(t for _, t in routed.values())
-    return text.append(f"  · {read} of {total} in all", style="dim")
+    text.append(f"  · {read} of {total} in all", style="dim")
+    if nbytes := sum(t.experts_bytes for t in req.layers.values()):
+        text.append(f", {format_bytes(nbytes)} streamed", style="dim")
+    return text
 
 
 def _strips(tl: Timeline, width: int) -> list[Text]:
