@@ -91,6 +91,8 @@ class PlanSummary:
     bytes_per_pass: int  # streamed through the ring each pass
     activation_reserve_bytes: int  # kept free in the budget for a prompt of the longest
     max_prompt_tokens: int | None  # the longest prompt the node takes (None: any)
+    resident_form: str = "packed"  # quantized resident layers: "packed" or "dequantized"
+    resident_float_bytes: int = 0  # what keeping them dequantized takes
 
 
 @dataclass(frozen=True)
@@ -331,6 +333,8 @@ def _summary(plan: Plan, reserve: int, longest: int | None) -> PlanSummary:
         bytes_per_pass=sum(ld.weight_bytes for ld in streamed),
         activation_reserve_bytes=reserve,
         max_prompt_tokens=longest,
+        resident_form=plan.resident_form,
+        resident_float_bytes=plan.resident_float_bytes,
     )
 
 
@@ -352,7 +356,14 @@ def render(r: Report) -> str:
         f"  plan        {p.granularity} granularity: {p.n_slots} ring slots of "
         f"{format_bytes(p.slot_bytes)}, {p.loads_per_pass} loads per pass",
         f"  resident    {n_resident} layer{'' if n_resident == 1 else 's'}, "
-        f"{format_bytes(p.resident_bytes)}" + (f" (layers {resident})" if resident else ""),
+        f"{format_bytes(p.resident_bytes)}"
+        + (f" (layers {resident})" if resident else "")
+        + (
+            f", kept dequantized (+{format_bytes(p.resident_float_bytes)}: no pass dequantizes"
+            " them)"
+            if p.resident_form == "dequantized"
+            else ""
+        ),
         f"  per pass    {format_bytes(p.bytes_per_pass)} streamed",
         render_tiers(r.tiers),
         f"  activations {format_bytes(p.activation_reserve_bytes)} reserved ({longest})",

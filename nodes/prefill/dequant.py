@@ -209,7 +209,7 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
         view = self._views[key]
         module = key.removesuffix(".weight")
         quant = self._quant_of(module) if key != module else None
-        if quant is None:
+        if quant is None or view.is_floating_point():  # float: dequantized already (resident)
             return view
         if key in self._done:
             return self._done[key]

@@ -38,6 +38,7 @@ from tandem.nodes.prefill.loads import ALIGN, Load
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.prefix_upload import PrefixUpload
 from tandem.nodes.prefill.ram import HostBudget
+from tandem.nodes.prefill.resident import ResidentFloats
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
@@ -111,6 +112,8 @@ class PrefillEngine:
         # MoE: read only the experts a layer's router chose, while waiting for routers pays
         # ("always": even where it does not; False: every expert)
         self.route_experts: Route = True
+        dequantized = self.plan.resident_form == "dequantized"
+        self._floats = ResidentFloats(self.index, self.dtype) if dequantized else None
         self._handover = make_handover(self.device)
         self.last_stats = PrefillStats()
         log.info(
@@ -231,6 +234,8 @@ class PrefillEngine:
             state: LayerState | None = None
             for load, views in run:
                 i = load.layer
+                if load.resident and self._floats is not None:
+                    views = self._floats.views(load, views)
                 if load.first_of_layer:
                     self.events.publish(self._layer_event(rid, load, "computing"))
                     before = uploads.layer(i) if uploads is not None else None

@@ -26,9 +26,11 @@ from tandem.nodes.prefill.families import PrefillFamily, family_for
 from tandem.nodes.prefill.loads import (
     Load,
     Part,
+    ResidentForm,
     dequantized_bytes,
     dequantized_sizes,
     layout,
+    resident_form,
     slot_size,
 )
 
@@ -47,6 +49,10 @@ class Plan:
     scratch_bytes: int = 0  # where a quantized model's parts are dequantized
     reserve_bytes: int = 0  # kept free for activations
     host_loads: frozenset[int] = frozenset()  # seqs of the streamed loads kept in RAM
+    # a quantized model's resident layers: "packed" (dequantized into the scratch each pass)
+    # or "dequantized" (each matrix once, into device memory of its own: these bytes)
+    resident_form: ResidentForm = "packed"
+    resident_float_bytes: int = 0
 
     def with_host(self, host_bytes: int) -> Plan:
         """This plan with a RAM tier of `host_bytes`: the streamed loads `host_set` picks — a
@@ -77,7 +83,7 @@ class Plan:
     def device_bytes(self) -> int:
         """Everything the weights take on the device: pool plus scratch, within the budget
         less the activation reserve."""
-        return self.pool_bytes + self.scratch_bytes
+        return self.pool_bytes + self.scratch_bytes + self.resident_float_bytes
 
     @property
     def resident_bytes(self) -> int:
@@ -212,7 +218,8 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     scratch = _scratch(index, whole, itemsize)
     if sum(layer_bytes) + scratch <= weights:
         resident = tuple(range(n))
-        return Plan(_loads(whole, set(resident), direct), resident, 0, 0, budget, scratch, reserve)
+        plan = Plan(_loads(whole, set(resident), direct), resident, 0, 0, budget, scratch, reserve)
+        return _with_form(plan, index, weights)
     for ring_budget, min_slots in ((weights // 2, 2), (weights, 2), (weights, 1)):
         for target in _slot_targets(ring_budget, min_slots, max(layer_bytes), index.quantized):
             groups = _cut_all(family, index, target, direct)
@@ -230,8 +237,18 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
                 else:  # whole parts: exactly the layer_bytes[i] counted
                     groups[i] = [family.whole_layer(index, i)]
             loads = _loads(groups, resident, direct)
-            return Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
+            plan = Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
+            return _with_form(plan, index, weights)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")
+
+
+def _with_form(plan: Plan, index: ModelIndex, weights: int) -> Plan:
+    """The plan with its resident layers kept dequantized where the weight budget's spare
+    bytes hold all of their matrices in the compute dtype (no pass dequantizes them again),
+    else packed (`loads.resident_form`)."""
+    spare = weights - plan.device_bytes
+    form, nbytes = resident_form(index, plan.loads, spare, ITEMSIZE[index.dtype])
+    return replace(plan, resident_form=form, resident_float_bytes=nbytes)
 
 
 def _weight_budget(index: ModelIndex, budget: int, reserve: int) -> int:

@@ -60,7 +60,7 @@ def _out_rows(
     module = "self_attn.o_proj" if part.op == "o" else "mlp.down_proj"
     weight = w[f"{module}.weight"]
     quant = p.index.quant(part.layer, module)
-    if quant is None:
+    if quant is None or weight.is_floating_point():  # float, or dequantized already
         out_rows_part(h, state, weight, part.lo, part.hi, part.last, p.chunk)
         return
     scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]

@@ -219,7 +219,7 @@ def _matrix(p: Pass, w: Weights, part: Part, j: int, m: str) -> torch.Tensor:
     pick = (lambda t: t[j]) if stacked else (lambda t: t)
     words = pick(w[f"{module}.weight"])
     quant = p.index.quant(part.layer, module)
-    if quant is None:
+    if quant is None or words.is_floating_point():  # float, or dequantized already
         return words
     scales, biases = pick(w[f"{module}.scales"]), pick(w[f"{module}.biases"])
     rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
