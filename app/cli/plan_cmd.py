@@ -1,9 +1,8 @@
 """`tandem plan`: the plan a prefill node would make for a model and a budget, its predicted
 prefill time and bound, and from which prompt length remote prefill beats the Mac's own —
-the router's cost model as a command (nodes/prefill/cost.py, nodes/decode/router.py).
-
-Reads only the safetensors headers: a directory of headers without data will do. Hardware
-flags describe another machine; each one left out is measured here in a few seconds.
+the router's cost model as a command (nodes/prefill/cost.py, nodes/decode/router.py). Reads
+only the safetensors headers: a directory of headers without data will do. Hardware flags
+describe another machine; each one left out is measured here in a few seconds.
 """
 
 from __future__ import annotations
@@ -350,6 +349,7 @@ def render(r: Report) -> str:
     longest = f"prompts up to {p.max_prompt_tokens} tokens" if p.max_prompt_tokens else "none"
     link = "PCIe" if r.device == "cuda" else "memcpy"  # a CPU reads straight into its slots
     n_resident = len(p.resident_layers)
+    floats = p.resident_form == "dequantized"  # no pass dequantizes them again
     lines = [
         f"tandem plan — {m.name}: {m.layers} layers, {m.dtype}, {format_bytes(m.bytes)}; "
         f"{r.device}, budget {format_bytes(r.budget_bytes)}",
@@ -358,12 +358,7 @@ def render(r: Report) -> str:
         f"  resident    {n_resident} layer{'' if n_resident == 1 else 's'}, "
         f"{format_bytes(p.resident_bytes)}"
         + (f" (layers {resident})" if resident else "")
-        + (
-            f", kept dequantized (+{format_bytes(p.resident_float_bytes)}: no pass dequantizes"
-            " them)"
-            if p.resident_form == "dequantized"
-            else ""
-        ),
+        + (f", kept dequantized (+{format_bytes(p.resident_float_bytes)})" if floats else ""),
         f"  per pass    {format_bytes(p.bytes_per_pass)} streamed",
         render_tiers(r.tiers),
         f"  activations {format_bytes(p.activation_reserve_bytes)} reserved ({longest})",

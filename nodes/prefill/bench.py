@@ -7,17 +7,16 @@ In one run, on one prompt, after a warm-up pass (which loads the resident set):
   loader's rates: `loader_Bps` (bytes / loader busy time), `disk_Bps` and `copy_Bps` (the
   host→device copy: CUDA only; on a CPU the read lands in the slot);
 - `wall_s`: the real, overlapped prefill; `disk_bytes` and `ram_bytes`: where its last run's
-  streamed bytes came from (the RAM tier, `--host-budget`, default `auto`, holds what it can
-  once the warm-up has read it);
-- with `--vs resident`, `vs_resident_ratio`: streamed / all-resident wall, the two engines
-  run in turns in this one process.
+  streamed bytes came from (the RAM tier, `--host-budget auto` by default, holds what it can
+  once the warm-up has read it); with `--vs resident`, `vs_resident_ratio`: streamed /
+  all-resident wall, the two engines run in turns in this one process.
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
 `sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
 the denominators on purpose: on a small CPU the loader thread slows compute, and a ratio
 taken inside the overlapped run would hide that. Each phase runs `--repeat` times; medians.
 
-Runs on a bare CUDA box with only torch, safetensors and numpy:
-`python3 scripts/bench-prefill --random 32x2048 --tokens 1024 --budget 1GiB`.
+On a bare CUDA box (torch, safetensors, numpy): `python3 scripts/bench-prefill --random
+32x2048 --tokens 1024 --budget 1GiB`.
 """
 
 from __future__ import annotations
@@ -43,13 +42,8 @@ from tandem.nodes.contract.units import parse_size
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.page_cache import evict_page_cache
+from tandem.nodes.prefill import ram
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
-from tandem.nodes.prefill.ram import (
-    DEFAULT_HOST_BUDGET,
-    HOST_BUDGET_HELP,
-    HostBudget,
-    host_budget_arg,
-)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +119,7 @@ def bench(
     cold: bool = False,
     repeat: int = 3,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    host_budget: HostBudget | None = DEFAULT_HOST_BUDGET,
+    host_budget: ram.HostBudget | None = ram.DEFAULT_HOST_BUDGET,
     kv_bits: int = 16,
     vs_resident: bool = False,
     experts: str = "routed",
@@ -145,7 +139,8 @@ def bench(
         phases = _phases(engine, ids, repeat, before, auto, fixed, kv_bits, vs_resident)
     finally:
         engine.close()
-    moe = {"experts": experts, "experts_streamed": sum(phases.last.experts_streamed.values())}
+    streamed = sum(phases.last.experts_streamed.values())  # MoE: experts read in the last run
+    moe = {"experts": experts, "experts_streamed": streamed}
     return _result(phases, engine, index, budget, tokens, kv_bits, cold, repeat) | moe
 
 
@@ -354,9 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--budget", type=parse_size, required=True)
-    p.add_argument(
-        "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
-    )
+    p.add_argument("--host-budget", type=ram.host_budget_arg, default=ram.DEFAULT_HOST_BUDGET,
+                   help=ram.HOST_BUDGET_HELP)  # fmt: skip
     p.add_argument("--link-gbps", default=None, help="Gbit/s, or 'auto': load_s ≈ compute_s")
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=512)
