@@ -5,13 +5,13 @@ precision, or quantized with given bits and group size): a request reuses only a
 the form it asks for, and storing one drops only entries of its own form. A request takes a
 *copy* of the longest common prefix (slicing makes new arrays, so the stored entry is never
 touched), and only the positions after it need a prefill — remote (`start = k`) or local.
+Bounded by bytes; the least recently used conversation goes first (conversations are not a
+cyclic scan).
 
 A model with sliding-window layers: a window that has dropped positions cannot be cut back
 (mlx-lm's `RotatingKVCache`), so an entry serves a turn that extends it whole, and a turn
 that edits inside it falls back to the longest point held exactly (earlier turns' entries
 are kept for that while their caches cannot be cut back to them; `fallbacks` counts it).
-Bounded by bytes; the least recently used conversation goes first (conversations are not a
-cyclic scan).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.contract.prefix import best_prefix
+from tandem.nodes.contract.prefix import best_prefix, common_prefix
 from tandem.nodes.decode import kv, lm
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
@@ -44,7 +44,6 @@ class PromptCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple[_Form, tuple[int, ...]], _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self.reused_tokens = 0  # positions lookups handed out, all told
         self.fallbacks = 0  # lookups that fell back from a window to a point held exactly
 
     @property
@@ -65,7 +64,7 @@ class PromptCache:
             best, best_k = best_prefix(held, tokens, limit)
             if best is not None and not lm.can_cut(held[best].caches, best_k):
                 # a window past its size cannot be cut back: the longest point held exactly
-                exact = [key for key in held if len(key) <= limit and _starts(tokens, key)]
+                exact = [k for k in held if len(k) <= limit and common_prefix(k, tokens) == len(k)]
                 best = max(exact, key=len, default=None)
                 best_k = len(best) if best is not None else 0
                 self.fallbacks += 1
@@ -73,7 +72,6 @@ class PromptCache:
                 return 0, None
             self._entries.move_to_end((form, best))
             entry = held[best]
-        self.reused_tokens += best_k
         return best_k, lm.clone_prefix(entry.caches, best_k)
 
     def store(self, tokens: Sequence[int], caches: lm.Caches) -> None:
@@ -94,10 +92,6 @@ class PromptCache:
                 self.nbytes > self.max_bytes or len(self._entries) > self.max_entries
             ):
                 self._entries.popitem(last=False)
-
-
-def _starts(tokens: Sequence[int], key: tuple[int, ...]) -> bool:
-    return tuple(tokens[: len(key)]) == key
 
 
 _Form = tuple[int, int] | None  # (bits, group size) of quantized caches; None: full precision
