@@ -191,6 +191,7 @@ class FrameReader:
             fields = _fields(obj, Header, "header")
             for name in ("kinds", "windows"):  # JSON lists; anything else fails the check
                 fields[name] = tuple(v) if isinstance(v := fields[name], list) else v
+            fields["state"] = _state(fields["state"])
             header = Header(**fields)
             check_header(header)
             self.header = header
@@ -248,7 +249,21 @@ class FrameReader:
         parts = {
             name: payload[data_start + e.begin : data_start + e.end] for name, e in entries.items()
         }
-        return LayerFrame(self.next_layer - 1, parts["k"], parts["v"], payload, parts)
+        return LayerFrame(self.next_layer - 1, payload, parts)
+
+
+def _state(value: object) -> object:
+    """A header's `state` from JSON lists to the tuples `Header` holds; a value of another
+    form is left for `check_header` to refuse."""
+    if not isinstance(value, list):
+        return value
+    out: list[object] = []
+    for entry in value:
+        if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list):
+            out.append((entry[0], entry[1], tuple(entry[2])))
+        else:
+            out.append(entry)
+    return tuple(out)
 
 
 def _blob_header(payload: memoryview) -> bytes:

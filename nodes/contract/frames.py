@@ -9,7 +9,10 @@ packed uint32 words `[1, n_kv_heads, count, head_dim·bits/32]` and `k_scales`, 
 A header's `kinds` and `windows` (one per layer; both empty: every layer "full") say what
 each layer frame covers: a "full" layer the `count` new positions, a "sliding" layer with
 window w only the last `min(count, w)` of them (what its rotating cache keeps), always in
-float (the header's `kv_bits` applies to full layers only).
+float (the header's `kv_bits` applies to full layers only); a "linear" layer (linear
+attention) holds no K/V but its fixed-size state after position start+count-1: the tensors
+the header's `state` names (name, dtype, shape), the same for every linear layer (Qwen3.5:
+"conv" [1, K-1, conv_dim] in the model dtype and "recurrent" [1, Hv, Dv, Dk] in F32).
 
 This module holds the format: the frame records, the header's checks, the encoders and
 `FrameWriter`, which produces a valid stream; `frame_reader.FrameReader` checks one as it is
@@ -38,7 +41,8 @@ PREFIX = struct.Struct("<BQ")  # kind, payload length: 9 bytes
 MAX_JSON_BYTES = 64 * 1024  # header, done and error payloads
 LAYER_EXTRA_BYTES = 64 * 1024  # a layer payload's allowance beyond its K and V bytes
 WIRE_DTYPES = ("F32", "F16", "BF16")
-LAYER_KINDS = ("full", "sliding")
+LAYER_KINDS = ("full", "sliding", "linear")
+MAX_STATE_TENSORS, MAX_STATE_DIMS = 8, 8  # a linear layer's state: tensors, dims each
 _HEADER_SIZES = {"layers": 1, "start": 0, "count": 0, "n_kv_heads": 1, "head_dim": 1}  # least
 _NUMPY_DTYPE = {
     "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "U32": np.dtype("<u4"),
@@ -64,14 +68,19 @@ class Header:
     head_dim: int
     kv_bits: int = 0  # 8 or 4: K and V quantized as mx.quantize does (words, scales, biases)
     kv_group_size: int = 0  # values per scale and bias when quantized
-    kinds: tuple[str, ...] = ()  # per layer: "full" or "sliding"; () reads as all "full"
-    windows: tuple[int, ...] = ()  # per layer: a sliding layer's window, 0 for a full one
+    kinds: tuple[str, ...] = ()  # per layer: "full", "sliding" or "linear"; (): all "full"
+    windows: tuple[int, ...] = ()  # per layer: a sliding layer's window, 0 for the others
+    # a linear layer's state tensors: (name, dtype, shape) each, the same for every such layer
+    state: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
     def kind(self, layer: int) -> str:
         return self.kinds[layer] if self.kinds else "full"
 
     def positions(self, layer: int) -> int:
-        """Positions layer `layer`'s frame covers: the last of start..start+count-1."""
+        """Positions layer `layer`'s frame covers: the last of start..start+count-1 (a linear
+        layer's state covers none one by one: 0)."""
+        if self.kind(layer) == "linear":
+            return 0
         if self.kind(layer) == "sliding":
             return min(self.count, self.windows[layer])
         return self.count
@@ -86,7 +95,9 @@ class Header:
     def tensors(self, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Name → (dtype, shape) of each tensor in layer `layer`'s blob: K and V, or their
         packed uint32 words [.., head_dim * bits / 32] and scales and biases
-        [.., head_dim / group] in the header's dtype."""
+        [.., head_dim / group] in the header's dtype; a linear layer's state tensors."""
+        if self.kind(layer) == "linear":
+            return {name: (dtype, shape) for name, dtype, shape in self.state}
         shape = self.shape(layer)
         if not self.quantized(layer):
             return {"k": (self.dtype, shape), "v": (self.dtype, shape)}
@@ -102,15 +113,21 @@ class Header:
 
 @dataclass(frozen=True)
 class LayerFrame:
-    """One layer's K and V as raw row-major bytes: views of `payload`, the safetensors blob,
-    in the buffer the frame was read into. Quantized (`Header.kv_bits`): `k` and `v` are the
-    packed words, `parts` holds every tensor of the blob by name (`Header.tensors`)."""
+    """One layer's tensors as raw row-major bytes by name (`Header.tensors`): views of
+    `payload`, the safetensors blob, in the buffer the frame was read into. `k` and `v` are
+    K and V (a full or sliding layer), the packed words when quantized (`Header.kv_bits`)."""
 
     layer: int
-    k: memoryview
-    v: memoryview
     payload: memoryview
-    parts: dict[str, memoryview] = dataclasses.field(default_factory=dict)
+    parts: dict[str, memoryview]
+
+    @property
+    def k(self) -> memoryview:
+        return self.parts["k"]
+
+    @property
+    def v(self) -> memoryview:
+        return self.parts["v"]
 
 
 @dataclass(frozen=True)
@@ -158,14 +175,19 @@ def encode_layer(
     header: Header,
     quantized: dict[str, bytes | memoryview] | None = None,
 ) -> bytes:
-    """The whole frame for one layer; its tensors are copied once, into it.
+    """The whole frame for one layer's K and V; its tensors are copied once, into it.
 
     `k` and `v` hold `header.shape(layer)` in `header.dtype`, row-major: bytes or any C-contiguous
     buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`). For a
     quantized header, `k` and `v` are the packed words and `quantized` holds the scales and
     biases (`k_scales`, `k_biases`, `v_scales`, `v_biases`).
     """
-    given = {"k": k, "v": v, **(quantized or {})}
+    return encode_tensors(layer, {"k": k, "v": v, **(quantized or {})}, header)
+
+
+def encode_tensors(layer: int, given: dict[str, bytes | memoryview], header: Header) -> bytes:
+    """The whole frame for one layer's tensors by name, exactly those `header.tensors(layer)`
+    names (K/V, quantized K/V, or a linear layer's state), each row-major bytes."""
     tensors: dict[str, RawTensor] = {}
     total = 0
     for name, (dtype, shape) in header.tensors(layer).items():
@@ -219,9 +241,13 @@ class FrameWriter:
         v: bytes | memoryview,
         quantized: dict[str, bytes | memoryview] | None = None,
     ) -> bytes:
-        """The frame for the next layer; layers must come 0, 1, 2, ..."""
+        """The frame for the next layer's K and V; layers must come 0, 1, 2, ..."""
+        return self.tensors(layer, {"k": k, "v": v, **(quantized or {})})
+
+    def tensors(self, layer: int, given: dict[str, bytes | memoryview]) -> bytes:
+        """The frame for the next layer, its tensors by name (`Header.tensors`)."""
         self._expect(self._started and layer == self.next_layer < self.header.layers, "layer")
-        frame = encode_layer(layer, k, v, self.header, quantized)
+        frame = encode_tensors(layer, given, self.header)
         self.crc32 = crc32(memoryview(frame)[PREFIX.size :], self.crc32)
         self.next_layer += 1
         return frame
@@ -274,6 +300,7 @@ def check_header(h: Header) -> None:
     group = check_uint(h.kv_group_size, "header kv_group_size")
     if not h.kv_bits and group:
         raise ProtocolError(f"header kv_group_size {group} for full-precision KV (kv_bits 0)")
+    _check_state(h)
     _check_kinds(h)
     if h.kv_bits:
         if group not in KV_GROUP_SIZES or h.head_dim % group:
@@ -300,6 +327,28 @@ def _check_kinds(h: Header) -> None:
         check_uint(window, f"header window of layer {i}")
         if kind not in LAYER_KINDS or (kind == "sliding") != (window > 0):
             raise ProtocolError(f"header layer {i}: kind {kind!r} with window {window}")
+    if ("linear" in h.kinds) != bool(h.state):
+        raise ProtocolError("header state must name a linear layer's tensors, and only then")
+
+
+def _check_state(h: Header) -> None:
+    """`state`: (name, dtype, shape) entries, distinct names, float dtypes, positive dims."""
+    if not isinstance(h.state, tuple) or len(h.state) > MAX_STATE_TENSORS:
+        raise ProtocolError(f"header state must be a list of at most {MAX_STATE_TENSORS}")
+    names = set()
+    for entry in h.state:
+        if not isinstance(entry, tuple) or len(entry) != 3:
+            raise ProtocolError("header state entries must be [name, dtype, shape]")
+        name, dtype, shape = entry
+        if check_str(name, "header state name") in names or not name:
+            raise ProtocolError(f"header state name {name!r} is empty or repeated")
+        names.add(name)
+        if dtype not in WIRE_DTYPES:
+            raise ProtocolError(f"header state {name}: dtype {dtype!r} is not one of {WIRE_DTYPES}")
+        if not isinstance(shape, tuple) or not 1 <= len(shape) <= MAX_STATE_DIMS:
+            raise ProtocolError(f"header state {name}: shape must be 1 to {MAX_STATE_DIMS} dims")
+        for d in shape:
+            check_uint(d, f"header state {name} dimension", 1)
 
 
 def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
@@ -315,6 +364,6 @@ def layer_parts_to_numpy(frame: LayerFrame, header: Header) -> dict[str, np.ndar
     """Every tensor of a layer frame by name (`Header.tensors`), as views of its buffer."""
     out = {}
     for name, (dtype, shape) in header.tensors(frame.layer).items():
-        view = frame.parts.get(name, frame.k if name == "k" else frame.v)
+        view = frame.parts[name]
         out[name] = np.frombuffer(view, np.uint8).view(_NUMPY_DTYPE[dtype]).reshape(shape)
     return out

@@ -10,9 +10,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-PROTO: Final = (
-    3  # `/health`, `/v1/prefill` and KV frame headers; 2: quantized KV; 3: layer kinds, windows
-)
+# `/health`, `/v1/prefill` and KV frame headers; 2: quantized KV; 3: layer kinds, windows;
+# 4: linear layers' state frames
+PROTO: Final = 4
 SERVICE_TYPE: Final = "_tandem._tcp.local."  # mDNS
 
 DEFAULT_PORT: Final = 8470
