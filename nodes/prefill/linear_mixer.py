@@ -1,0 +1,134 @@
+"""Qwen3.5's linear-attention mixer (Gated DeltaNet) in torch, as mlx-lm's
+`qwen3_5.GatedDeltaNet.__call__` computes it, in token blocks for prefill.
+
+Per block: the projections, a causal depthwise conv over the carried conv rows then SiLU,
+q/k/v split, q/k normalised (`normalize_qk`), the gated delta rule from the carried state,
+the gated RMSNorm and out_proj. Shapes: T = tokens, H = hidden, c = block tokens,
+C = conv_dim = 2·key_dim + value_dim, K = conv_kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from tandem.nodes.prefill.gated_delta import gated_delta_chunked
+from tandem.nodes.prefill.rope import rms_norm
+
+RULE_CHUNK = 64  # tokens per chunk of the delta rule's parallel form
+QK_EPS = 1e-6  # the l2norm eps mlx-lm passes to normalize_qk (added to sum(x^2))
+
+
+class LinearShape(Protocol):
+    """A linear-attention layer's sizes (the fields of nodes/model/spec.py's `LinearSpec`)."""
+
+    @property
+    def num_k_heads(self) -> int: ...
+    @property
+    def num_v_heads(self) -> int: ...
+    @property
+    def head_k_dim(self) -> int: ...
+    @property
+    def head_v_dim(self) -> int: ...
+    @property
+    def conv_kernel(self) -> int: ...
+    @property
+    def key_dim(self) -> int: ...
+    @property
+    def value_dim(self) -> int: ...
+    @property
+    def conv_dim(self) -> int: ...
+
+
+def linear_mixer(
+    x: torch.Tensor,
+    w: Mapping[str, torch.Tensor],
+    lin: LinearShape,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mixer over a prompt x [T, H] (the layer's normed input, model dtype), `chunk`
+    tokens at a time. conv_state [K-1, C] in x's dtype (zeros for a fresh prompt),
+    ssm_state [Hv, Dv, Dk] float32. Returns out [T, H] (out_proj's output, before the
+    residual) and the states mlx-lm's ArraysCache holds after the prompt: the last K-1 rows
+    of concat(conv_state, qkv) and the recurrent state."""
+    out = torch.empty_like(x)
+    for c0 in range(0, x.shape[0], chunk):
+        c1 = min(x.shape[0], c0 + chunk)
+        out[c0:c1], conv_state, ssm_state = _block(x[c0:c1], w, lin, eps, conv_state, ssm_state)
+    return out, conv_state, ssm_state
+
+
+def _block(
+    x: torch.Tensor,
+    w: Mapping[str, torch.Tensor],
+    lin: LinearShape,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block of tokens x [c, H] -> out [c, H], conv_state, ssm_state."""
+    c = x.shape[0]
+    qkv = F.linear(x, w["linear_attn.in_proj_qkv.weight"])  # [c, C]
+    z = F.linear(x, w["linear_attn.in_proj_z.weight"])  # [c, value_dim]
+    b = F.linear(x, w["linear_attn.in_proj_b.weight"])  # [c, Hv]
+    a = F.linear(x, w["linear_attn.in_proj_a.weight"])  # [c, Hv]
+    conv_in = torch.cat([conv_state, qkv])  # [K-1+c, C]
+    conv_state = conv_in[c:].clone()  # the last K-1 rows
+    mixed = F.silu(_causal_conv(conv_in, w["linear_attn.conv1d.weight"], lin.conv_kernel))
+    q, k, v = mixed.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
+    q = q.reshape(c, lin.num_k_heads, lin.head_k_dim)
+    k = k.reshape(c, lin.num_k_heads, lin.head_k_dim)
+    v = v.reshape(c, lin.num_v_heads, lin.head_v_dim)
+    q, k = normalize_qk(q, k, lin.head_k_dim**-0.5)
+    g = decay(w["linear_attn.A_log"], a, w["linear_attn.dt_bias"])  # [c, Hv] float32
+    beta = torch.sigmoid(b)
+    y, ssm_state = gated_delta_chunked(q, k, v, g, beta, ssm_state, RULE_CHUNK)
+    y = gated_rms_norm(y, z.view(y.shape), w["linear_attn.norm.weight"], eps)
+    out = F.linear(y.reshape(c, lin.value_dim), w["linear_attn.out_proj.weight"])
+    return out, conv_state, ssm_state
+
+
+def _causal_conv(conv_in: torch.Tensor, weight: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Depthwise conv without padding: conv_in [K-1+c, C] -> [c, C] in conv_in's dtype,
+    out[t] = sum_j weight[:, j] * conv_in[t + j]. weight is (C, K, 1) (mlx) or (C, 1, K)
+    (HF): the same bytes, read as (C, K). Sums in float32."""
+    taps = weight.reshape(weight.shape[0], kernel).float()  # [C, K]
+    c = conv_in.shape[0] - kernel + 1
+    acc = conv_in[:c].float() * taps[:, 0]
+    for j in range(1, kernel):
+        acc += conv_in[j : j + c].float() * taps[:, j]
+    return acc.to(conv_in.dtype)
+
+
+def normalize_qk(
+    q: torch.Tensor, k: torch.Tensor, inv_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mlx-lm's normalize_qk: L2-normalise q/k as an RMS norm with the eps scaled to the
+    mean (eps·inv_scale²), then fold Dk^-0.5 into q: q·inv_scale², k·inv_scale."""
+    rms_eps = QK_EPS * inv_scale**2
+    return (inv_scale**2) * _rms(q, rms_eps), inv_scale * _rms(k, rms_eps)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [..., D]; an RMS norm without weight, in float32, back to x's dtype
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def decay(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """mlx-lm's compute_g: g = exp(-exp(A_log) · softplus(a + dt_bias)), float32 [c, Hv]."""
+    return torch.exp(-torch.exp(A_log.float()) * F.softplus(a + dt_bias).float())
+
+
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Qwen3NextRMSNormGated with precise_swiglu: silu(z) · rms_norm(y), in float32, cast to
+    y's dtype. y, z [..., Dv]."""
+    normed = rms_norm(y, weight, eps)
+    return (F.silu(z.float()) * normed.float()).to(y.dtype)
