@@ -175,3 +175,28 @@ def test_mixer_chunk_independent() -> None:
     big = linear_mixer(x, w, lin, EPS, conv_state, ssm_state, 64)
     for got, want in zip(small, big, strict=True):
         assert _rel(got, want) <= 1e-5
+
+
+def test_mixer_bf16_near_mlx() -> None:
+    """In bf16 the dtypes follow mlx-lm's cache (conv rows bf16, state float32) and the
+    output stays within bf16 rounding of mlx-lm's."""
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm.models.cache import ArraysCache
+
+    lin = Lin()
+    mixer, w = _mlx_mixer(lin, seed=8)
+    mixer.set_dtype(mx.bfloat16)
+    w = {name: t.bfloat16() for name, t in w.items()}
+    x = torch.randn(50, HIDDEN, generator=torch.Generator().manual_seed(9)).bfloat16()
+    cache = ArraysCache(size=2)
+    out = mixer(mx.array(x.float().numpy()[None]).astype(mx.bfloat16), cache=cache)
+    want = torch.from_numpy(np.array(out[0].astype(mx.float32)))
+    want_conv = torch.from_numpy(np.array(cache[0][0].astype(mx.float32)))
+    want_ssm = torch.from_numpy(np.array(cache[1][0]))
+    conv_state = torch.zeros(lin.conv_kernel - 1, lin.conv_dim, dtype=torch.bfloat16)
+    ssm_state = torch.zeros(lin.num_v_heads, lin.head_v_dim, lin.head_k_dim)
+    got, conv, ssm = linear_mixer(x, w, lin, EPS, conv_state, ssm_state, 16)
+    assert (got.dtype, conv.dtype, ssm.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    assert torch.equal(conv.float(), want_conv)
+    assert _rel(got, want) <= 3e-2
+    assert _rel(ssm, want_ssm) <= 2e-2
