@@ -14,9 +14,10 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
+from tandem.nodes.model import factory_qwen3_5 as qwen3_5
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.factory_moe import (
     ExpertLayout,
@@ -35,8 +36,10 @@ CHAT_TEMPLATE = (
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe"]
-ARCHS: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe")
+Arch = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
+]
+ARCHS: tuple[Arch, ...] = get_args(Arch)
 _ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -80,6 +83,14 @@ class MakeModelArgs:
     norm_topk_prob: bool = True
     expert_layout: ExpertLayout = "stacked"
     router_bias: float = 0.0  # > 0: experts 0..top_k-1 take most tokens (factory_moe.py)
+    layout: qwen3_5.Layout = "mlx"  # Qwen3.5 (factory_qwen3_5.py): mlx-lm's names or HF's
+    full_attention_interval: int = 4  # layer i is full attention where (i + 1) % this == 0
+    linear_k_heads: int = 2
+    linear_v_heads: int = 4
+    linear_k_dim: int = 32
+    linear_v_dim: int = 32
+    conv_kernel: int = 4
+    shared_intermediate: int = 64  # Qwen3.5-MoE's shared expert's width
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -262,10 +273,13 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
     bos, eos, im_end = 1, 0, 2  # the special tokens' ids in the trained vocabulary
     if with_tokenizer:
         bos, eos, im_end = _write_tokenizer(out, args)
-    (out / "config.json").write_text(_dump(_config(args, head_dim, im_end, bos)))
     (out / "generation_config.json").write_text(
         _dump({"bos_token_id": bos, "eos_token_id": [im_end, eos], "do_sample": False})
     )
+    if args.arch in qwen3_5.ARCHS:
+        qwen3_5.write_qwen3_5(out, args, head_dim, im_end, bos)
+        return out
+    (out / "config.json").write_text(_dump(_config(args, head_dim, im_end, bos)))
     _write_weights(out, args, head_dim)
     return out
 
@@ -280,7 +294,7 @@ def _check(args: MakeModelArgs) -> None:
         raise ModelError("--vocab must be at least 300 (256 byte tokens plus merges and specials)")
     if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:
         raise ModelError("--heads must be a multiple of --kv-heads and 1 <= --shards <= --layers")
-    problem = moe_problem(args)
+    problem = moe_problem(args) or qwen3_5.qwen3_5_problem(args)
     if problem is not None:
         raise ModelError(problem)
 
@@ -349,11 +363,15 @@ def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
     sparse = sparse_layers(args)
     widths = [args.hidden] + ([args.intermediate] if not all(sparse) else [])
     widths += [args.moe_intermediate] if any(sparse) else []
+    if args.arch in qwen3_5.ARCHS:  # its own layers' widths
+        widths = qwen3_5.qwen3_5_widths(args, args.head_dim or args.hidden // args.heads)
     if any(w % args.group_size for w in widths):
         raise ModelError(
-            "--hidden, --intermediate (dense layers) and --moe-intermediate (routed layers) "
-            "must be multiples of --group-size"
+            "--hidden, --intermediate (dense layers) and --moe-intermediate (routed layers) (and "
+            "Qwen3.5's heads x head dim, linear value width) must be multiples of --group-size"
         )
+    if args.layout != "mlx":
+        raise ModelError("a quantized model is written in the mlx layout only (--layout mlx)")
     float_args = dataclasses.replace(args, quantize=None, recipe=None)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:

@@ -19,12 +19,12 @@ layer; B = 1 sends nearly every token to them, smaller B lets more tokens stray.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol, get_args
+from typing import Protocol
 
 import numpy as np
 from tandem.nodes.model.index import PROJECTIONS, ExpertLayout
 
-EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = get_args(ExpertLayout)
+EXPERT_LAYOUTS: tuple[ExpertLayout, ...] = ("stacked", "per-expert")  # "fused": Qwen3.5's only
 Mat = Callable[..., np.ndarray]  # mat(rows, cols, scale=1.0) -> [rows, cols] float32
 
 

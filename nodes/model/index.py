@@ -10,12 +10,15 @@ from typing import Literal
 
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.quant import Quant
+from tandem.nodes.model.qwen3_5_config import canonical_name, linear_shapes
 from tandem.nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, read_header
 from tandem.nodes.model.spec import ModelSpec, load_spec
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# a routed layer's experts: stacked [E, out, in] (mlx-community) or one by one (Hugging Face)
-ExpertLayout = Literal["stacked", "per-expert"]
+# a routed layer's experts: stacked [E, out, in] (mlx-community), one by one (Hugging Face), or
+# fused (Hugging Face's Qwen3.5-MoE): `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up)
+# and `mlp.experts.down_proj` [E, H, I], neither with a `.weight` suffix
+ExpertLayout = Literal["stacked", "per-expert", "fused"]
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -43,6 +46,10 @@ class ModelIndex:
     layers: tuple[dict[str, TensorEntry], ...]  # "self_attn.q_proj.weight" -> entry
     globals: dict[str, TensorEntry]  # "model.embed_tokens.weight", "model.norm.weight", ...
     files: tuple[Path, ...]
+    # added to the RMSNorm weights (input/post-attention/final norms, q_norm, k_norm) before
+    # use: 1.0 where a Hugging Face Qwen3.5 checkpoint stores them less one (mlx-lm's rule: a
+    # conv1d weight [C, 1, K]); the gated `linear_attn.norm` never has it
+    norm_offset: float = 0.0
 
     @property
     def dtype(self) -> str:
@@ -82,10 +89,11 @@ class ModelIndex:
 
 
 def expected_layer_shapes(
-    spec: ModelSpec, layer: int = 0, experts: ExpertLayout = "stacked"
+    spec: ModelSpec, layer: int = 0, experts: ExpertLayout = "stacked", hf_conv: bool = False
 ) -> dict[str, tuple[int, ...]]:
     """The tensors decoder layer `layer` must hold, with their logical (float) shapes; a
-    routed layer's experts in the layout `experts`."""
+    routed layer's experts in the layout `experts`, a linear-attention layer's conv weight
+    [C, 1, K] where `hf_conv` (else [C, K, 1])."""
     h, hd, nh, nkv, inter = (
         spec.hidden_size,
         spec.head_dim,
@@ -96,22 +104,28 @@ def expected_layer_shapes(
     shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (nh * hd, h),
-        "self_attn.k_proj.weight": (nkv * hd, h),
-        "self_attn.v_proj.weight": (nkv * hd, h),
-        "self_attn.o_proj.weight": (h, nh * hd),
     }
+    linear = spec.layer_kinds[layer].kind == "linear"
+    if linear:
+        assert spec.linear is not None
+        shapes.update(linear_shapes(spec.linear, h, hf_conv))
+    else:
+        q_rows = nh * hd * (2 if spec.attn_output_gate else 1)  # per head [q, gate]
+        shapes["self_attn.q_proj.weight"] = (q_rows, h)
+        shapes["self_attn.k_proj.weight"] = (nkv * hd, h)
+        shapes["self_attn.v_proj.weight"] = (nkv * hd, h)
+        shapes["self_attn.o_proj.weight"] = (h, nh * hd)
     if spec.moe is not None and spec.moe.sparse[layer]:
         shapes.update(_expert_shapes(spec, experts))
     else:
         shapes["mlp.gate_proj.weight"] = (inter, h)
         shapes["mlp.up_proj.weight"] = (inter, h)
         shapes["mlp.down_proj.weight"] = (h, inter)
-    if spec.attention_bias:
+    if spec.attention_bias and not linear:
         shapes["self_attn.q_proj.bias"] = (nh * hd,)
         shapes["self_attn.k_proj.bias"] = (nkv * hd,)
         shapes["self_attn.v_proj.bias"] = (nkv * hd,)
-    if spec.qk_norm:
+    if spec.qk_norm and not linear:
         shapes["self_attn.q_norm.weight"] = (hd,)
         shapes["self_attn.k_norm.weight"] = (hd,)
     if spec.post_norms:  # Gemma 3: post_attention_layernorm norms the attention's output
@@ -121,12 +135,22 @@ def expected_layer_shapes(
 
 
 def _expert_shapes(spec: ModelSpec, layout: ExpertLayout) -> dict[str, tuple[int, ...]]:
-    """A routed layer's router [E, H] and experts, [E, out, in] stacked or [out, in] each."""
+    """A routed layer's router [E, H], experts ([E, out, in] stacked, [out, in] each, or
+    fused) and shared expert with its gate [1, H], if any."""
     assert spec.moe is not None
     h, n, inter = spec.hidden_size, spec.moe.num_experts, spec.moe.intermediate_size
     each = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
     shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (n, h)}
-    for proj in PROJECTIONS:
+    if layout == "fused":
+        shapes["mlp.experts.gate_up_proj"] = (n, 2 * inter, h)
+        shapes["mlp.experts.down_proj"] = (n, h, inter)
+    shared = spec.moe.shared_intermediate_size
+    if shared:
+        shapes["mlp.shared_expert.gate_proj.weight"] = (shared, h)
+        shapes["mlp.shared_expert.up_proj.weight"] = (shared, h)
+        shapes["mlp.shared_expert.down_proj.weight"] = (h, shared)
+        shapes["mlp.shared_expert_gate.weight"] = (1, h)
+    for proj in PROJECTIONS if layout != "fused" else ():
         if layout == "stacked":
             shapes[f"mlp.switch_mlp.{proj}.weight"] = (n, *each[proj])
         else:
@@ -139,19 +163,25 @@ def _expert_layout(spec: ModelSpec, i: int, tensors: dict[str, TensorEntry]) -> 
     where they hold both or neither."""
     if spec.moe is None or not spec.moe.sparse[i]:
         return None
-    stacked = any(k.startswith("mlp.switch_mlp.") for k in tensors)
-    per_expert = any(k.startswith("mlp.experts.") for k in tensors)
-    if stacked and per_expert:
-        raise ModelError(
-            f"{spec.path}: layer {i} holds its experts both stacked (mlp.switch_mlp.*) "
-            "and one by one (mlp.experts.E.*)"
+    fused = "mlp.experts.gate_up_proj" in tensors
+    found: list[ExpertLayout] = [
+        layout
+        for layout, present in (
+            ("stacked", any(k.startswith("mlp.switch_mlp.") for k in tensors)),
+            ("per-expert", not fused and any(k.startswith("mlp.experts.") for k in tensors)),
+            ("fused", fused),
         )
-    if not stacked and not per_expert:
+        if present
+    ]
+    if len(found) > 1:
+        raise ModelError(f"{spec.path}: layer {i} holds its experts both {found[0]} and {found[1]}")
+    if not found:
         raise ModelError(
             f"{spec.path}: layer {i} routes to {spec.moe.num_experts} experts but holds "
-            "none (neither mlp.switch_mlp.*_proj.weight nor mlp.experts.E.*_proj.weight)"
+            "none (neither mlp.switch_mlp.*_proj.weight, mlp.experts.E.*_proj.weight nor "
+            "mlp.experts.gate_up_proj)"
         )
-    return "stacked" if stacked else "per-expert"
+    return found[0]
 
 
 def _shard_files(path: Path) -> list[Path]:
@@ -196,16 +226,24 @@ def load_index(model_dir: str | Path, require_data: bool = True) -> ModelIndex:
             if require_data and data_start + h.end > size:
                 raise ModelError(f"{f}: tensor {name} runs past the end of the file")
             entry = TensorEntry(name, h.dtype, h.shape, f, data_start + h.begin, h.end - h.begin)
-            m = _LAYER_RE.match(name)
+            canonical = canonical_name(name)
+            if canonical is None:
+                continue
+            m = _LAYER_RE.match(canonical)
             if m is None:
-                globals_[name] = entry
+                globals_[canonical] = entry
                 continue
             i = int(m.group(1))
             if i >= spec.num_layers:
                 raise ModelError(f"{f}: tensor {name} beyond num_hidden_layers={spec.num_layers}")
             layers[i][m.group(2)] = entry
-    _check(spec, layers, globals_, path)
-    return ModelIndex(spec=spec, layers=tuple(layers), globals=globals_, files=tuple(files))
+    # mlx-lm's rule for a Hugging Face Qwen3.5 checkpoint: a conv weight [C, 1, K]
+    hf = any(e.shape[-1] != 1 for t in layers for k, e in t.items() if k.endswith("conv1d.weight"))
+    _check(spec, layers, globals_, path, hf)
+    return ModelIndex(
+        spec=spec, layers=tuple(layers), globals=globals_, files=tuple(files),
+        norm_offset=1.0 if hf else 0.0,
+    )  # fmt: skip
 
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -252,6 +290,7 @@ def _check(
     layers: list[dict[str, TensorEntry]],
     globals_: dict[str, TensorEntry],
     path: Path,
+    hf_conv: bool = False,
 ) -> None:
     embed_quant = spec.quantization.of("model.embed_tokens")
     _check_stored(globals_, "model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size),
@@ -263,9 +302,11 @@ def _check(
     dtype = None
     for i, tensors in enumerate(layers):
         prefix = f"model.layers.{i}."
-        expected = expected_layer_shapes(spec, i, _expert_layout(spec, i, tensors) or "stacked")
-        for short, shape in expected.items():
+        layout = _expert_layout(spec, i, tensors) or "stacked"
+        for short, shape in expected_layer_shapes(spec, i, layout, hf_conv).items():
             quant = spec.quantization.of(prefix + short.removesuffix(".weight"))
+            if short.endswith("conv1d.weight"):
+                quant = None  # mlx quantizes linear layers and embeddings only
             _check_stored(tensors, short, shape, quant, prefix, path)
             for stored in stored_shapes(short, shape, quant):
                 entry = tensors[stored]

@@ -1,5 +1,5 @@
 """Parse a Hugging Face model directory into a `ModelSpec` (Llama, Mistral, Qwen2, Qwen3, Gemma 3,
-Qwen3-MoE).
+Qwen3-MoE, Qwen3.5 dense and MoE).
 
 A new family adds its `model_type` to `FAMILIES` (and `_ARCHITECTURES`), reads its own keys
 here, and says what each layer is (`LayerKind`); each side maps the type to its code in one
@@ -7,7 +7,8 @@ registry line (`nodes/prefill/families`, `nodes/decode/families`).
 
 Config traps (DESIGN.md, "Facts"): `rope_theta` may stand at the top level or only inside
 `rope_parameters`; a missing `tie_word_embeddings` means different things per family. Gemma 3's
-own keys (layer kinds, two RoPE thetas) are read in `gemma3_config.py`.
+own keys (layer kinds, two RoPE thetas) are read in `gemma3_config.py`, Qwen3.5's (nested
+`text_config`, linear attention) in `qwen3_5_config.py`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ from typing import Any, Literal
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.gemma3_config import read_gemma3
 from tandem.nodes.model.quant import QuantConfig, parse_quantization
+from tandem.nodes.model.qwen3_5_config import (
+    LinearSpec,
+    canonical_name,
+    read_qwen3_5,
+    text_keys,
+)
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"]
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe")
+Family = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
+]
+FAMILIES: tuple[Family, ...] = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
+)  # fmt: skip
 
 # What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
 # True instead (DESIGN.md trap), so the decode side must be told explicitly.
@@ -34,6 +45,8 @@ _ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -84,13 +97,16 @@ FULL = LayerKind()
 
 @dataclass(frozen=True)
 class MoeSpec:
-    """A mixture of experts' shape (Qwen3-MoE): which layers route, and how."""
+    """A mixture of experts' shape (Qwen3-MoE, Qwen3.5-MoE): which layers route, and how."""
 
     num_experts: int
     experts_per_token: int  # top-k
     intermediate_size: int  # each expert's
     norm_topk_prob: bool  # the top-k weights renormalised to sum to 1
     sparse: tuple[bool, ...]  # per layer: its MLP is the experts (else a dense MLP)
+    # a shared expert's width (Qwen3.5): every token also goes through one SwiGLU MLP
+    # (`mlp.shared_expert.*`), scaled by sigmoid(`mlp.shared_expert_gate` [1, H] · x); 0: none
+    shared_intermediate_size: int = 0
 
     def expected_share(self, tokens: int) -> float:
         """The share of a layer's experts that `tokens` tokens are expected to choose, each
@@ -147,7 +163,12 @@ class ModelSpec:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: D
     hidden_act: str = "silu"  # the MLP gate's activation ("gelu_pytorch_tanh": Gemma 3)
     post_norms: bool = False  # four norms per layer: each branch's output normed too (Gemma 3)
-    moe: MoeSpec | None = None  # a mixture of experts (Qwen3-MoE)
+    moe: MoeSpec | None = None  # a mixture of experts (Qwen3-MoE, Qwen3.5-MoE)
+    linear: LinearSpec | None = None  # the "linear" layers' gated delta net (Qwen3.5)
+    partial_rotary_factor: float = 1.0  # RoPE turns the first int(head_dim * this) dims
+    # q_proj [2 * heads * D, H] gives per head [q (D), gate (D)]; the attention output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:  # today's families: every layer attends to every position
@@ -251,6 +272,36 @@ def _gemma3_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
     }
 
 
+def _qwen3_5_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The ModelSpec fields a Qwen3.5 config sets otherwise than the dense families' (its
+    text keys: `config` is flattened already)."""
+    keys = read_qwen3_5(config, where)
+    layers = len(keys.linear_layers)
+    fields: dict[str, Any] = {
+        "layer_kinds": tuple(LayerKind("linear") if lin else FULL for lin in keys.linear_layers),
+        "linear": keys.linear,
+        "rope_theta": keys.rope_theta,
+        "rope_scaling": _rope_scaling({"rope_scaling": keys.rope_parameters}, where),
+        "partial_rotary_factor": keys.partial_rotary_factor,
+        "attn_output_gate": True,
+        "qk_norm": True,
+        "max_position_embeddings": int(config.get("max_position_embeddings") or 131072),
+    }
+    if int(config.get("num_experts") or 0) > 0:  # mlx-lm: then every layer routes
+        moe = _moe({"norm_topk_prob": True, **config, "mlp_only_layers": []}, layers)
+        fields["moe"] = MoeSpec(
+            moe.num_experts, moe.experts_per_token, moe.intermediate_size, moe.norm_topk_prob,
+            (True,) * layers, int(config.get("shared_expert_intermediate_size") or 0),
+        )  # fmt: skip
+    return fields
+
+
+def _canonical_quant(quant: QuantConfig) -> QuantConfig:
+    """The overrides keyed by canonical module paths (mlx-lm writes `language_model.model.*`)."""
+    overrides = {canonical_name(k): q for k, q in quant.overrides.items()}
+    return QuantConfig(quant.default, {k: q for k, q in overrides.items() if k is not None})
+
+
 def load_spec(model_dir: str | Path) -> ModelSpec:
     """Read `config.json` (and `generation_config.json` if present) into a ModelSpec."""
     path = Path(model_dir)
@@ -262,6 +313,10 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     generation = _read_json(gen_path) if gen_path.exists() else {}
     family = _family(config, where)
     extra = _gemma3_fields(config, where) if family == "gemma3_text" else {}
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        config = text_keys(config)
+        config.setdefault("intermediate_size", 14336)  # mlx-lm's default; unused by MoE
+        extra = _qwen3_5_fields(config, where)
     try:
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
@@ -286,7 +341,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
             eos_token_ids=_eos_ids(config, generation),
             bos_token_id=config.get("bos_token_id"),
-            quantization=parse_quantization(config, str(where)),
+            quantization=_canonical_quant(parse_quantization(config, str(where))),
         )
         if family == "qwen3_moe":
             extra = {"moe": _moe(config, fields["num_layers"])}
