@@ -26,12 +26,14 @@ from tandem.nodes.model.spec import FULL, LayerKind
 
 @dataclass(frozen=True)
 class KVShape:
-    """What a model's layer frames must hold: [1, n_kv_heads, count, head_dim] in `dtype`."""
+    """What a model's layer frames must hold: [1, n_kv_heads, count, head_dim] in `dtype`, and
+    a linear layer's `state` tensors (`Header.state`: name, dtype, shape)."""
 
     layers: int
     n_kv_heads: int
     head_dim: int
     dtype: str  # the model's compute dtype, safetensors spelling
+    state: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
     def bytes_per_token(self, kv_format: KVFormat | None) -> int:
         """K and V bytes of one token over all layers, in the wire's format."""
@@ -105,6 +107,10 @@ class CacheBuilder:
                 f"frames hold layers of kinds {header.kinds}, windows {header.windows}; "
                 f"the model's are {want_kinds[0]}, {want_kinds[1]}"
             )
+        if header.state != expect.state:
+            raise ProtocolError(
+                f"frames hold linear layers' state {header.state}, the model's {expect.state}"
+            )
         if lm.positions(caches) != start:
             raise ProtocolError(f"frames start at {start}, the cache holds {lm.positions(caches)}")
         self.header, self.caches, self.kv_format = header, caches, kv_format
@@ -116,13 +122,13 @@ class CacheBuilder:
         arrays = layer_arrays(frame, self.header)
         t = arrays.tensors
         # words may hold any bits
-        floats = _SCALES if self.header.quantized(frame.layer) else ("k", "v")
+        floats = _SCALES if self.header.quantized(frame.layer) else tuple(t)
         for name in floats:
             if not mx.isfinite(t[name]).all().item():
                 raise ProtocolError(f"layer {frame.layer}: {name} are not all finite")
         i = frame.layer
         self.caches[i] = self.family.fill(self.kinds[i], self.caches[i], arrays, self.kv_format)
-        mx.eval(self.caches[i].state[:2])
+        mx.eval(self.caches[i].state[:2])  # (K, V), or a state cache's (slots, padding)
 
 
 _SCALES = ("k_scales", "k_biases", "v_scales", "v_biases")

@@ -179,6 +179,29 @@ def copy_prefix(cache: Any, k: int) -> Any:
     return new
 
 
+def fill_state(cache: Any, arrays: Sequence[mx.array]) -> None:
+    """Set a linear layer's state (`ArraysCache`): its slots in order (Qwen3.5: the conv
+    state [1, K-1, conv_dim], the recurrent state [1, Hv, Dv, Dk] float32). Through the
+    slots, not `state` (mlx-lm PR #1632 made `state` a tuple with padding fields)."""
+    if len(arrays) != len(cache.cache):
+        raise ValueError(f"{len(arrays)} state arrays for a cache of {len(cache.cache)}")
+    for i, a in enumerate(arrays):
+        cache[i] = a
+
+
+def new_state_cache(slots: int) -> Any:
+    """An empty linear-layer cache of `slots` arrays (`ArraysCache`)."""
+    return ArraysCache(size=slots)
+
+
+def _copy_state(cache: Any) -> Any:
+    """A new linear-layer cache holding the same state (mlx arrays are never written in
+    place: the layer's next step sets new ones)."""
+    new = new_state_cache(len(cache.cache))
+    fill_state(new, list(cache.cache))
+    return new
+
+
 def _copy_window(cache: Any, k: int) -> Any:
     """A new rotating cache holding what `cache` does at position k: all of it at its end,
     or, while it has dropped nothing, its first k positions."""
@@ -194,14 +217,19 @@ def _copy_window(cache: Any, k: int) -> Any:
 
 
 def can_cut(caches: Caches, k: int) -> bool:
-    """Whether `clone_prefix(caches, k)` can hold positions 0..k-1 (a window that has
-    dropped positions only at its end)."""
+    """Whether `clone_prefix(caches, k)` can hold positions 0..k-1: a window that has
+    dropped positions only at its end, a linear layer's state only where it is (it holds
+    no positions one by one, so it cannot be cut back)."""
+    if k != positions(caches) and any(kind(c) == "linear" for c in caches):
+        return False
     return all(kind(c) != "sliding" or k == c.offset or k < c.offset <= c.max_size for c in caches)
 
 
 def positions(caches: Caches) -> int:
-    """Token positions the caches hold (every layer holds the same)."""
-    return size(caches[0]) if caches else 0
+    """Token positions the caches hold (every layer holds the same; a linear layer's state
+    does not count them, so the first other layer's say)."""
+    counted = [c for c in caches if kind(c) != "linear"]
+    return size(counted[0]) if counted else 0
 
 
 def nbytes(caches: Caches) -> int:
@@ -209,8 +237,11 @@ def nbytes(caches: Caches) -> int:
 
 
 def clone_prefix(caches: Caches, k: int) -> Caches:
-    """New caches holding positions 0..k-1 of `caches`, of the same form, evaluated."""
-    out = [copy_prefix(c, k) for c in caches]
+    """New caches holding positions 0..k-1 of `caches`, of the same form, evaluated (where
+    `can_cut` says they can)."""
+    if not can_cut(caches, k):
+        raise ValueError(f"caches at position {positions(caches)} cannot be cut back to {k}")
+    out = [_copy_state(c) if kind(c) == "linear" else copy_prefix(c, k) for c in caches]
     evaluate(out)
     return out
 

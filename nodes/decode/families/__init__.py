@@ -10,6 +10,7 @@ from __future__ import annotations
 from tandem.nodes.decode.families.base import DecodeFamily
 from tandem.nodes.decode.families.gemma3 import Gemma3Family
 from tandem.nodes.decode.families.llama import DenseFamily
+from tandem.nodes.decode.families.qwen3_5 import Qwen35Family
 
 FAMILIES: dict[str, DecodeFamily] = {
     "llama": DenseFamily(),
@@ -18,6 +19,8 @@ FAMILIES: dict[str, DecodeFamily] = {
     "qwen3": DenseFamily(),
     "qwen3_moe": DenseFamily(),  # mlx-lm's Model has the dense structure; its MLP routes
     "gemma3_text": Gemma3Family(),
+    "qwen3_5": Qwen35Family(),
+    "qwen3_5_moe": Qwen35Family(),  # the same layers; mlx-lm's MLP routes
 }
 
 
