@@ -33,10 +33,16 @@ from tandem.nodes.prefill.budget import (
 from tandem.nodes.prefill.dequant import dequantize
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.families import Pass, family_for
-from tandem.nodes.prefill.handover import LayerKV, make_handover, quantized_parts
+from tandem.nodes.prefill.handover import (
+    Handed,
+    LayerKV,
+    LinearState,
+    make_handover,
+    quantized_parts,
+)
 from tandem.nodes.prefill.loads import ALIGN, Load
 from tandem.nodes.prefill.plan import Plan
-from tandem.nodes.prefill.prefix_upload import PrefixUpload
+from tandem.nodes.prefill.prefix_upload import KV, Prefix, PrefixUpload, State
 from tandem.nodes.prefill.ram import HostBudget
 from tandem.nodes.prefill.resident import ResidentFloats
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
@@ -52,7 +58,8 @@ from tandem.nodes.prefill.stream.streamer import (
 )
 
 __all__ = [  # what the node, the bench and the cost model take from here
-    "DEFAULT_CHUNK_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "LayerKV", "PrefillEngine",
+    "DEFAULT_CHUNK_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "Handed", "LayerKV", "LinearState",
+    "PrefillEngine",
     "PrefillError", "PrefillStats", "PromptTooLong", "default_budget", "default_device",
     "plan_for_prompts", "prompt_activations", "quantized_parts",
 ]  # fmt: skip
@@ -201,14 +208,15 @@ class PrefillEngine:
         tokens: Sequence[int],
         *,
         start: int = 0,
-        prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        prefix: Sequence[Prefix] | None = None,
         request_id: str | None = None,
         kv_format: KVFormat | None = None,
         synchronous: bool = False,
-    ) -> Iterator[LayerKV]:
+    ) -> Iterator[Handed]:
         """Yield each layer's handover for `tokens` at positions start.. as soon as it is done.
 
-        `prefix[i]` holds layer i's K/V for positions 0..start-1. `synchronous=True` has the
+        `prefix[i]` holds layer i's K/V for positions 0..start-1 (a linear layer's: its state
+        at position start, `State`). `synchronous=True` has the
         streamer load each load only when compute asks for it (bench `compute_s`).
         """
         self.check_tokens(tokens)
@@ -245,8 +253,7 @@ class PrefillEngine:
                     for part in load.parts:
                         weights = part_weights(views, part.op, part.lo)
                         if family.compute(p, part, weights, h, state):
-                            full = kinds[i].kind == "full"  # the others cross in float
-                            self._handover.kv_done(i, *family.handover(p, kinds[i], i, state), full)
+                            self._hand_over(family.handover(p, kinds[i], i, state), i)
                         if (used := family.routing(part, state)) is not None:
                             self._routed(rid, run, i, used)
                 self._released(rid, run, load)
@@ -257,6 +264,14 @@ class PrefillEngine:
         stats.compute_busy_s = sum(stats.layer_compute_s)
         stats.quantize_s = self._handover.quantize_seconds()
         self._finish(rid, stats, t_start)
+
+    def _hand_over(self, out: KV | State, i: int) -> None:
+        """Layer i's handover: K/V (a full layer's quantized where asked; the others cross
+        in float), or a linear layer's state."""
+        if isinstance(out, dict):
+            self._handover.state_done(i, out)
+        else:
+            self._handover.kv_done(i, *out, self.spec.layer_kinds[i].kind == "full")
 
     def _routed(self, rid: str, run: Any, layer: int, used: frozenset[int]) -> None:
         """Layer `layer`'s router chose `used`: the loader reads only those experts."""

@@ -30,6 +30,19 @@ class LayerKV:
     quantized: dict[str, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class LinearState:
+    """One finished linear layer: its state after the prompt on the host, by name (the KV
+    header's `state`: Qwen3.5's "conv" [1, K-1, conv_dim] in the model dtype, "recurrent"
+    [1, Hv, Dv, Dk] float32); never quantized."""
+
+    layer: int
+    tensors: dict[str, torch.Tensor]
+
+
+Handed = LayerKV | LinearState  # what a layer hands the decode node
+
+
 def quantized_parts(
     k: torch.Tensor, v: torch.Tensor, kv_format: KVFormat, scratch: Scratch | None = None
 ) -> dict[str, torch.Tensor]:
@@ -57,7 +70,7 @@ class HostHandover:
         self.kv_format: KVFormat | None = None
         self._quantize_s = 0.0
         self._scratch = Scratch()
-        self._done: list[LayerKV] = []
+        self._done: list[Handed] = []
 
     def kv_done(self, layer: int, k: torch.Tensor, v: torch.Tensor, quantize: bool = True) -> None:
         """Layer `layer`'s handover, K and V [1, n_kv, count, D] (views into its state),
@@ -72,12 +85,19 @@ class HostHandover:
             LayerKV(layer, k.to("cpu").contiguous(), v.to("cpu").contiguous(), quantized)
         )
 
-    def push(self) -> list[LayerKV]:
+    def state_done(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A linear layer's handover: its state tensors, copied (the layer's own are its
+        working state)."""
+        self._done.append(
+            LinearState(layer, {n: t.to("cpu", copy=True) for n, t in tensors.items()})
+        )
+
+    def push(self) -> list[Handed]:
         """The layers whose K/V are done, once the layer is (the consumer's turn)."""
         done, self._done = self._done, []
         return done
 
-    def flush(self) -> list[LayerKV]:
+    def flush(self) -> list[Handed]:
         return self.push()
 
     def reset(self, kv_format: KVFormat | None = None) -> None:
@@ -107,7 +127,8 @@ class CudaHandover:
         self.kv_format: KVFormat | None = None
         self._arena: HostArena | None = None
         self._buffers: deque[torch.Tensor] = deque()
-        self._pending: deque[tuple[int, dict[str, torch.Tensor], torch.cuda.Event]] = deque()
+        # (layer, host tensors, their copy's event, a linear layer's state)
+        self._pending: deque[tuple[int, dict[str, torch.Tensor], torch.cuda.Event, bool]] = deque()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._scratch = Scratch()  # used on the compute stream only
 
@@ -141,6 +162,15 @@ class CudaHandover:
             device |= {f"q_{n}": t for n, t in parts.items()}
             b.record(torch.cuda.current_stream(self.device))
             self._timed.append((a, b))
+        self._copy(layer, device, state=False)
+
+    def state_done(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A linear layer's handover: its state tensors, copied to the host the same way."""
+        self._copy(layer, dict(tensors), state=True)
+
+    def _copy(self, layer: int, device: dict[str, torch.Tensor], state: bool) -> None:
+        """`device` tensors into pinned buffers on the side stream, once the compute stream
+        made them; handed over by `_ready`."""
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         host = self._pinned(device)
@@ -153,13 +183,13 @@ class CudaHandover:
             copied.record(self.stream)
         for t in device.values():  # their memory is not reused before the copy ran
             t.record_stream(self.stream)
-        self._pending.append((layer, host, copied))
+        self._pending.append((layer, host, copied, state))
 
-    def push(self) -> list[LayerKV]:
+    def push(self) -> list[Handed]:
         """After a layer: the layers whose copies are done, but the last LAG."""
         return self._ready(self.LAG)
 
-    def flush(self) -> list[LayerKV]:
+    def flush(self) -> list[Handed]:
         return self._ready(0)
 
     def close(self) -> None:
@@ -183,11 +213,14 @@ class CudaHandover:
         self._timed[-1][1].synchronize()
         return sum(a.elapsed_time(b) for a, b in self._timed) / 1000
 
-    def _ready(self, keep: int) -> list[LayerKV]:
-        out = []
+    def _ready(self, keep: int) -> list[Handed]:
+        out: list[Handed] = []
         while len(self._pending) > keep:
-            layer, host, copied = self._pending.popleft()
+            layer, host, copied, state = self._pending.popleft()
             copied.synchronize()
+            if state:
+                out.append(LinearState(layer, {n: t.clone() for n, t in host.items()}))
+                continue
             quantized = {n[2:]: t.clone() for n, t in host.items() if n.startswith("q_")}
             out.append(LayerKV(layer, host["k"].clone(), host["v"].clone(), quantized or None))
         return out

@@ -34,6 +34,7 @@ from tandem.nodes.model.spec import LayerKind, ModelSpec
 from tandem.nodes.prefill.blocks import LayerState
 from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.loads import Part
+from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
 
 Weights = dict[str, torch.Tensor]  # a part's tensors by short name: views into its slot
 Groups = list[list[Part]] | None  # a layer's loads (each a list of parts), or None: no fit
@@ -92,16 +93,18 @@ class PrefillFamily:
         kind: LayerKind,
         layer: int,
         count: int,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None,
+        prefix: Prefix | None,
     ) -> LayerState:
         """The layer's state for `count` new tokens after `p.start` positions: K/V buffers
-        [1, n_kv, start + count, D] holding the prefix's `prefix` (K, V) [1, n_kv, start, D]."""
+        [1, n_kv, start + count, D] holding the prefix's `prefix` (K, V) [1, n_kv, start, D]
+        (a family with linear layers makes theirs from a prefix `State`)."""
         spec, device = p.spec, p.scratch.device
         shape = (1, spec.num_kv_heads, p.start + count, spec.head_dim)
         k = torch.empty(shape, dtype=p.dtype, device=device)
         v = torch.empty(shape, dtype=p.dtype, device=device)
         if p.start:
-            assert prefix is not None
+            if not isinstance(prefix, tuple):
+                raise PrefillError(f"layer {layer}: a {kind.kind} layer's prefix is not K/V")
             pk, pv = prefix
             if tuple(pk.shape) != (1, spec.num_kv_heads, p.start, spec.head_dim):
                 raise PrefillError(f"prefix K of layer {layer} has shape {tuple(pk.shape)}")
@@ -118,11 +121,10 @@ class PrefillFamily:
         rest of the layer computes."""
         raise NotImplementedError
 
-    def handover(
-        self, p: Pass, kind: LayerKind, layer: int, state: LayerState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:
         """What the layer hands over once `compute` said so: a "full" layer's K and V of the
-        new positions [1, n_kv, count, D] (views into its state)."""
+        new positions [1, n_kv, count, D] (views into its state); a "linear" layer's state
+        (a family that has them)."""
         if kind.kind != "full":
             raise PrefillError(
                 f"layer {layer}: a {kind.kind} layer is not handed over by the {self.name} "

@@ -30,6 +30,7 @@ from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import DenseFamily, dequantized
 from tandem.nodes.prefill.loads import Part, Piece, slot_size
+from tandem.nodes.prefill.prefix_upload import KV, State
 from tandem.nodes.prefill.rope import inv_freq, rms_norm, rope_tables
 
 PRE_FF = "pre_feedforward_layernorm.weight"
@@ -104,9 +105,7 @@ class Gemma3Family(DenseFamily):
                  norm=PRE_FF, post_norm=w[POST_FF] if whole else None)  # fmt: skip
         return False
 
-    def handover(
-        self, p: Pass, kind: LayerKind, layer: int, state: LayerState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:
         """A sliding layer hands over all K/V of the new positions, as a full layer does: the
         node's prefix cache keeps them (a later turn's band reaches back into them), and
         only the last `window` of them cross the wire, in float (`prefix_cache.reusing`,
