@@ -2,13 +2,16 @@
 
 A full layer sends every position, so its bytes grow with the prompt; a sliding layer sends
 at most its window (the positions its `RotatingKVCache` keeps), so its bytes stop growing
-once the prompt passes the window; a linear layer sends no K/V. Quantized K/V (`kv_bits`
+once the prompt passes the window; a linear layer sends no K/V but its state, of a fixed
+size whatever the prompt (`state_tensors`: the conv state in the model's dtype, the recurrent
+state in float32). Quantized K/V (`kv_bits`
 8 or 4) applies to full layers only: a sliding layer stays in the model's dtype (it is
 bounded, and mlx-lm cannot quantize a `RotatingKVCache`). Frame headers are not counted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +32,7 @@ class KVBytes:
 
     per_token: tuple[int, ...]  # bytes/position, one per layer
     windows: tuple[int | None, ...]  # positions sent at most, one per layer; None: all
+    fixed: tuple[int, ...] = ()  # bytes whatever the prompt (a linear layer's state); (): 0
 
     @property
     def layers(self) -> int:
@@ -36,8 +40,8 @@ class KVBytes:
 
     def layer(self, i: int, tokens: int) -> int:
         """Layer `i`'s bytes for a prompt of `tokens` positions."""
-        window = self.windows[i]
-        return self.per_token[i] * (tokens if window is None else min(tokens, window))
+        window, fixed = self.windows[i], self.fixed[i] if self.fixed else 0
+        return fixed + self.per_token[i] * (tokens if window is None else min(tokens, window))
 
     def at(self, tokens: int) -> int:
         """All layers' bytes for a prompt of `tokens` positions."""
@@ -52,6 +56,11 @@ class KVBytes:
     def window_bytes(self) -> int:
         """Bytes over the sliding layers once the prompt fills their windows: their most."""
         return sum(b * w for b, w in zip(self.per_token, self.windows, strict=True) if w)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes over the linear layers: their state, the same for any prompt."""
+        return sum(self.fixed)
 
     @property
     def sliding_layers(self) -> int:
@@ -74,7 +83,32 @@ def kv_bytes(
     per_token = tuple(
         {"full": packed, "sliding": dense, "linear": 0}[k.kind] for k in spec.layer_kinds
     )
-    return KVBytes(per_token, tuple(k.window for k in spec.layer_kinds))
+    state = sum(nbytes(dtype, shape, size) for _, dtype, shape in state_tensors(spec, "model"))
+    fixed = tuple(state if k.kind == "linear" else 0 for k in spec.layer_kinds)
+    return KVBytes(per_token, tuple(k.window for k in spec.layer_kinds), fixed)
+
+
+State = tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) each
+
+
+def state_tensors(spec: ModelSpec, dtype: str) -> State:
+    """What a linear layer of `spec` hands over (the KV header's `state`): the conv state
+    [1, K-1, conv_dim] in `dtype` (the model's compute dtype, safetensors spelling), the
+    recurrent state [1, Hv, Dv, Dk] in F32, as mlx-lm's `ArraysCache` holds them; () for a
+    model without linear layers."""
+    lin = spec.linear
+    if lin is None:
+        return ()
+    return (
+        ("conv", dtype, (1, lin.conv_kernel - 1, lin.conv_dim)),
+        ("recurrent", "F32", (1, lin.num_v_heads, lin.head_v_dim, lin.head_k_dim)),
+    )
+
+
+def nbytes(dtype: str, shape: tuple[int, ...], model_itemsize: int) -> int:
+    """A tensor's bytes: F32 4 a value, "model" (the model's dtype) `model_itemsize`, else 2."""
+    itemsize = {"F32": 4, "model": model_itemsize}.get(dtype, 2)
+    return itemsize * math.prod(shape)
 
 
 def kv_wire_bytes(

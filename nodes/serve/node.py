@@ -45,6 +45,7 @@ from tandem.nodes.contract.http import (
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.kv_bytes import state_tensors
 from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
 from tandem.nodes.serve.errors import json_errors
@@ -290,7 +291,9 @@ def _decode_service(node: Node) -> DecodeService:
     from tandem.nodes.decode.service import DecodeService
 
     spec, c = node.index.spec, node.config
-    expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, node.index.dtype)
+    dtype = node.index.dtype
+    expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype,
+                     state_tensors(spec, dtype))  # fmt: skip
     kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if c.kv_bits else None
     if kv_format is not None:
         try:
