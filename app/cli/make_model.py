@@ -13,7 +13,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a tiny random-weight HF-format model")
     p.add_argument("dir", type=Path)
     p.add_argument(
-        "--arch", choices=["llama", "qwen3", "qwen2", "mistral", "gemma3", "qwen3_moe"],
+        "--arch",
+        choices=[
+            "llama", "qwen3", "qwen2", "mistral", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
+        ],
         default="llama",
     )  # fmt: skip
     p.add_argument("--layers", type=int, default=4)
@@ -38,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--tie-embeddings", action="store_true")
     _add_moe_options(p)
+    _add_qwen3_5_options(p)
     p.add_argument(
         "--quantize", type=int, default=None, metavar="BITS",
         help="an MLX quantized checkpoint instead, by mlx-lm's converter (2-8 bits)",
@@ -73,6 +77,29 @@ def _add_moe_options(p: argparse.ArgumentParser) -> None:
         help="qwen3_moe: > 0 sends most tokens to experts 0..top-k-1 (1: nearly all), so a "
         "short prompt uses few experts",
     )  # fmt: skip
+
+
+def _add_qwen3_5_options(p: argparse.ArgumentParser) -> None:
+    """qwen3_5's and qwen3_5_moe's options (nodes/model/factory_qwen3_5.py)."""
+    p.add_argument(
+        "--layout", choices=["mlx", "hf"], default="mlx",
+        help="qwen3_5: mlx-lm's saved names, or Hugging Face's (norms less one, conv [C,1,K], "
+        "experts fused)",
+    )  # fmt: skip
+    p.add_argument(
+        "--full-attention-interval", type=int, default=4,
+        help="qwen3_5: layer i is full attention where (i + 1) is a multiple of this, else linear",
+    )  # fmt: skip
+    p.add_argument("--linear-k-heads", type=int, default=2, help="qwen3_5: linear key heads")
+    p.add_argument("--linear-v-heads", type=int, default=4, help="qwen3_5: linear value heads")
+    p.add_argument("--linear-k-dim", type=int, default=32, help="qwen3_5: a linear key head's dim")
+    p.add_argument(
+        "--linear-v-dim", type=int, default=32, help="qwen3_5: a linear value head's dim"
+    )
+    p.add_argument("--conv-kernel", type=int, default=4, help="qwen3_5: the linear layers' conv")
+    p.add_argument(
+        "--shared-intermediate", type=int, default=64, help="qwen3_5_moe: the shared expert's width"
+    )
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -114,6 +141,14 @@ def run(a: argparse.Namespace) -> int:
         norm_topk_prob=a.norm_topk_prob,
         expert_layout=a.expert_layout,
         router_bias=a.router_bias,
+        layout=a.layout,
+        full_attention_interval=a.full_attention_interval,
+        linear_k_heads=a.linear_k_heads,
+        linear_v_heads=a.linear_v_heads,
+        linear_k_dim=a.linear_k_dim,
+        linear_v_dim=a.linear_v_dim,
+        conv_kernel=a.conv_kernel,
+        shared_intermediate=a.shared_intermediate,
     )
     out = make_model(a.dir, args)
     log.info("wrote %s", out)
