@@ -119,13 +119,16 @@ class ModelHost:
         on_token: Callable[[int], None] | None = None,
         kv_format: KVFormat | None = None,
         first: LayerStepper | None = None,
+        on_prompt: Callable[[lm.Caches], None] | None = None,
     ) -> DeviceStream[str]:
         """`async with host.generation(...) as gen: async for text in gen: ...`, then
-        `gen.result` (the `Generation`): `texts` on the mlx thread, its pieces as they come."""
+        `gen.result` (the `Generation`): `texts` on the mlx thread, its pieces as they come.
+        `on_prompt` (on the mlx thread) sees the caches once they hold all of the prompt but
+        its last token, before the first step."""
         cancel = threading.Event()
         return self.thread.stream(
             self.texts, list(prompt), caches, params, cancel, on_token, kv_format, first,
-            cancel=cancel, flush_s=TEXT_FLUSH_S,
+            on_prompt, cancel=cancel, flush_s=TEXT_FLUSH_S,
         )  # fmt: skip
 
     def texts(
@@ -137,6 +140,7 @@ class ModelHost:
         on_token: Callable[[int], None] | None = None,
         kv_format: KVFormat | None = None,
         first: LayerStepper | None = None,
+        on_prompt: Callable[[lm.Caches], None] | None = None,
     ) -> Generator[str, None, Generation]:
         """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1);
         yields text pieces, returns the `Generation`.
@@ -153,7 +157,9 @@ class ModelHost:
         text = _Text(self.tokenizer.detokenizer, params.stop)
         out = Generation()
         t0 = time.perf_counter()
-        steps = self._steps(list(prompt), cache, sample, params, kv_format, first)
+        if on_prompt is not None and first is not None:  # the prompt is in already
+            on_prompt(cache)
+        steps = self._steps(list(prompt), cache, sample, params, kv_format, first, on_prompt)
         for step in steps:
             if cancel.is_set():
                 raise Cancelled
@@ -192,6 +198,7 @@ class ModelHost:
         params: Sampling,
         kv_format: KVFormat | None = None,
         first: LayerStepper | None = None,
+        on_prompt: Callable[[lm.Caches], None] | None = None,
     ) -> Iterator[lm.Step]:
         """Tokens as mlx-lm's `generate_step` makes them (`lm.steps`), through the logits
         processors the request's penalties and `logit_bias` ask for."""
@@ -200,8 +207,9 @@ class ModelHost:
             params.presence_penalty, params.frequency_penalty, params.logit_bias
         )
         last = first.token if first is not None else (prompt[-1] if prompt else None)
+        prompt_seen = on_prompt if first is None else None
         return lm.steps(self.model, mx.array(prompt), cache, sampler, params.max_tokens,
-                        kv_format, logits, processors, last)  # fmt: skip
+                        kv_format, logits, processors, last, prompt_seen)  # fmt: skip
 
     def _logprob(self, step: lm.Step, top: int) -> TokenLogprob:
         decode = self.tokenizer.decode

@@ -220,9 +220,14 @@ def can_cut(caches: Caches, k: int) -> bool:
     """Whether `clone_prefix(caches, k)` can hold positions 0..k-1: a window that has
     dropped positions only at its end, a linear layer's state only where it is (it holds
     no positions one by one, so it cannot be cut back)."""
-    if k != positions(caches) and any(kind(c) == "linear" for c in caches):
+    if k != positions(caches) and has_state(caches):
         return False
     return all(kind(c) != "sliding" or k == c.offset or k < c.offset <= c.max_size for c in caches)
+
+
+def has_state(caches: Caches) -> bool:
+    """Whether some layer holds a state (linear attention), which cannot be cut back."""
+    return any(kind(c) == "linear" for c in caches)
 
 
 def positions(caches: Caches) -> int:
@@ -314,6 +319,7 @@ def steps(
     first_logits: mx.array | None = None,
     processors: Sequence[Processor] = (),
     last_token: int | None = None,
+    on_prompt: Callable[[Caches], None] | None = None,
 ) -> Iterator[Step]:
     """mlx-lm's `generate_step`, op for op: the prompt in PREFILL_STEP-token steps, then one
     token per step, each step queued (`async_eval`) before the previous token is handed out.
@@ -322,7 +328,8 @@ def steps(
     token 2 first, and where `async_eval` does the work on the spot (mlx's CPU backend) that
     puts a whole decode step into time to first token. With `first_logits` ([1, vocab]: the
     last prompt token's pass already ran) `prompt` is not read, and `last_token` is that
-    token (the processors' history starts with it, as mlx-lm's does). NonFinite when the
+    token (the processors' history starts with it, as mlx-lm's does). `on_prompt` sees the
+    caches once they hold the prompt but its last token. NonFinite when the
     sampled token's log-probability is NaN or infinite (so are the logits then)."""
     history: mx.array | None = None
 
@@ -351,7 +358,10 @@ def steps(
                 quantize_when_due(caches, kv_format)
                 current = sampled(logprobs(first_logits, mx.array([last_token or 0])))
         else:
-            current = step(prefill(model, prompt, caches, kv_format))
+            last = prefill(model, prompt, caches, kv_format)
+            if on_prompt is not None:
+                on_prompt(caches)
+            current = step(last)
         yield from _pipelined(current, step, max_tokens)
 
 

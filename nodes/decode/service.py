@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from tandem.nodes.cluster.peers import PeerTable
@@ -179,9 +180,11 @@ class DecodeService:
             caches, info = await self._prefill(req)
             ticker = _TokenTicker(self.events, rid)
             held = lm.positions(caches)  # positions already in the cache
-            gen = self.host.generation(
-                req.tokens[held:], caches, req.sampling, ticker.tick, req.kv_format, info.first
-            )
+            # a state cannot be cut back: a snapshot at the end of the prompt, for a turn
+            # whose history differs from this reply (as a chat template may render it)
+            snapshot = partial(self._snapshot, req.tokens) if lm.has_state(caches) else None
+            gen = self.host.generation(req.tokens[held:], caches, req.sampling, ticker.tick,
+                                       req.kv_format, info.first, snapshot)  # fmt: skip
             async with gen:
                 async for text in gen:
                     yield text
@@ -218,6 +221,11 @@ class DecodeService:
         """On the mlx thread: keep this conversation's KV for its next turn."""
         if lm.positions(caches) <= len(tokens):
             self.prompt_cache.store(tokens[: lm.positions(caches)], caches)
+
+    def _snapshot(self, tokens: list[int], caches: lm.Caches) -> None:
+        """On the mlx thread: keep a copy of caches that hold the prompt but its last token."""
+        n = lm.positions(caches)
+        self.prompt_cache.store(tokens[:n], lm.clone_prefix(caches, n))
 
     def _prepare(
         self, tokens: list[int], fmt: KVFormat | None

@@ -57,7 +57,11 @@ class Piece:
         return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
 
 
-Op = Literal["attn", "qkv", "o", "mlp", "gate_up", "down"]
+Op = Literal[
+    "attn", "qkv", "o", "mlp", "gate_up", "down",  # dense layers
+    "router", "experts", "shared",  # mixtures of experts
+    "linear",  # a linear-attention layer's mixer
+]  # fmt: skip
 
 
 @dataclass(frozen=True)

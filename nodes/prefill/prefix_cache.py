@@ -3,6 +3,12 @@
 A follow-up turn asks for positions `start..n-2`; what this node still holds of `0..n-2` it
 reuses, the rest it recomputes — so the answer is exact either way (`reusing` splices the
 two). Bounded by bytes, least recently used first.
+
+A model with linear layers (Qwen3.5): a linear layer's state stands at the end of the prompt
+it was stored with and cannot be cut back, so an entry serves only a prompt that extends it
+whole (a snapshot at the end of each prompt); an entry it extends is kept beside it, for a
+later turn that edits inside the newer one (`exact_hits` counts the lookups that took an
+entry whole for this reason, `misses` those that found none).
 """
 
 from __future__ import annotations
@@ -14,12 +20,27 @@ from dataclasses import replace
 
 import torch
 from tandem.nodes.contract.bodies import PrefillBody
-from tandem.nodes.contract.prefix import best_prefix
+from tandem.nodes.contract.prefix import best_prefix, common_prefix
 from tandem.nodes.prefill.engine import PrefillEngine
-from tandem.nodes.prefill.handover import LayerKV, quantized_parts
+from tandem.nodes.prefill.handover import Handed, LayerKV, LinearState, quantized_parts
+from tandem.nodes.prefill.prefix_upload import Prefix
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V [1, n_kv, T, D] on the host
+# per layer: K, V [1, n_kv, T, D] on the host, or a linear layer's state after T positions
+KV = list[Prefix]
 DEFAULT_MAX_BYTES = 1024**3
+
+
+def _nbytes(entry: Prefix) -> int:
+    tensors = entry.values() if isinstance(entry, dict) else entry
+    return sum(t.nbytes for t in tensors)
+
+
+def _cut(entry: Prefix, j: int) -> Prefix:
+    """Layer K/V of positions 0..j-1 (a state only where it stands: the caller saw to it)."""
+    if isinstance(entry, dict):
+        return entry
+    k, v = entry
+    return k[:, :, :j], v[:, :, :j]
 
 
 class PrefixCache:
@@ -27,6 +48,8 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, ...], tuple[KV, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self.exact_hits = 0  # lookups a linear layer's state held to an entry's end
+        self.misses = 0  # lookups that found nothing to reuse
 
     @property
     def nbytes(self) -> int:
@@ -37,29 +60,40 @@ class PrefixCache:
         limit = len(tokens) - 1  # always compute at least one position
         with self._lock:
             best, best_j = best_prefix(self._entries, tokens, limit)
-            if best is None:
+            if best is not None and best_j != len(best) and _has_state(self._entries[best][0]):
+                whole = [k for k in self._entries if len(k) <= limit and
+                         common_prefix(k, tokens) == len(k)]  # fmt: skip
+                best = max(whole, key=len, default=None)
+                best_j = len(best) if best is not None else 0
+                self.exact_hits += best is not None
+            if best is None or not best_j:
+                self.misses += 1
                 return 0, None
             self._entries.move_to_end(best)
             kv, _ = self._entries[best]
-        return best_j, [(k[:, :, :best_j], v[:, :, :best_j]) for k, v in kv]
+        return best_j, [_cut(entry, best_j) for entry in kv]
 
     def store(self, tokens: Sequence[int], kv: KV) -> None:
-        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        nbytes = sum(_nbytes(entry) for entry in kv)
         if nbytes > self.max_bytes:
             return
         key = tuple(tokens)
         with self._lock:
-            for other in list(self._entries):
-                if key[: len(other)] == other:
+            for other in list(self._entries):  # made redundant: a prefix this one cuts to
+                if key[: len(other)] == other and not _has_state(kv):
                     del self._entries[other]
             self._entries[key] = (kv, nbytes)
             while self.nbytes > self.max_bytes:
                 self._entries.popitem(last=False)
 
 
+def _has_state(kv: KV) -> bool:
+    return any(isinstance(entry, dict) for entry in kv)
+
+
 def reusing(
     engine: PrefillEngine, cache: PrefixCache, req: PrefillBody
-) -> Generator[LayerKV, None, int]:
+) -> Generator[Handed, None, int]:
     """On the device thread: each layer's positions req.start.. as the engine finishes it,
     the cache's longest hit 0..j-1 reused and spliced in front of what the engine computes
     (j..n-1); the whole K/V stored for the next turn once every layer is done. Returns the
@@ -73,9 +107,13 @@ def reusing(
     kinds = engine.spec.layer_kinds
     try:
         for layer in layers:
+            if isinstance(layer, LinearState):  # its state after the prompt, whatever j
+                full.append(layer.tensors)
+                yield layer
+                continue
             k, v = layer.k, layer.v  # positions j..n-1
             if prefix is not None:
-                pk, pv = prefix[layer.layer]
+                pk, pv = prefix[layer.layer]  # type: ignore[misc]  # a full layer's
                 k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
             full.append((k, v))  # the cache keeps full precision
             window = kinds[layer.layer].window
@@ -103,6 +141,6 @@ def _sent_quantized(
     computed = {n: t[:, :, max(0, req.start - j) :] for n, t in layer.quantized.items()}
     if prefix is None or req.start >= j:
         return computed
-    pk, pv = prefix[layer.layer]
+    pk, pv = prefix[layer.layer]  # type: ignore[misc]  # a full layer's
     head = quantized_parts(pk[:, :, req.start :], pv[:, :, req.start :], req.kv_format)
     return {n: torch.cat([head[n], computed[n]], dim=2) for n in computed}

@@ -26,10 +26,11 @@ from tandem.nodes.contract.http import (
     ApiError,
     check_group_size,
 )
+from tandem.nodes.model.kv_bytes import state_tensors
 from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
-from tandem.nodes.prefill.handover import LayerKV
+from tandem.nodes.prefill.handover import Handed, LinearState
 from tandem.nodes.prefill.prefix_cache import PrefixCache, reusing
 from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
 from tandem.nodes.serve.device import DeviceThread
@@ -72,6 +73,7 @@ class PrefillService:
         self._throttle = PacedSender(net_gbps)
         self.prefix_cache = PrefixCache()
         self.served_tokens = 0
+        self.last_reused = 0  # positions the last request took from the prefix cache
         self.served_s = 0.0
 
     @property
@@ -177,6 +179,7 @@ class PrefillService:
             kv_group_size=req.kv_format.group_size if req.kv_format else 0,
             kinds=tuple(kind.kind for kind in spec.layer_kinds),
             windows=tuple(kind.window or 0 for kind in spec.layer_kinds),
+            state=state_tensors(spec, SAFETENSORS_DTYPES[self.engine.dtype]),
         )
         writer = FrameWriter(header)
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
@@ -194,9 +197,9 @@ class PrefillService:
             await response.write(writer.done())
             await response.write_eof()
             self.served_s += time.perf_counter() - t0
-            publish(
-                RequestEvent(req.request_id, phase="prefill_done", tokens=count, where="remote")
-            )
+            reused = f"{self.last_reused} positions from the prefix cache"
+            publish(RequestEvent(req.request_id, phase="prefill_done", tokens=count,
+                                 where="remote", detail=reused))  # fmt: skip
         except (ConnectionResetError, asyncio.CancelledError):
             publish(RequestEvent(req.request_id, phase="cancelled", detail="client went away"))
             raise
@@ -210,10 +213,13 @@ class PrefillService:
         return response
 
     async def _send(
-        self, response: web.StreamResponse, writer: FrameWriter, rid: str, item: LayerKV
+        self, response: web.StreamResponse, writer: FrameWriter, rid: str, item: Handed
     ) -> None:
-        """One layer's K/V as a frame, paced (`--net-gbps`), with its link and layer events."""
-        if item.quantized is not None:
+        """One layer's K/V (or state) as a frame, paced (`--net-gbps`), with its link and
+        layer events."""
+        if isinstance(item, LinearState):
+            frame = writer.tensors(item.layer, {n: raw_bytes(t) for n, t in item.tensors.items()})
+        elif item.quantized is not None:
             parts = {name: raw_bytes(t) for name, t in item.quantized.items()}
             frame = writer.layer(item.layer, parts.pop("k"), parts.pop("v"), parts)
         else:
@@ -225,6 +231,8 @@ class PrefillService:
         publish(LinkEvent(rid, name="net_out", bytes=len(frame), seconds=sent_s))
         publish(LayerEvent(rid, layer=item.layer, state="sent", bytes=len(frame)))
 
-    def _layers(self, req: PrefillBody) -> Iterator[LayerKV]:
+    def _layers(self, req: PrefillBody) -> Iterator[Handed]:
         """On the device thread: the request's layers over the prefix cache (`reusing`)."""
-        self.served_tokens += yield from reusing(self.engine, self.prefix_cache, req)
+        computed = yield from reusing(self.engine, self.prefix_cache, req)
+        self.served_tokens += computed
+        self.last_reused = len(req.tokens) - computed

@@ -11,6 +11,7 @@ from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.families.base import Pass, PrefillFamily
 from tandem.nodes.prefill.families.gemma3 import Gemma3Family
 from tandem.nodes.prefill.families.llama import DenseFamily
+from tandem.nodes.prefill.families.qwen3_5 import Qwen35Family
 from tandem.nodes.prefill.families.qwen3_moe import Qwen3MoeFamily
 
 FAMILIES: dict[str, PrefillFamily] = {
@@ -20,6 +21,8 @@ FAMILIES: dict[str, PrefillFamily] = {
     "qwen3": DenseFamily(),
     "gemma3_text": Gemma3Family(),
     "qwen3_moe": Qwen3MoeFamily(),
+    "qwen3_5": Qwen35Family(),
+    "qwen3_5_moe": Qwen35Family(),
 }
 
 __all__ = ["FAMILIES", "Pass", "PrefillFamily", "family_for"]

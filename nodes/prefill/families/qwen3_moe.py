@@ -47,6 +47,7 @@ from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
 from tandem.nodes.prefill.rope import rms_norm
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
+FUSED = ("gate_up_proj", "down_proj")  # Hugging Face's Qwen3.5-MoE experts
 
 
 @dataclass
@@ -127,29 +128,29 @@ def _sparse(index: ModelIndex, layer: int) -> bool:
     return moe is not None and moe.sparse[layer]
 
 
-def _stacked(index: ModelIndex, layer: int) -> bool:
-    return "mlp.switch_mlp.gate_proj.weight" in index.layers[layer]
-
-
 def moe_parts(index: ModelIndex, i: int) -> list[Part]:
     """The router, then one part per expert."""
     moe = index.spec.moe
     assert moe is not None
     t = index.layers[i]
     norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
-    router = Part(i, "router", 0, moe.num_experts, True, True,  # type: ignore[arg-type]
+    router = Part(i, "router", 0, moe.num_experts, True, True,
                   (norm, *matrix_pieces(index, i, "mlp.gate")))  # fmt: skip
     parts = [router]
     for lo in range(moe.num_experts):
         hi = lo + 1
-        if _stacked(index, i):  # rows of the stacked [E, out, in] tensors: experts lo..hi
+        layout = index.expert_layout(i)
+        if layout == "stacked":  # rows of the stacked [E, out, in] tensors: experts lo..hi
             modules = [f"mlp.switch_mlp.{m}" for m in MATRICES]
             pieces = [p for m in modules for p in matrix_pieces(index, i, m, rows=(lo, hi))]
+        elif layout == "fused":  # Qwen3.5's: gate_up [E, 2I, H], down [E, H, I], float
+            pieces = [Piece(f"mlp.experts.{n}", t[f"mlp.experts.{n}"], rows=(lo, hi))
+                      for n in FUSED]  # fmt: skip
         else:
             modules = [f"mlp.experts.{e}.{m}" for e in range(lo, hi) for m in MATRICES]
             pieces = [p for m in modules for p in matrix_pieces(index, i, m)]
         last = hi == moe.num_experts
-        parts.append(Part(i, "experts", lo, hi, lo == 0, last, tuple(pieces)))  # type: ignore[arg-type]
+        parts.append(Part(i, "experts", lo, hi, lo == 0, last, tuple(pieces)))
     return parts
 
 
@@ -214,6 +215,12 @@ def _matrix(p: Pass, w: Weights, part: Part, j: int, m: str) -> torch.Tensor:
     """Expert lo + j's `m` matrix (gate, up [I, H]; down [H, I]): a view into the slot, or
     dequantized into the scratch's front (the matrix before it is used already: the plan
     may size the scratch for one matrix)."""
+    if "mlp.experts.gate_up_proj" in w:  # fused (float): gate rows, then up rows
+        if m == "down_proj":
+            return w["mlp.experts.down_proj"][j]
+        gate_up = w["mlp.experts.gate_up_proj"][j]  # [2I, H]
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if m == "gate_proj" else gate_up[half:]
     stacked = "mlp.switch_mlp.gate_proj.weight" in w
     module = f"mlp.switch_mlp.{m}" if stacked else f"mlp.experts.{part.lo + j}.{m}"
     pick = (lambda t: t[j]) if stacked else (lambda t: t)

@@ -145,7 +145,7 @@ class LayerStreamer:
 
 # what a part streams, by kind (`StreamStats.bytes_by_kind`): what routing saved shows there
 PART_KINDS = {"attn": "attention", "qkv": "attention", "o": "attention", "gate_up": "mlp",
-              "down": "mlp"}  # fmt: skip
+              "down": "mlp", "linear": "attention", "shared": "mlp"}  # fmt: skip
 ALL_EXPERTS = 0.9  # a router that chose this share of its experts: read later ones whole
 Route = bool | Literal["always"]  # whether a routed load waits for its router (`stream`)
 
