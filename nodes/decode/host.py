@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import lm
+from tandem.nodes.decode import lm, token_loop
 from tandem.nodes.decode.families.base import LayerStepper
 from tandem.nodes.decode.openai_api import Sampling, TokenLogprob
 from tandem.nodes.model.errors import ModelError
@@ -148,10 +148,10 @@ class ModelHost:
         After a remote prefill `prompt` is just `[t_{n-1}]`, or empty with `first`: that
         token's pass already ran, a layer at a time as the cache filled. Token for token and
         text for text this is mlx-lm's own `stream_generate`, except that the first token is
-        handed out as soon as it is sampled (`lm.steps`)."""
+        handed out as soon as it is sampled (`token_loop.steps`)."""
         if params.seed is not None:
             mx.random.seed(params.seed)
-        sample = lm.sampler(params.temperature, params.top_p)
+        sample = token_loop.sampler(params.temperature, params.top_p)
         cache = cache if cache is not None else self.new_cache()
         eos = set(self.tokenizer.eos_token_ids)
         text = _Text(self.tokenizer.detokenizer, params.stop)
@@ -194,26 +194,28 @@ class ModelHost:
         self,
         prompt: list[int],
         cache: lm.Caches,
-        sampler: lm.Sampler,
+        sampler: token_loop.Sampler,
         params: Sampling,
         kv_format: KVFormat | None = None,
         first: LayerStepper | None = None,
         on_prompt: Callable[[lm.Caches], None] | None = None,
-    ) -> Iterator[lm.Step]:
-        """Tokens as mlx-lm's `generate_step` makes them (`lm.steps`), through the logits
+    ) -> Iterator[token_loop.Step]:
+        """Tokens as mlx-lm's `generate_step` makes them (`token_loop.steps`), through the logits
         processors the request's penalties and `logit_bias` ask for."""
         logits = first.logits() if first is not None else None
-        processors = lm.logits_processors(
+        processors = token_loop.logits_processors(
             params.presence_penalty, params.frequency_penalty, params.logit_bias
         )
         last = first.token if first is not None else (prompt[-1] if prompt else None)
         prompt_seen = on_prompt if first is None else None
-        return lm.steps(self.model, mx.array(prompt), cache, sampler, params.max_tokens,
+        return token_loop.steps(self.model, mx.array(prompt), cache, sampler, params.max_tokens,
                         kv_format, logits, processors, last, prompt_seen)  # fmt: skip
 
-    def _logprob(self, step: lm.Step, top: int) -> TokenLogprob:
+    def _logprob(self, step: token_loop.Step, top: int) -> TokenLogprob:
         decode = self.tokenizer.decode
-        alternatives = tuple((decode([t]), lp) for t, lp in lm.top_logprobs(step.logprobs, top))
+        alternatives = tuple(
+            (decode([t]), lp) for t, lp in token_loop.top_logprobs(step.logprobs, top)
+        )
         return TokenLogprob(decode([step.token]), step.logprob, alternatives)
 
 

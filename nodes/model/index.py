@@ -20,6 +20,7 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # and `mlp.experts.down_proj` [E, H, I], neither with a `.weight` suffix
 ExpertLayout = Literal["stacked", "per-expert", "fused"]
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+KEPT_FLOAT32 = frozenset({"linear_attn.A_log"})  # float32 in a model of another dtype (Qwen3.5)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class ModelIndex:
         differ (SmolLM2's GGUF: F32 norms, F16 scales), as mlx promotes."""
         layer = self.layers[0]
         norm = layer["input_layernorm.weight"].dtype
-        scales = layer.get("self_attn.q_proj.scales")
+        scales = next((e for k, e in layer.items() if k.endswith(".scales")), None)
         if scales is None or scales.dtype == norm:
             return norm
         return "F32"
@@ -312,6 +313,8 @@ def _check(
                 entry = tensors[stored]
                 if entry.dtype == "U32":
                     continue
+                if short in KEPT_FLOAT32 and entry.dtype == "F32":
+                    continue  # mlx-lm never casts it (`cast_predicate`)
                 dtype = dtype or entry.dtype
                 if entry.dtype != dtype and not spec.quantization.quantized:
                     raise ModelError(
