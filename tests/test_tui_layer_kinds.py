@@ -1,5 +1,6 @@
 """Issue 35 item 6: `/health` says each layer's kind, and the dashboard's pipeline panel
-letters global and sliding layers and shows the K/V bytes per layer."""
+letters global and sliding layers and shows the K/V bytes per layer; issue 37: linear layers
+(Qwen3.5's Gated DeltaNet) lettered L, their frame a fixed-size state."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from tests.conftest import MakeTiny
 from tests.test_tui_snapshots import DECODE, SIZE, FixedApp
 
 RID = "chatcmpl-w1nd0w"
-SLIDING, GLOBAL = ModelLayer("sliding", 4), ModelLayer()
+SLIDING, GLOBAL, LINEAR = ModelLayer("sliding", 4), ModelLayer(), ModelLayer("linear")
 KINDS = (SLIDING, SLIDING, GLOBAL, SLIDING, SLIDING, GLOBAL)  # every 3rd layer global
-FRAME = {"sliding": 4 * 1024, "full": 24 * 1024}  # a 24-token prompt, window 4: bytes
+HYBRID = (LINEAR, LINEAR, LINEAR, GLOBAL) * 2  # Qwen3.5: full attention every 4th layer
+# bytes of a 24-token prompt: window 4; a linear layer's state (any prompt)
+FRAME = {"sliding": 4 * 1024, "full": 24 * 1024, "linear": 140 * 1024}
 
 
 def gemma_health(kinds: tuple[ModelLayer, ...]) -> Health:
@@ -90,3 +93,18 @@ async def test_a_model_of_full_layers_keeps_plain_cells_and_one_byte_figure() ->
     text = await show((GLOBAL,) * 3)
     assert "  0    1    2 " in text and "G global" not in text
     assert "KV per layer  24.0 KiB ×3  · 72.0 KiB in all" in text
+
+
+async def test_the_pipeline_letters_linear_layers_and_shows_their_state_bytes() -> None:
+    text = await show(HYBRID)
+    assert "  0L    1L    2L    3G    4L    5L    6L    7G " in text
+    assert "G global  L linear (state)" in text and "S sliding" not in text
+    assert "KV per layer  G 24.0 KiB ×2  L 140.0 KiB ×6 (state, fixed)  · 888.0 KiB in all" in (
+        text
+    )
+
+
+def test_a_node_says_its_qwen3_5_layers_are_linear_or_full(tiny_model: MakeTiny) -> None:
+    path = tiny_model(arch="qwen3_5", layers=8, full_attention_interval=4)
+    node = Node(NodeConfig(model=path, mdns=False), load_index(path), "ab")
+    assert node.health().layer_kinds == HYBRID

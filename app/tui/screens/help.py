@@ -26,9 +26,11 @@ rate a decode node measured for that prefill node; *link* is the KV bytes/s it s
 One cell per layer of the request in flight:
 queued → **loading** (weights copied host→device) → ready → **computing** →
 **sent** (its K/V left the prefill node) → **received** (the decode node has it).
-A `•` marks a resident layer: it stays on the device between requests. On a model with
-sliding-window layers a cell's letter says its kind: **G** global (K/V of every position),
-**S** sliding (K/V of its window only). *KV per layer* is each layer's K/V frame.
+A `•` marks a resident layer: it stays on the device between requests. On a model that
+mixes layer kinds a cell's letter says its kind: **G** global (K/V of every position),
+**S** sliding (K/V of its window only), **L** linear (no K/V: a fixed-size state, the same
+bytes for any prompt). *KV per layer* is each layer's frame: its K/V, or a linear layer's
+state.
 
 The timeline below is the same request over time: when each layer's weights were
 copied, when it computed, and when its K/V was sent. The busiest row bounds the prefill:

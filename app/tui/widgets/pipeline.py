@@ -1,6 +1,7 @@
 """The Pipeline panel: one cell per layer of the request in flight, coloured by state (on a
-model with sliding-window layers, lettered G global or S sliding), the K/V bytes per layer,
-and the timeline of that request as three busy strips (copy, compute, send).
+model that mixes layer kinds, lettered G global, S sliding window or L linear), the bytes each
+layer's frame carried (K/V, or a linear layer's state), and the timeline of that request as
+three busy strips (copy, compute, send).
 
 The widget owns a `PipelineModel`; tests read `view.model` rather than pixels.
 """
@@ -35,8 +36,10 @@ ROW_STYLE = {
     "send": ("dodger_blue2", "navy_blue"),
 }
 CELL = 4  # columns per layer cell (5 with a kind letter), plus one space between cells
-# a layer's kind (`/health` layer_kinds) → its letter: global (full attention), sliding window
+# a layer's kind (`/health` layer_kinds) → its letter: global (full attention), sliding
+# window, linear (a Gated DeltaNet: a fixed-size state instead of K/V); and the legend's words
 KIND_MARK = {"full": "G", "sliding": "S", "linear": "L"}
+KIND_NAME = {"full": "global", "sliding": "sliding window", "linear": "linear (state)"}
 LABEL = 9  # columns before the timeline strips
 BUSY = 9  # columns after them: the row's busy time
 
@@ -130,14 +133,17 @@ def _legend(kinds: tuple[ModelLayer, ...]) -> Text:
         bg, _ = STATE_STYLE[state]
         text.append("■", style=bg).append(f"{state} ")
     text.append("• resident", style="bold")
-    if kinds:
-        text.append("  G global  S sliding window", style="bold")
+    present = {k.kind for k in kinds}
+    for kind, mark in KIND_MARK.items():  # only the kinds this model has
+        if kind in present:
+            text.append(f"  {mark} {KIND_NAME[kind]}", style="bold")
     return text
 
 
 def _kv_line(req: RequestTrack, kinds: tuple[ModelLayer, ...]) -> Text | None:
-    """The K/V bytes per layer sent so far: per kind where the model mixes them (a sliding
-    layer's stop growing at its window), else one figure; None before any was sent."""
+    """The bytes per layer sent so far: per kind where the model mixes them (a sliding
+    layer's stop growing at its window, a linear layer's state is the same for any prompt),
+    else one figure; None before any was sent."""
     sent = {i: t.kv_bytes for i, t in req.layers.items() if t.kv_bytes}
     if not sent:
         return None
@@ -156,6 +162,8 @@ def _kv_line(req: RequestTrack, kinds: tuple[ModelLayer, ...]) -> Text | None:
         text.append(f"  {mark} " if mark else "  ", style="bold").append(f"{size} ×{len(sizes)}")
         if mark in windows:
             text.append(f" (window {'/'.join(map(str, sorted(windows[mark])))})", style="dim")
+        elif mark == KIND_MARK["linear"]:
+            text.append(" (state, fixed)", style="dim")
     return text.append(f"  · {format_bytes(sum(sent.values()))} in all", style="dim")
 
 
