@@ -333,7 +333,29 @@ def activation_bytes(
         # outputs; one expert's SwiGLU over every token at worst (a token picks each once)
         base += T * H * 4 + T * spec.moe.experts_per_token * (8 + itemsize)
         mlp = max(mlp, T * (2 * H + 2 * spec.moe.intermediate_size) * itemsize + T * H * 4)
+    if spec.attn_output_gate:  # Qwen3.5: q_proj's gate rows, kept beside the queries
+        attn += T * nq * D * itemsize + c * nq * D * itemsize
+    if spec.linear is not None:
+        attn = max(attn, linear_mixer_bytes(spec, T, c, itemsize))
     total = base + max(attn, mlp)
     if cuda:
         return int(total * CUDA_SLACK[0]) + CUDA_SLACK[1]
     return total
+
+
+def linear_mixer_bytes(spec: ModelSpec, T: int, c: int, itemsize: int) -> int:
+    """A linear-attention layer's mixer (`linear_mixer.py`) in blocks of c tokens: its output
+    [T, H]; per block the projections, the conv's input and float32 sum, q/k/v, z and the
+    gated norm's float32 copies; the delta rule's per-chunk [Hv, 64, 64] matrices and [Hv,
+    64, D] pseudo-values in float32; the old and new recurrent state."""
+    lin = spec.linear
+    assert lin is not None
+    C, Hv, Dmax = lin.conv_dim, lin.num_v_heads, max(lin.head_k_dim, lin.head_v_dim)
+    block = c * C * (3 * itemsize + 2 * 4) + c * lin.value_dim * (itemsize + 3 * 4)
+    rule = 6 * c * Hv * 64 * 4 + 4 * c * Hv * Dmax * 4
+    return (
+        T * spec.hidden_size * itemsize
+        + block
+        + rule
+        + 2 * Hv * lin.head_v_dim * lin.head_k_dim * 4
+    )
