@@ -1,4 +1,4 @@
-"""`tandem bench prefill|e2e|verify ...`: the benchmarks, each with its own arguments."""
+"""`tandem bench prefill|e2e|verify|group ...`: the benchmarks, each with its own arguments."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: `bench prefill ...`, `bench e2e ...`, `bench verify MODEL`"
+        "bench",
+        help="benchmarks: `bench prefill ...`, `bench e2e ...`, `bench verify MODEL`, "
+        "`bench group MODEL` (under mlx.launch)",
     )
-    p.add_argument("which", choices=["prefill", "e2e", "verify"])
+    p.add_argument("which", choices=["prefill", "e2e", "verify", "group"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="see `tandem bench WHICH --help`")
     p.set_defaults(func=run)
 
@@ -24,6 +26,10 @@ def run(a: argparse.Namespace) -> int:
         from tandem.app.cli.bench_verify import main as bench_verify
 
         return bench_verify(a.args)
+    if a.which == "group":
+        from tandem.app.cli.bench_group import main as bench_group
+
+        return bench_group(a.args)
     from tandem.app.cli.bench_e2e import main as bench_e2e
 
     return bench_e2e(a.args)
