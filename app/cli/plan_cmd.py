@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from tandem.app.cli.errors import UsageError
 from tandem.app.cli.plan_kv import KVWire, kv_wire, render_kv, wire_kv
+from tandem.app.cli.plan_model import ModelSummary, model_summary
 from tandem.app.cli.plan_tiers import Tiers, add_host_budget_argument, render_tiers, with_tiers
 from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
@@ -60,21 +61,6 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     mac_help = "the Mac's own prefill tokens/s (default: assumed from its FLOP/s)"
     hw.add_argument("--mac-tok-s", type=float, default=None, help=mac_help)
     p.add_argument("--json", action="store_true")
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    name: str
-    path: str
-    layers: int
-    dtype: str  # the compute dtype (safetensors spelling)
-    bytes: int  # every tensor, embeddings and head included
-    layer_bytes: int  # the decoder layers: what a pass streams, less the resident set
-    kv_bytes_per_token: int  # K and V of one position over the full layers (model dtype)
-    kv_window_bytes: int  # over the sliding layers, at most: bounded by their windows
-    sliding_layers: int
-    windows: list[int]  # the sliding layers' windows (positions), each once
-    experts: tuple[int, int] | None = None  # a mixture of experts: (experts, top-k)
 
 
 @dataclass(frozen=True)
@@ -248,7 +234,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     fits = lambda n: longest is None or n <= longest  # noqa: E731  else the node answers 413
     table = [cost.predict(plan, index, n, hw) for n in TABLE_TOKENS]
     return Report(
-        model=_model_summary(index),
+        model=model_summary(index),
         device=device,
         budget_bytes=budget,
         plan=_summary(plan, reserve, longest),
@@ -299,23 +285,6 @@ def _row(p: Prediction, remote_s: Seconds, local_s: Seconds, fits: bool) -> Row:
     n = p.tokens
     return Row(n, p.wall_s, p.tokens_per_s, p.bound, remote_s(n), local_s(n), fits,
                p.bytes_per_pass)  # fmt: skip
-
-
-def _model_summary(index: ModelIndex) -> ModelSummary:
-    spec, kv = index.spec, wire_kv(index)
-    return ModelSummary(
-        name=spec.name,
-        path=str(spec.path),
-        layers=spec.num_layers,
-        dtype=index.dtype,
-        bytes=index.total_bytes,
-        layer_bytes=sum(index.layer_bytes(i) for i in range(spec.num_layers)),
-        kv_bytes_per_token=kv.full_per_token,
-        kv_window_bytes=kv.window_bytes,
-        sliding_layers=kv.sliding_layers,
-        windows=sorted({w for w in kv.windows if w is not None}),
-        experts=(spec.moe.num_experts, spec.moe.experts_per_token) if spec.moe else None,
-    )
 
 
 def _summary(plan: Plan, reserve: int, longest: int | None) -> PlanSummary:
@@ -389,7 +358,7 @@ def render(r: Report) -> str:
             f" 1 - (1 - {k}/{e})^tokens of them (routing taken as uniform; a skewed router"
             " reads fewer)"
         )
-    lines += render_kv(r.tokens, r.kv_wire, m.layers, m.sliding_layers, m.windows)
+    lines += render_kv(r.tokens, r.kv_wire, m)
     n = r.break_even_tokens
     lines.append(
         f"\n  remote      never faster than the Mac up to {r.break_even_limit} tokens"

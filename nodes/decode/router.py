@@ -8,8 +8,9 @@ cache assembly) remotely — and a rate beyond it:
     remote = latency + max(remote_floor, n / remote_rate, kv_bytes / link) + kv_bytes / link / L
 
 (layers stream while the next computes, so compute and transfer overlap; the last layer's
-transfer does not). `kv_bytes` counts a sliding layer's window, not the whole prompt
-(`nodes/model/kv_bytes.py`, as `tandem plan` does). Rates and floors come from a start-up
+transfer does not). `kv_bytes` counts a sliding layer's window, not the whole prompt, and a
+linear layer's state, the same for any prompt (`nodes/model/kv_bytes.py`, as `tandem plan`
+does). Rates and floors come from a start-up
 calibration and past requests; an unmeasured remote rate counts as promising (a GPU).
 """
 
@@ -62,7 +63,8 @@ def choose(
     peers: list[Peer],
 ) -> Decision:
     """Pick local or remote prefill for `n_tokens` prompt positions, whose K/V a remote
-    prefill sends as `kv` says (full layers per position, sliding ones their window at most)."""
+    prefill sends as `kv` says (full layers per position, sliding ones their window at most,
+    linear ones their state whatever the prompt)."""
     if n_tokens < 1:
         return Decision("local", None, "nothing to prefill")
     if mode == "never":
