@@ -150,3 +150,13 @@ def test_bench_e2e_over_tls_takes_a_bare_tls_stream_beside_the_plain_one(
     assert 0.7 < r["tls_floor_ratio"] < 1.3
     out = table(r)  # the table names both streams
     assert "bare TLS stream" in out and "TLS itself" in out
+
+
+def test_bench_e2e_reads_a_hybrid_models_nested_config(tiny_model) -> None:
+    """Qwen3.5 nests its text config (vocab, heads) in `text_config`: the bench reads the
+    model's spec, and its all-full bf16 reference counts every layer, linear ones as full."""
+    from tandem.app.cli.bench_e2e import _full_kv_bytes
+
+    spec = load_index(tiny_model(arch="qwen3_5", layers=8, kv_heads=1, head_dim=64)).spec
+    assert spec.vocab_size == 512 and spec.linear is not None
+    assert _full_kv_bytes(spec, 63) == 2 * 8 * 1 * 64 * 2 * 63  # K and V, bf16

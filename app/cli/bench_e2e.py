@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -43,6 +44,9 @@ from tandem.app.cli.bare_stream import raw_transfer
 from tandem.app.cli.demo import DemoCluster, DemoError
 from tandem.nodes.contract.events import LinkEvent, event_from_json
 from tandem.nodes.contract.http import sse_record
+from tandem.nodes.model.index import load_index
+from tandem.nodes.model.kv_bytes import kv_bytes
+from tandem.nodes.model.spec import ModelSpec
 
 
 async def _completion(
@@ -115,7 +119,8 @@ async def bench_e2e(
             net = ["--net-gbps", str(net_gbps)] if net_gbps else []
             cluster.start(model, link_gbps=None, budget=None, prefill_args=net, tls=tls)
             await cluster.wait_ready()
-            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+            spec = load_index(model).spec  # a hybrid's config nests it (text_config)
+            vocab = spec.vocab_size
             prompts = [  # a fresh prompt each run: no prompt-cache hits
                 [rng.randrange(vocab) for _ in range(tokens)]
                 for rng in map(random.Random, range(repeat + 2))
@@ -129,7 +134,7 @@ async def bench_e2e(
             )
         finally:
             cluster.stop()
-    return _result(model, tokens, kv_bits, tls, runs, mlx_rates, raw) | {
+    return _result(spec, tokens, kv_bits, tls, runs, mlx_rates, raw) | {
         "net_gbps": net_gbps,
         "tls": tls,
         "repeat": repeat,
@@ -158,7 +163,7 @@ async def _runs(
 
 
 def _result(
-    model: Path,
+    spec: ModelSpec,
     tokens: int,
     kv_bits: int,
     tls: bool,
@@ -177,7 +182,7 @@ def _result(
         statistics.median(n / t for n, t in zip(z, s, strict=True) if t > 0) for _, z, s in runs
     )
     mlx_tok_s = statistics.median(mlx_rates)
-    full = _full_kv_bytes(model, tokens - 1)
+    full = _full_kv_bytes(spec, tokens - 1)
     return {
         "tokens": tokens,
         "kv_bits": kv_bits,
@@ -197,13 +202,10 @@ def _result(
     }
 
 
-def _full_kv_bytes(model: Path, positions: int) -> int:
-    """K and V of `positions` tokens at 16 bits (bf16), from the model's config."""
-    config = json.loads((model / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 2 * positions
+def _full_kv_bytes(spec: ModelSpec, positions: int) -> int:
+    """K and V of `positions` tokens at 16 bits (bf16), were every layer full attention (a
+    sliding or linear layer counted as a full one: the ratio shows what the kinds save)."""
+    return kv_bytes(replace(spec, layer_kinds=()), itemsize=2).at(positions)
 
 
 def table(r: dict[str, object]) -> str:
