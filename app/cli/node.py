@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
@@ -137,6 +139,28 @@ def verify_model(model: Path) -> Verified:
     return verify_weights(load_index(model), cache_dir() / VERIFIED_CACHE)
 
 
+def launched_rank() -> Any:
+    """This process's place in a decode group `mlx.launch` started (`MLX_RANK`), or None."""
+    if "MLX_RANK" not in os.environ:
+        return None
+    from tandem.nodes.decode.group.launch import launched
+
+    return launched()
+
+
+def follow_rank0(model: Path, group: Any) -> int:
+    """A decode group's rank other than 0: its layers, and rank 0's orders until it stops."""
+    from tandem.nodes.decode.group.launch import follow
+    from tandem.nodes.decode.group.pipeline import GroupError
+    from tandem.nodes.serve.node import keep_torch_out
+
+    keep_torch_out()
+    try:
+        return follow(model, group)
+    except GroupError as e:
+        raise UsageError(str(e)) from None
+
+
 def run(a: argparse.Namespace) -> int:
     """Serve until interrupted; a port, token or model file problem is a UsageError, weights
     that fail `--verify-weights` a ModelError (before the port is taken)."""
@@ -145,7 +169,14 @@ def run(a: argparse.Namespace) -> int:
     from tandem.nodes.serve.node import ListenError, serve
     from tandem.nodes.trust.auth import AuthError
 
+    group = launched_rank()
+    if group is not None and a.role != "decode":
+        raise UsageError("under mlx.launch a node is a decode group: use --role decode")
+    if group is not None and group.rank > 0:  # no port: rank 0's orders, until it stops
+        return follow_rank0(a.model, group)
     config = node_config(a)
+    if group is not None:
+        config = replace(config, group=group)
     if a.verify_weights:
         verify_model(a.model)
     try:

@@ -112,6 +112,55 @@ def _tiers(obj: dict[str, Any], what: str) -> WeightTiers | None:
 
 
 @dataclass(frozen=True)
+class GroupRank:
+    """One rank of a decode group: where it runs and which layers it holds."""
+
+    rank: int
+    host: str
+    layers: tuple[int, int]  # [first, end)
+    weight_bytes: int
+    mem_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "layers": list(self.layers),
+                "weight_bytes": self.weight_bytes, "mem_bytes": self.mem_bytes}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """A decode node run as `mx.distributed` ranks (`mlx.launch`): its layers split by
+    pipeline, rank 0 the node that serves."""
+
+    size: int
+    backend: str  # "ring", "jaccl", ...
+    ranks: tuple[GroupRank, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "backend": self.backend,
+                "ranks": [r.to_json() for r in self.ranks]}  # fmt: skip
+
+
+def _group(obj: dict[str, Any], what: str) -> DecodeGroup | None:
+    """`group`: None from a node of one process (or an older one)."""
+    if obj.get("group") is None:
+        return None
+    g = _object(obj, "group", what)
+    items = g.get("ranks")
+    if not isinstance(items, list) or not all(isinstance(r, dict) for r in items):
+        raise ContractError(f"{what} group.ranks is not a list of objects")
+    ranks = []
+    for r in items:
+        span = r.get("layers")
+        if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)):
+            raise ContractError(f"{what} group rank layers is not [first, end]")
+        ranks.append(GroupRank(
+            _int(r, "rank", what), _str(r, "host", what), (span[0], span[1]),
+            _int(r, "weight_bytes", what), _int(r, "mem_bytes", what),
+        ))  # fmt: skip
+    return DecodeGroup(_int(g, "size", what), _str(g, "backend", what), tuple(ranks))
+
+
+@dataclass(frozen=True)
 class Health:
     """`GET /health` (no auth, no secret): who a node is and what it runs."""
 
@@ -130,6 +179,7 @@ class Health:
     cert_fingerprint: str = ""  # hex sha256 of the TLS certificate it serves; "" on plain HTTP
     layer_kinds: tuple[ModelLayer, ...] = ()  # one per layer; () from an older node: unknown
     tiers: WeightTiers | None = None  # a prefill node's weights by tier; None: not said
+    group: DecodeGroup | None = None  # a decode node run as a group of ranks
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,6 +191,7 @@ class Health:
                       "layer_kinds": [k.to_json() for k in self.layer_kinds]},
             "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
             "tiers": self.tiers.to_json() if self.tiers is not None else None,
+            "group": self.group.to_json() if self.group is not None else None,
         }  # fmt: skip
 
     @classmethod
@@ -157,7 +208,7 @@ class Health:
             budget_bytes=_int(obj, "budget_bytes", w), model_name=_str(model, "name", w),
             fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
             instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
-            layer_kinds=_layers(model, w), tiers=_tiers(obj, w),
+            layer_kinds=_layers(model, w), tiers=_tiers(obj, w), group=_group(obj, w),
         )  # fmt: skip
 
 

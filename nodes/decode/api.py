@@ -90,7 +90,7 @@ class DecodeApi:
                         return web.json_response(body)
                     text.append(item)
         except GenerationFailed as e:
-            raise ApiError(500, str(e), "generation_failed") from None
+            raise ApiError(e.status, str(e), e.code) from None
         raise AssertionError("a completion ends with Finished")  # pragma: no cover
 
     def _tool_calls(self, req: Completion, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -125,7 +125,7 @@ class DecodeApi:
                     else:
                         await response.write(sse_encode(oa.text_chunk(req, model, item)))
         except GenerationFailed as e:
-            await response.write(sse_encode(error_body(str(e), "generation_failed")))
+            await response.write(sse_encode(error_body(str(e), e.code)))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response

@@ -10,6 +10,7 @@ client that disconnects stops its decode within one token.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -21,6 +22,8 @@ import mlx.core as mx
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm, token_loop
 from tandem.nodes.decode.families.base import LayerStepper
+from tandem.nodes.decode.group.launch import GroupLaunch, Rank0, load_rank0
+from tandem.nodes.decode.group.pipeline import GroupError
 from tandem.nodes.decode.openai_api import Sampling, TokenLogprob
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.serve.device import DeviceStream, DeviceThread
@@ -30,6 +33,7 @@ T = TypeVar("T")
 # text pieces reach the event loop at most this often (batched): a wake-up per token, a
 # syscall on the mlx thread and a turn of the loop, was what the decode did beyond mlx-lm's
 TEXT_FLUSH_S = 1 / 30
+GROUP_STOP_S = 3.0  # a decode group's other ranks take the stop order within this
 
 
 @dataclass
@@ -66,21 +70,39 @@ class Cancelled(Exception):
 class ModelHost:
     """mlx-lm model + tokenizer behind a single device thread."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, launch: GroupLaunch | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.thread = DeviceThread("tandem-mlx")
         self.model: Any = None
         self.tokenizer: Any = None
+        self.launch = launch  # rank 0 of a decode group `mlx.launch` started
+        self.group: Rank0 | None = None
 
     async def start(self) -> None:
         try:
-            self.model, self.tokenizer = await self.call(lm.load, self.model_dir)
+            if self.launch is not None:
+                self.group = await self.call(load_rank0, self.model_dir, self.launch)
+                self.model, self.tokenizer = self.group.model, self.group.tokenizer
+            else:
+                self.model, self.tokenizer = await self.call(lm.load, self.model_dir)
+        except GroupError as e:
+            raise ModelError(f"{self.model_dir}: {e}") from e
         except Exception as e:  # mlx-lm raises many kinds; the user needs one clear line
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelError(f"{self.model_dir}: mlx-lm cannot load this model: {first}") from e
         log.info("decode model loaded from %s", self.model_dir)
 
     def close(self) -> None:
+        """Stop the mlx thread (and a group's other ranks: rank 0 orders them to stop; a
+        group whose ranks no longer answer cannot be waited for, and the process exits)."""
+        if self.group is not None:
+            stopped = self.thread.submit(self.group.model.mirror.stop)
+            try:
+                stopped.result(timeout=GROUP_STOP_S)
+            except Exception as e:  # the thread is stuck in a collective, or it failed
+                log.error("decode group: the other ranks do not answer (%s); exiting", e)
+                logging.shutdown()
+                os._exit(1)
         self.thread.close()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:

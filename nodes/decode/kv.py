@@ -85,7 +85,7 @@ class CacheBuilder:
     ) -> None:
         got = (header.layers, header.n_kv_heads, header.head_dim, header.dtype)
         want = (expect.layers, expect.n_kv_heads, expect.head_dim, expect.dtype)
-        if got != want or len(caches) != expect.layers:
+        if got != want or getattr(caches, "total", len(caches)) != expect.layers:
             raise ProtocolError(
                 f"frames hold (layers, kv heads, head dim, dtype) {got}, the model {want}"
             )
@@ -127,8 +127,13 @@ class CacheBuilder:
             if not mx.isfinite(t[name]).all().item():
                 raise ProtocolError(f"layer {frame.layer}: {name} are not all finite")
         i = frame.layer
-        self.caches[i] = self.family.fill(self.kinds[i], self.caches[i], arrays, self.kv_format)
-        mx.eval(self.caches[i].state[:2])  # (K, V), or a state cache's (slots, padding)
+        first = getattr(self.caches, "first", 0)  # a decode group: rank 0 holds the last
+        if i < first:  # another rank's layer: its arrays to it
+            self.caches.mirror.fill(self.caches, arrays, self.kv_format)  # type: ignore[attr-defined]
+            return
+        j = i - first
+        self.caches[j] = self.family.fill(self.kinds[i], self.caches[j], arrays, self.kv_format)
+        mx.eval(self.caches[j].state[:2])  # (K, V), or a state cache's (slots, padding)
 
 
 _SCALES = ("k_scales", "k_biases", "v_scales", "v_biases")

@@ -51,6 +51,12 @@ def new_caches(model: Any) -> Caches:
     return make_prompt_cache(model)
 
 
+def vocab_size(model: Any) -> int:
+    """The model's vocabulary (Qwen3.5's args keep it in `text_config`)."""
+    args = model.args
+    return int(getattr(args, "vocab_size", None) or args.text_config["vocab_size"])
+
+
 def attention_mask(h: mx.array, cache: Any) -> Any:
     """The mask mlx-lm's models make for hidden states `h` [B, L, D] after `cache`."""
     return create_attention_mask(h, cache)
@@ -99,6 +105,8 @@ def quantize_when_due(caches: Caches, kv_format: KVFormat | None) -> None:
     for i, c in enumerate(caches):  # `maybe_quantize_kv_cache(.., 0, ..)` on full layers only
         if type(c) is KVCache:  # mlx-lm cannot quantize a window's (nor need it: bounded)
             caches[i] = to_quantized(c, kv_format)
+    if (mirror := _mirror(caches)) is not None:
+        mirror.quantized(caches, kv_format)
 
 
 def append(cache: Any, k: mx.array, v: mx.array) -> None:
@@ -217,8 +225,9 @@ def can_cut(caches: Caches, k: int) -> bool:
 
 
 def has_state(caches: Caches) -> bool:
-    """Whether some layer holds a state (linear attention), which cannot be cut back."""
-    return any(kind(c) == "linear" for c in caches)
+    """Whether some layer holds a state (linear attention), which cannot be cut back (a
+    decode group's other ranks' layers too)."""
+    return any(kind(c) == "linear" for c in caches) or "linear" in getattr(caches, "kinds", ())
 
 
 def positions(caches: Caches) -> int:
@@ -239,7 +248,37 @@ def clone_prefix(caches: Caches, k: int) -> Caches:
         raise ValueError(f"caches at position {positions(caches)} cannot be cut back to {k}")
     out = [_copy_state(c) if kind(c) == "linear" else copy_prefix(c, k) for c in caches]
     evaluate(out)
+    if (mirror := _mirror(caches)) is not None:
+        return mirror.clone(caches, k, out)
     return out
+
+
+def keep_for_restore(caches: Caches) -> None:
+    """Remember the caches' layer objects, which a failed remote prefill goes back to
+    (`restore`); a decode group's other ranks remember theirs."""
+    if (mirror := _mirror(caches)) is not None:
+        mirror.order("save", {"id": caches.id})
+
+
+def restore(caches: Caches, before: Caches) -> None:
+    """The caches' layer objects as `before` held them (a fill replaces some)."""
+    caches[:] = before
+    if (mirror := _mirror(caches)) is not None:
+        mirror.order("restore", {"id": caches.id})
+
+
+def replace(caches: Caches, fresh: Caches) -> None:
+    """The caches' layers as `fresh` holds them (`new_caches`), in place."""
+    if (mirror := _mirror(caches)) is not None:
+        mirror.replace(caches, fresh)
+    else:
+        caches[:] = fresh
+
+
+def _mirror(caches: Caches) -> Any:
+    """A decode group's caches' `Mirror` (group/mirror.py), which has the other ranks repeat
+    an edit on their layers; None for a node of one process."""
+    return getattr(caches, "mirror", None)
 
 
 def trim_to(caches: Caches, k: int) -> None:
@@ -249,6 +288,8 @@ def trim_to(caches: Caches, k: int) -> None:
             if not c.is_trimmable():
                 raise ValueError(f"a {type(c).__name__} cannot be trimmed")
             c.trim(size(c) - k)
+    if (mirror := _mirror(caches)) is not None:
+        mirror.trimmed(caches, k)
 
 
 def evaluate(caches: Caches) -> None:
@@ -278,7 +319,7 @@ def prefill(
 def prefill_seconds(model: Any, count: int) -> float:
     """Seconds mlx takes to prefill `count` tokens into a scratch cache (after a warm-up:
     the first call allocates)."""
-    vocab = model.args.vocab_size if hasattr(model, "args") else 256
+    vocab = vocab_size(model) if hasattr(model, "args") else 256
     tokens = mx.array([[(7 * i + 3) % vocab for i in range(count)]])
     model(tokens[:, :8], cache=new_caches(model))
     mx.eval(model.parameters())

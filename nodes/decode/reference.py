@@ -53,7 +53,7 @@ def decode_rate(
     model_dir: str, tokens: int, max_tokens: int, kv_bits: int | None = None, kv_group: int = 64
 ) -> dict[str, float]:
     model, tokenizer = lm.load(model_dir)
-    vocab = model.args.vocab_size
+    vocab = lm.vocab_size(model)
     prompt = [random.Random(0).randrange(vocab) for _ in range(tokens)]
     kv_format = KVFormat(kv_bits, kv_group) if kv_bits is not None else None
     times = [

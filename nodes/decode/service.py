@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -52,7 +54,12 @@ MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most
 
 
 class GenerationFailed(Exception):
-    """The generation broke after the request was accepted; the message says how."""
+    """The generation broke after the request was accepted; the message says how (500, or
+    503 where a decode group lost a rank)."""
+
+    def __init__(self, message: str, status: int = 500, code: str = "generation_failed") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
 
 
 @dataclass
@@ -111,6 +118,7 @@ class DecodeService:
                                     kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
+        self.broken: str | None = None  # a decode group that lost a rank: 503 from now on
         self.model_name = spec.name
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -152,6 +160,8 @@ class DecodeService:
     @contextlib.asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
         """A generation slot, after a wait in a bounded queue; 503 when that is full."""
+        if self.broken is not None:
+            raise ApiError(503, self.broken, "group_broken")
         if self._slots.locked() and self._waiting >= self.max_queue:
             raise ApiError(
                 503, f"{self.max_concurrent} generations running and {self._waiting} waiting",
@@ -198,12 +208,26 @@ class DecodeService:
         except Exception as e:
             log.exception("request %s failed", rid)
             publish(RequestEvent(rid, phase="failed", detail=f"{type(e).__name__}: {e}"))
+            if self.host.group is not None:  # the ranks are out of step: the group is done
+                self._group_lost(e)
+                raise GenerationFailed(self.broken or "", 503, "group_broken") from e
             raise GenerationFailed(f"generation failed: {type(e).__name__}: {e}") from e
         if info.where == "local":
             info.seconds = result.first_token_s
         publish(RequestEvent(rid, phase="done", tokens=result.tokens, where=info.where))
         ttft = (result.first_token_at or time.perf_counter()) - t0
         yield Finished(result, self._tandem(req, info, result, ttft))
+
+    def _group_lost(self, e: Exception) -> None:
+        """A decode group whose step failed (a rank exited, a link broke): every request from
+        now on is a 503, and the node stops, for `mlx.launch` or the service manager to
+        start the group again."""
+        self.broken = (
+            f"the decode group lost a rank ({type(e).__name__}: {e}); this node is stopping so "
+            "that the group can be started again"
+        )
+        log.error("%s", self.broken)
+        os.kill(os.getpid(), signal.SIGTERM)  # the node's own graceful stop
 
     @property
     def supports_tools(self) -> bool:
@@ -237,6 +261,7 @@ class DecodeService:
         fallbacks = self.prompt_cache.fallbacks  # lookups run on this thread alone
         k, reused = self.prompt_cache.lookup(tokens, fmt)
         caches = reused if reused is not None else self.host.new_cache()
+        lm.keep_for_restore(caches)  # what a failed remote prefill goes back to
         fell_back = self.prompt_cache.fallbacks != fallbacks
         return k, caches, self.family.stepper(self.host.model, tokens[-1], caches), fell_back
 
@@ -248,9 +273,9 @@ class DecodeService:
         copy, whose float original is left as it was), trimmed to their first k positions,
         and a fresh pass of the `last` token over them. A local prefill then runs as mlx-lm's
         would, on float K/V, quantizing after the prompt."""
-        caches[:] = before
+        lm.restore(caches, before)
         if k == 0:  # nothing to keep: fresh caches (a window's cannot be trimmed once full)
-            caches[:] = self.host.new_cache()
+            lm.replace(caches, self.host.new_cache())
         else:
             lm.trim_to(caches, k)
         return self.family.stepper(self.host.model, last, caches)

@@ -27,7 +27,14 @@ from aiohttp import web
 from tandem.nodes import __version__
 from tandem.nodes.cluster.discovery import Advert, Discovery, url_for
 from tandem.nodes.cluster.peers import PeerTable
-from tandem.nodes.contract.cluster import Health, ModelLayer, Peer, WeightTiers
+from tandem.nodes.contract.cluster import (
+    DecodeGroup,
+    GroupRank,
+    Health,
+    ModelLayer,
+    Peer,
+    WeightTiers,
+)
 from tandem.nodes.contract.events import EventBus
 from tandem.nodes.contract.http import (
     DEFAULT_CHUNK_TOKENS,
@@ -94,6 +101,7 @@ class NodeConfig:
     tls: bool = False  # serve HTTPS on loopback too (beyond loopback it always does)
     tls_dir: Path | None = None  # where this node's certificate and key live (per port)
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # what one client connection holds
+    group: Any = None  # decode: rank 0 of a group mlx.launch started (group/launch.GroupLaunch)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -149,8 +157,18 @@ class Node:
             budget_bytes=self.budget_bytes, model_name=spec.name, fingerprint=self.fingerprint,
             layers=spec.num_layers, instance=self.instance, cert_fingerprint=self.cert_fingerprint,
             layer_kinds=tuple(ModelLayer(k.kind, k.window) for k in spec.layer_kinds),
-            tiers=self.tiers,
+            tiers=self.tiers, group=self.group,
         )  # fmt: skip
+
+    @property
+    def group(self) -> DecodeGroup | None:
+        """The decode group this node is rank 0 of, once its ranks loaded; None otherwise."""
+        rank0 = self.decode.host.group if self.decode is not None else None
+        if rank0 is None:
+            return None
+        ranks = tuple(GroupRank(s.rank, s.host, s.layers, s.weight_bytes, s.mem_bytes)
+                      for s in rank0.shares)  # fmt: skip
+        return DecodeGroup(rank0.size, rank0.backend, ranks)
 
     def self_peer(self) -> Peer:
         rate = self.prefill.prefill_tok_s if self.prefill is not None else None
@@ -197,7 +215,7 @@ def create_app(config: NodeConfig) -> web.Application:
         app.router.add_post("/v1/prefill", node.prefill.handle)
     if "decode" in config.roles:
         if "prefill" not in config.roles:
-            _keep_torch_out()
+            keep_torch_out()
         from tandem.nodes.decode.api import DecodeApi
 
         node.decode = _decode_service(node)
@@ -278,7 +296,7 @@ async def _start_prefill(node: Node) -> None:
     node.tiers = WeightTiers(plan.resident_bytes, plan.ram_bytes, plan.disk_bytes)
 
 
-def _keep_torch_out() -> None:
+def keep_torch_out() -> None:
     """A decode-only node never computes with torch, but mlx-lm imports transformers, which
     imports torch wherever it is installed (~3 s and ~300 MB on a Linux box). Marked absent
     before mlx-lm loads, transformers finds no torch and leaves it."""
@@ -301,7 +319,7 @@ def _decode_service(node: Node) -> DecodeService:
         except ValueError as e:
             raise ModelError(f"--kv-group-size: {e}") from None
     return DecodeService(
-        ModelHost(c.model), spec, expect, node.fingerprint, node.events, node.peers,
+        ModelHost(c.model, c.group), spec, expect, node.fingerprint, node.events, node.peers,
         c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,
         max_concurrent=c.max_concurrent, max_queue=c.max_queue,
         remote_timeout_s=c.remote_timeout_s, kv_format=kv_format,

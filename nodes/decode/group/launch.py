@@ -1,0 +1,102 @@
+"""Starting a decode group: which rank this process is (`mlx.launch` says so in its
+environment: `MLX_RANK`, and for the ring backend `MLX_HOSTFILE`), rank 0's model (the
+decode node's, `GroupModel`), and the other ranks' whole life (`follow`).
+
+The backend is whatever `mlx.launch` was given: ring (TCP, Ethernet or Thunderbolt), or
+JACCL (Thunderbolt RDMA) where mlx has it; `mx.distributed.init` finds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from tandem.nodes.decode.group.channel import Channel
+from tandem.nodes.decode.group.follower import Follower
+from tandem.nodes.decode.group.mirror import GroupModel, Mirror
+from tandem.nodes.decode.group.pipeline import GroupError, Stage, load_stage
+from tandem.nodes.decode.group.split import RankShare
+from tandem.nodes.model.spec import load_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupLaunch:
+    """What `mlx.launch` told this process."""
+
+    rank: int
+    backend: str  # "ring" (a hostfile) or what else mlx finds ("any")
+
+
+def launched() -> GroupLaunch | None:
+    """This process's place in a group `mlx.launch` started; None outside one."""
+    rank = os.environ.get("MLX_RANK")
+    if rank is None:
+        return None
+    backend = "ring" if "MLX_HOSTFILE" in os.environ else "any"
+    if "MLX_IBV_DEVICES" in os.environ or "MLX_JACCL_COORDINATOR" in os.environ:
+        backend = "jaccl"
+    return GroupLaunch(int(rank), backend)
+
+
+def init(launch: GroupLaunch) -> Any:
+    """The group (`mx.distributed.init` with the backend `mlx.launch` set up); GroupError
+    when it is one process only or cannot start."""
+    try:
+        group = mx.distributed.init(backend=launch.backend, strict=True)
+    except (RuntimeError, ValueError) as e:
+        raise GroupError(f"cannot join the decode group ({launch.backend}): {e}") from None
+    if group.size() < 2:
+        raise GroupError("mlx.launch started a group of one: run the node without it")
+    return group
+
+
+@dataclass
+class Rank0:
+    """The decode node's side of the group."""
+
+    model: GroupModel
+    tokenizer: Any
+    shares: list[RankShare]
+    backend: str
+
+    @property
+    def size(self) -> int:
+        return len(self.shares)
+
+
+def load_rank0(model_dir: str | Path, launch: GroupLaunch) -> Rank0:
+    """On rank 0's mlx thread: join the group, load rank 0's stage (the last layers)."""
+    group = init(launch)
+    spec = load_spec(model_dir)
+    stage, tokenizer, shares = load_stage(model_dir, group)
+    first, end = stage.layers_range
+    if all(k.kind == "linear" for k in spec.layer_kinds[first:end]):
+        raise GroupError(
+            f"rank 0 holds layers {first}..{end - 1}, all linear attention: it needs one "
+            "that counts positions (give it more layers)"
+        )
+    kinds = frozenset(k.kind for k in spec.layer_kinds)
+    mirror = Mirror(Channel(group), stage, kinds)
+    spans = ", ".join(f"rank {s.rank} layers {s.layers[0]}..{s.layers[1] - 1}" for s in shares)
+    log.info("decode group of %d (%s): %s", group.size(), launch.backend, spans)
+    return Rank0(GroupModel(stage, mirror), tokenizer, shares, launch.backend)
+
+
+def follow(model_dir: str | Path, launch: GroupLaunch) -> int:
+    """A rank other than 0, all its life: join, load its stage, take rank 0's orders until it
+    says stop. Returns the exit code."""
+    group = init(launch)
+    stage: Stage
+    stage, _, shares = load_stage(model_dir, group)
+    first, end = stage.layers_range
+    log.info("decode group rank %d: layers %d..%d, %.1f MiB of weights", group.rank(), first,
+             end - 1, shares[group.rank()].weight_bytes / 2**20)  # fmt: skip
+    Follower(Channel(group), stage, load_spec(model_dir)).run()
+    log.info("decode group rank %d: rank 0 stopped the group", group.rank())
+    return 0
