@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from tandem.app.tui.client import Probe, normalize
-from tandem.nodes.contract.cluster import Cluster, Health, ModelLayer, WeightTiers
+from tandem.nodes.contract.cluster import Cluster, DecodeGroup, Health, ModelLayer, WeightTiers
 
 Status = Literal["connecting", "trusted", "rejected", "unreachable"]
 Severity = Literal["information", "warning", "error"]
@@ -70,6 +70,11 @@ class NodeRow:
     def tiers(self) -> WeightTiers | None:
         """A prefill node's weights by tier (device, RAM, disk); None: it says none."""
         return self.health.tiers if self.health else None
+
+    @property
+    def group(self) -> DecodeGroup | None:
+        """A decode node's ranks when it runs as a group (`mlx.launch`); None: one process."""
+        return self.health.group if self.health else None
 
     @property
     def model(self) -> str:

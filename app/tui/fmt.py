@@ -50,3 +50,12 @@ def format_size(n: int) -> str:
     if n >= 1e6:
         return f"{n / 1e6:.0f} MB"
     return f"{n / 1e3:.0f} kB"
+
+
+def format_binary(n: int) -> str:
+    """Weights in binary units, as `tandem plan` and the logs give them: `1.2 GiB`, `640 MiB`."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.0f} MiB" if n >= 10 << 20 else f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.0f} KiB"

@@ -283,6 +283,7 @@ class PeerTable:
             model={"name": health.model_name, "fingerprint": health.fingerprint},
             proto=health.proto,
             instance=health.instance,
+            group=health.group,
             last_seen=time.time(),
         )
         tls = peer.address.startswith("https://")

@@ -140,16 +140,25 @@ class DecodeGroup:
                 "ranks": [r.to_json() for r in self.ranks]}  # fmt: skip
 
 
+def _has(obj: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
+    """A group is newer than every node that lacks one of its keys: none takes a default."""
+    missing = [k for k in keys if obj.get(k) is None]
+    if missing:
+        raise ContractError(f"{what} lacks {', '.join(missing)}")
+
+
 def _group(obj: dict[str, Any], what: str) -> DecodeGroup | None:
     """`group`: None from a node of one process (or an older one)."""
     if obj.get("group") is None:
         return None
     g = _object(obj, "group", what)
+    _has(g, ("size", "backend", "ranks"), f"{what} group")
     items = g.get("ranks")
     if not isinstance(items, list) or not all(isinstance(r, dict) for r in items):
         raise ContractError(f"{what} group.ranks is not a list of objects")
     ranks = []
     for r in items:
+        _has(r, ("rank", "host", "layers", "weight_bytes", "mem_bytes"), f"{what} group rank")
         span = r.get("layers")
         if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)):
             raise ContractError(f"{what} group rank layers is not [first, end]")
@@ -234,6 +243,7 @@ class Peer:
     link_Bps: float | None = None
     prefill_floor_s: float | None = None  # the cheapest remote pass seen (weights + HTTP)
     source: Source = "static"
+    group: DecodeGroup | None = None  # a decode node run as ranks, as its `/health` says
     # not on the wire: the peer process's `/health` instance, which the peer table keeps to
     # see a restart
     instance: str = ""
@@ -258,6 +268,7 @@ class Peer:
             "prefill_floor_s": self.prefill_floor_s,
             "source": self.source,
             "cert_fingerprint": self.cert_fingerprint,
+            "group": self.group.to_json() if self.group is not None else None,
         }
 
     @classmethod
@@ -280,7 +291,7 @@ class Peer:
             prefill_tok_s=_rate(obj, "prefill_tok_s", w), link_Bps=_rate(obj, "link_Bps", w),
             prefill_floor_s=_rate(obj, "prefill_floor_s", w),
             source="mdns" if obj.get("source") == "mdns" else "static",
-            cert_fingerprint=_str(obj, "cert_fingerprint", w),
+            cert_fingerprint=_str(obj, "cert_fingerprint", w), group=_group(obj, w),
         )  # fmt: skip
 
 

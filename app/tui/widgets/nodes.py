@@ -1,11 +1,12 @@
-"""The Nodes panel: one row per node, trusted or rejected and why."""
+"""The Nodes panel: one row per node, trusted or rejected and why; a decode group's ranks on
+rows under its node."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from tandem.app.tui.cluster import NodeRow
-from tandem.app.tui.fmt import format_link, format_size, format_tok_s
-from tandem.nodes.contract.cluster import WeightTiers
+from tandem.app.tui.fmt import format_binary, format_link, format_size, format_tok_s
+from tandem.nodes.contract.cluster import DecodeGroup, GroupRank, WeightTiers
 from textual.widgets import DataTable
 
 COLUMNS = ("node", "roles", "device", "memory / budget", "model", "status", "prefill", "link")
@@ -41,9 +42,12 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
         memory += f" / {format_size(row.budget_bytes)}"
     if row.tiers is not None:
         memory += f" · {tiers_text(row.tiers)}"
+    roles = "+".join(row.roles) or "–"
+    if row.group is not None:
+        roles += f" · {group_text(row.group)}"
     return (
         Text(row.label.removeprefix("http://"), style="bold"),
-        "+".join(row.roles) or "–",
+        roles,
         row.device or "–",
         memory,
         row.model or "–",
@@ -51,6 +55,23 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
         format_tok_s(row.prefill_tok_s) if row.prefill_tok_s else "–",
         format_link(row.link_Bps) if row.link_Bps else "–",
     )
+
+
+def group_text(group: DecodeGroup) -> str:
+    return f"group of {group.size} ({group.backend})"
+
+
+def rank_cells(rank: GroupRank) -> tuple[str | Text, ...]:
+    """One rank of a group, under its node: where it runs, its layers (first..last), its
+    weights and its machine's memory."""
+    first, end = rank.layers
+    layers = f"layers {first}..{end - 1}" if end > first else "no layers"
+    memory = f"weights {format_binary(rank.weight_bytes)}"
+    if rank.mem_bytes:
+        memory += f" · {format_size(rank.mem_bytes)}"
+    name = Text(f" └ rank {rank.rank}", style="dim")
+    name.append(f" {rank.host or '?'}")
+    return (name, layers, "", memory, "", "", "", "")
 
 
 class NodesTable(DataTable[str | Text]):
@@ -64,4 +85,6 @@ class NodesTable(DataTable[str | Text]):
         self.clear()
         for row in rows:
             self.add_row(*row_cells(row), key=row.url)
+            for rank in row.group.ranks if row.group is not None else ():
+                self.add_row(*rank_cells(rank), key=f"{row.url}#rank{rank.rank}")
         self.border_subtitle = f"{sum(r.status == 'trusted' for r in rows)}/{len(rows)} trusted"
