@@ -45,20 +45,20 @@ async def test_a_group_is_one_node_with_its_ranks_under_it() -> None:
         keys = [row.key.value for row in table.ordered_rows]
         assert keys == [GROUP_URL, f"{GROUP_URL}#rank0", f"{GROUP_URL}#rank1", SINGLE_URL]
         node = cells(table, GROUP_URL)
-        assert node[1] == "decode · group of 2 (ring)" and "trusted" in node[5]
+        assert node[1:3] == ["decode", "group of 2 (ring)"] and "trusted" in node[5]
         assert cells(table, f"{GROUP_URL}#rank0")[:4] == [
             " └ rank 0 mac1.local",
-            "layers 40..79",
             "",
+            "layers 40..79",
             "weights 70.0 GiB · 192 GB",
         ]
         assert cells(table, f"{GROUP_URL}#rank1")[:4] == [
             " └ rank 1 mac2.local",
-            "layers 0..39",
             "",
+            "layers 0..39",
             "weights 640 MiB · 128 GB",
         ]
-        assert cells(table, SINGLE_URL)[1] == "decode"
+        assert cells(table, SINGLE_URL)[1:3] == ["decode", "mlx"]
         assert table.border_subtitle == "2/2 trusted"  # ranks are not nodes
         # the group restarted as one process: its rank rows go
         app.post_message(NodeProbed(Probe(GROUP_URL, health("g", None), Cluster(None))))
@@ -68,4 +68,4 @@ async def test_a_group_is_one_node_with_its_ranks_under_it() -> None:
 
 def test_a_node_without_a_group_reads_as_before() -> None:
     row = NodeRow(SINGLE_URL, health("s", None))
-    assert row.group is None and row_cells(row)[1] == "decode"
+    assert row.group is None and row_cells(row)[1:3] == ("decode", "mlx")

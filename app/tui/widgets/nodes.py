@@ -42,13 +42,13 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
         memory += f" / {format_size(row.budget_bytes)}"
     if row.tiers is not None:
         memory += f" · {tiers_text(row.tiers)}"
-    roles = "+".join(row.roles) or "–"
-    if row.group is not None:
-        roles += f" · {group_text(row.group)}"
+    device = row.device or "–"
+    if row.group is not None:  # its ranks are mlx: the group says more
+        device = group_text(row.group)
     return (
         Text(row.label.removeprefix("http://"), style="bold"),
-        roles,
-        row.device or "–",
+        "+".join(row.roles) or "–",
+        device,
         memory,
         row.model or "–",
         status_text(row),
@@ -71,7 +71,7 @@ def rank_cells(rank: GroupRank) -> tuple[str | Text, ...]:
         memory += f" · {format_size(rank.mem_bytes)}"
     name = Text(f" └ rank {rank.rank}", style="dim")
     name.append(f" {rank.host or '?'}")
-    return (name, layers, "", memory, "", "", "", "")
+    return (name, "", layers, memory, "", "", "", "")
 
 
 class NodesTable(DataTable[str | Text]):
