@@ -96,6 +96,7 @@ class ModelHost:
         """Stop the mlx thread (and a group's other ranks: rank 0 orders them to stop; a
         group whose ranks no longer answer cannot be waited for, and the process exits)."""
         if self.group is not None:
+            self.group.lost = self.group.lost or "the node is stopping"
             stopped = self.thread.submit(self.group.model.mirror.stop)
             try:
                 stopped.result(timeout=GROUP_STOP_S)

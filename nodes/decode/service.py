@@ -160,8 +160,9 @@ class DecodeService:
     @contextlib.asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
         """A generation slot, after a wait in a bounded queue; 503 when that is full."""
-        if self.broken is not None:
-            raise ApiError(503, self.broken, "group_broken")
+        lost = self.host.group.lost if self.host.group is not None else None
+        if self.broken is not None or lost is not None:
+            raise ApiError(503, self.broken or lost or "", "group_broken")
         if self._slots.locked() and self._waiting >= self.max_queue:
             raise ApiError(
                 503, f"{self.max_concurrent} generations running and {self._waiting} waiting",

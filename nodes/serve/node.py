@@ -186,6 +186,7 @@ class Node:
             reason=None,
             last_seen=0.0,
             prefill_tok_s=rate,
+            group=self.group,
         )
 
 

@@ -3,18 +3,33 @@
 An order is a JSON object (its op, its arguments, the arrays that follow: name, dtype, shape)
 and then those arrays, each sent as an `all_sum` to which only rank 0 adds anything (exact:
 x + 0 is x). Every rank takes part in every order, in the same sequence, so the ring backend
-(which talks to neighbours only) serves any group size. The other ranks wait in `receive`
-between orders.
+(which talks to neighbours only) serves any group size.
+
+A doorbell: mlx's ring backend polls while it waits in a collective (a core busy for as long
+as a rank is idle), so the other ranks wait for each order on a socket to rank 0 instead, one
+byte per order, and enter the collectives only then. The socket also says when rank 0 is gone
+(the ranks exit) or a rank is (rank 0 sees the bell fail). It carries nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+BELL_TIMEOUT_S = 30.0  # the other ranks connect within this, once the group is up
+_TOKEN = 8  # int32s of the bell's secret
+
+
+class GroupLost(ConnectionError):
+    """A rank of the group is gone (its doorbell socket closed)."""
 
 
 @dataclass(frozen=True)
@@ -36,11 +51,10 @@ def _dtype(name: str) -> Any:
 
 
 class Channel:
-    """Rank 0 `send`s, the others `receive`, in lockstep."""
+    """Rank 0 `send`s, the others `receive`, in lockstep (`open_channel` makes one)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.rank = group.rank()
+    def __init__(self, group: Any, bells: list[socket.socket]) -> None:
+        self.group, self.rank, self.bells = group, group.rank(), bells
 
     def _all_sum(self, x: mx.array) -> mx.array:
         out = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
@@ -50,10 +64,13 @@ class Channel:
     def send(self, op: str, args: Mapping[str, Any] | None = None,
              arrays: Mapping[str, mx.array] | None = None) -> None:  # fmt: skip
         """On rank 0: one order to every other rank."""
+        for bell in self.bells:
+            try:
+                bell.sendall(b"!")
+            except OSError as e:
+                raise GroupLost(f"a rank of the decode group is gone ({e})") from None
         arrays = dict(arrays or {})
-        listed = [
-            [name, str(a.dtype).rsplit(".", 1)[-1], list(a.shape)] for name, a in arrays.items()
-        ]
+        listed = [[name, _name(a.dtype), list(a.shape)] for name, a in arrays.items()]
         head = json.dumps({"op": op, "args": dict(args or {}), "arrays": listed}).encode()
         self._all_sum(mx.array([len(head)], dtype=mx.int32))
         self._all_sum(mx.array(list(head), dtype=mx.uint8))
@@ -61,7 +78,9 @@ class Channel:
             self._all_sum(a)
 
     def receive(self) -> Order:
-        """On any other rank: the next order (waits for it)."""
+        """On any other rank: the next order (asleep on the bell until there is one)."""
+        if self.bells[0].recv(1) != b"!":
+            raise GroupLost("rank 0 of the decode group is gone")
         n = int(self._all_sum(mx.zeros((1,), dtype=mx.int32)).item())
         raw = self._all_sum(mx.zeros((n,), dtype=mx.uint8))
         head = json.loads(bytes(raw.tolist()))
@@ -70,3 +89,57 @@ class Channel:
             for name, dtype, shape in head["arrays"]
         }
         return Order(head["op"], head["args"], arrays)
+
+    def close(self) -> None:
+        for bell in self.bells:
+            bell.close()
+
+
+def open_channel(group: Any) -> Channel:
+    """Every rank at once: rank 0 listens on its own host, tells the others its port and a
+    secret (an `all_sum`), and takes one connection from each other rank that knows it."""
+    rank, size = group.rank(), group.size()
+    listener = None
+    mine = mx.zeros((1 + _TOKEN,), dtype=mx.int32)
+    if rank == 0:
+        listener = socket.create_server((_rank0_host(), 0))
+        listener.settimeout(BELL_TIMEOUT_S)
+        secret = [secrets.randbits(31) for _ in range(_TOKEN)]
+        mine = mx.array([listener.getsockname()[1], *secret], dtype=mx.int32)
+    told = mx.distributed.all_sum(mine, group=group, stream=mx.cpu).tolist()
+    port, secret = told[0], bytes(json.dumps(told[1:]), "ascii")
+    if listener is None:
+        bell = socket.create_connection((_rank0_host(), port), timeout=BELL_TIMEOUT_S)
+        bell.sendall(secret)
+        bell.settimeout(None)
+        return Channel(group, [bell])
+    bells: list[socket.socket] = []
+    with listener:
+        while len(bells) < size - 1:
+            conn, _ = listener.accept()
+            conn.settimeout(BELL_TIMEOUT_S)
+            if _read(conn, len(secret)) == secret:
+                conn.settimeout(None)
+                bells.append(conn)
+            else:
+                conn.close()  # not one of the group
+    return Channel(group, bells)
+
+
+def _read(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    try:
+        while len(data) < n and (chunk := conn.recv(n - len(data))):
+            data += chunk
+    except OSError:
+        return b""
+    return data
+
+
+def _rank0_host() -> str:
+    """Rank 0's address as `mlx.launch` wrote it (`MLX_HOSTFILE`), else loopback."""
+    try:
+        entries = json.loads(Path(os.environ["MLX_HOSTFILE"]).read_text())
+        return str(entries[0][0]).rsplit(":", 1)[0]
+    except (KeyError, OSError, ValueError, TypeError, IndexError):
+        return "127.0.0.1"

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import signal
+import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from tandem.nodes.decode.group.channel import Channel
+from tandem.nodes.decode.group.channel import GroupLost, open_channel
 from tandem.nodes.decode.group.follower import Follower
 from tandem.nodes.decode.group.mirror import GroupModel, Mirror
 from tandem.nodes.decode.group.pipeline import GroupError, Stage, load_stage
@@ -64,10 +68,27 @@ class Rank0:
     tokenizer: Any
     shares: list[RankShare]
     backend: str
+    lost: str | None = None  # why the group is gone, once a rank is
 
     @property
     def size(self) -> int:
         return len(self.shares)
+
+    def watch(self, bells: list[Any]) -> None:
+        """On a thread of its own: a rank whose doorbell socket closes is gone; say so, and
+        stop this node (its own graceful stop) for the group to be started again."""
+        while self.lost is None:
+            readable, _, _ = select.select(bells, [], [], 1.0)
+            for bell in readable:
+                try:
+                    gone = bell.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    gone = True
+                if gone and self.lost is None:  # (not the node stopping the group itself)
+                    self.lost = "a rank of the decode group is gone"
+                    log.error("%s; stopping this node", self.lost)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
 
 
 def load_rank0(model_dir: str | Path, launch: GroupLaunch) -> Rank0:
@@ -82,10 +103,14 @@ def load_rank0(model_dir: str | Path, launch: GroupLaunch) -> Rank0:
             "that counts positions (give it more layers)"
         )
     kinds = frozenset(k.kind for k in spec.layer_kinds)
-    mirror = Mirror(Channel(group), stage, kinds)
+    channel = open_channel(group)
+    mirror = Mirror(channel, stage, kinds)
     spans = ", ".join(f"rank {s.rank} layers {s.layers[0]}..{s.layers[1] - 1}" for s in shares)
     log.info("decode group of %d (%s): %s", group.size(), launch.backend, spans)
-    return Rank0(GroupModel(stage, mirror), tokenizer, shares, launch.backend)
+    rank0 = Rank0(GroupModel(stage, mirror), tokenizer, shares, launch.backend)
+    threading.Thread(target=rank0.watch, args=(channel.bells,), name="tandem-group-watch",
+                     daemon=True).start()  # fmt: skip
+    return rank0
 
 
 def follow(model_dir: str | Path, launch: GroupLaunch) -> int:
@@ -97,6 +122,13 @@ def follow(model_dir: str | Path, launch: GroupLaunch) -> int:
     first, end = stage.layers_range
     log.info("decode group rank %d: layers %d..%d, %.1f MiB of weights", group.rank(), first,
              end - 1, shares[group.rank()].weight_bytes / 2**20)  # fmt: skip
-    Follower(Channel(group), stage, load_spec(model_dir)).run()
+    channel = open_channel(group)
+    try:
+        Follower(channel, stage, load_spec(model_dir)).run()
+    except GroupLost as e:
+        log.error("decode group rank %d: %s; exiting", group.rank(), e)
+        return 1
+    finally:
+        channel.close()
     log.info("decode group rank %d: rank 0 stopped the group", group.rank())
     return 0

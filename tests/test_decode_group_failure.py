@@ -1,0 +1,101 @@
+"""A decode group's failures (issue 38): the prefill node killed mid-way (the group prefills
+locally, pipelined across its ranks, and the answer is still mlx-lm's), then rank 1 killed
+during a generation (the client gets an error within seconds, rank 0 answers 503 and exits by
+itself, as it does when rank 1 is gone between requests: nothing hangs). What mlx.launch does
+when a rank exits (it stops the others) is in test_decode_group.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import MakeTiny
+from tests.group_support import rank_pids, start_group, stop_ranks
+from tests.nodeproc import NodeProc, start_node, stop_all, wait_healthy, wait_trusted
+from tests.test_handoff import Cluster, _chat
+from tests.test_turns import TOKEN
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def test_prefill_killed_then_rank_1_killed(tiny_model: MakeTiny, tmp_path: Path) -> None:
+    model = tiny_model(arch="llama", layers=4)
+    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.004",
+                         token=TOKEN, wait=False)  # fmt: skip
+    decode = start_group(tmp_path, model, "--peer", prefill.url, "--remote-prefill", "always",
+                         token=TOKEN)  # fmt: skip
+    group = None
+    try:
+        await asyncio.to_thread(wait_healthy, prefill)
+        await asyncio.to_thread(wait_healthy, decode)
+        await asyncio.to_thread(wait_trusted, decode)
+        group = Cluster(model, prefill, decode)
+        await asyncio.sleep(1.5)  # the router's probe of the slow node
+        prompt = "A story about sunflowers and a fence."
+        landed = asyncio.Event()
+        watcher = asyncio.create_task(_layer_landed(decode, landed))
+        reply_task = asyncio.create_task(asyncio.to_thread(_chat, group.client(TOKEN), prompt))
+        await asyncio.wait_for(landed.wait(), 60)  # layer 0 is in: on rank 1, sent on
+        prefill.proc.send_signal(signal.SIGKILL)
+        reply = await asyncio.wait_for(reply_task, 90)
+        watcher.cancel()
+        assert reply.model_extra["tandem"]["prefill"] == "local"
+        assert reply.choices[0].message.content == group.reference(prompt)
+        local = await asyncio.to_thread(_chat, group.client(TOKEN), "Why is the sky blue?")
+        assert local.choices[0].message.content == group.reference("Why is the sky blue?")
+        await _rank_1_killed(group)
+    finally:
+        stop_all([decode, prefill])
+        stop_ranks(decode)
+
+
+async def _layer_landed(node: NodeProc, landed: asyncio.Event) -> None:
+    """Set `landed` once a chat request's layer 0 frame is in its cache (rank 1's layer)."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{node.url}/v1/events?since={time.time() - 1}"
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                rec = json.loads(line[6:])
+                if rec["request_id"].startswith("chatcmpl-") and rec.get("state") == "received":
+                    landed.set()
+
+
+async def _rank_1_killed(group: Cluster) -> None:
+    """Rank 1 killed while a stream is generating: the stream ends with an error within a
+    few seconds, and rank 0 stops by itself (answering 503 until then)."""
+    client = openai.OpenAI(base_url=group.decode.url + "/v1", api_key=TOKEN, max_retries=0)
+    ranks = rank_pids(group.decode)
+    assert set(ranks) == {0, 1}, group.decode.output()
+
+    def generate() -> tuple[str, float]:
+        stream = client.completions.create(
+            model="m", prompt=[5, 17, 42], max_tokens=4000, temperature=0, stream=True
+        )
+        try:
+            for n, _ in enumerate(stream):
+                if n == 10:
+                    killed_at[0] = time.monotonic()
+                    ranks_now = rank_pids(group.decode)
+                    os.kill(ranks_now[1], signal.SIGKILL)
+        except openai.APIError as e:
+            return str(e), time.monotonic()
+        return "the stream ended without an error", time.monotonic()
+
+    killed_at = [0.0]
+    error, at = await asyncio.wait_for(asyncio.to_thread(generate), 60)
+    assert "lost a rank" in error or "connection" in error.lower(), error
+    assert at - killed_at[0] < 5
+    t0 = time.monotonic()
+    await asyncio.to_thread(group.decode.proc.wait, 20)  # rank 0 stopped itself
+    assert time.monotonic() - t0 < 20
+    assert not rank_pids(group.decode)
+    assert "lost a rank" in group.decode.output()
