@@ -1,9 +1,10 @@
 """Rank 0's orders to the other ranks of a decode group, over `mx.distributed` itself.
 
-An order is a JSON object (its op, its arguments, the arrays that follow: name, dtype, shape)
-and then those arrays, each sent as an `all_sum` to which only rank 0 adds anything (exact:
-x + 0 is x). Every rank takes part in every order, in the same sequence, so the ring backend
-(which talks to neighbours only) serves any group size.
+An order is a JSON object (its op, its arguments, small integer arrays such as a step's
+tokens inline, the other arrays' name, dtype and shape), zero-padded to `HEAD_BYTES`, then
+those arrays, each sent as an `all_sum` to which only rank 0 adds anything (exact: x + 0 is
+x): one collective for a decode step's order. Every rank takes part in every order, in the
+same sequence, so the ring backend (which talks to neighbours only) serves any group size.
 
 A doorbell: mlx's ring backend polls while it waits in a collective (a core busy for as long
 as a rank is idle), so the other ranks wait for each order on a socket to rank 0 instead, one
@@ -26,6 +27,22 @@ import mlx.core as mx
 
 BELL_TIMEOUT_S = 30.0  # the other ranks connect within this, once the group is up
 _TOKEN = 8  # int32s of the bell's secret
+
+
+HEAD_BYTES = 1024  # an order's JSON head, zero-padded: one all_sum for most orders
+INLINE_MAX = 64  # integer arrays of at most this many values travel in the head (tokens)
+
+
+def _small(a: mx.array) -> bool:
+    return a.size <= INLINE_MAX and a.dtype in (mx.int32, mx.uint32, mx.int64)
+
+
+def _padded(raw: bytes, n: int) -> mx.array:
+    return mx.array(list(raw) + [0] * (n - len(raw)), dtype=mx.uint8)
+
+
+def _unpadded(x: mx.array) -> dict[str, Any]:
+    return json.loads(bytes(x.tolist()).rstrip(b"\0"))
 
 
 class GroupLost(ConnectionError):
@@ -70,24 +87,30 @@ class Channel:
             except OSError as e:
                 raise GroupLost(f"a rank of the decode group is gone ({e})") from None
         arrays = dict(arrays or {})
-        listed = [[name, _name(a.dtype), list(a.shape)] for name, a in arrays.items()]
-        head = json.dumps({"op": op, "args": dict(args or {}), "arrays": listed}).encode()
-        self._all_sum(mx.array([len(head)], dtype=mx.int32))
-        self._all_sum(mx.array(list(head), dtype=mx.uint8))
-        for a in arrays.values():
-            self._all_sum(a)
+        inline = {n: a.tolist() for n, a in arrays.items() if _small(a)}  # in the head itself
+        listed = [[n, _name(a.dtype), list(a.shape)] for n, a in arrays.items() if n not in inline]
+        small = {n: [_name(arrays[n].dtype), v] for n, v in inline.items()}
+        head = {"op": op, "args": dict(args or {}), "arrays": listed, "inline": small}
+        raw = json.dumps(head).encode()
+        if len(raw) > HEAD_BYTES:  # a long head: its length first, then it
+            self._all_sum(_padded(json.dumps({"long": len(raw)}).encode(), HEAD_BYTES))
+            self._all_sum(_padded(raw, len(raw)))
+        else:
+            self._all_sum(_padded(raw, HEAD_BYTES))
+        for n, a in arrays.items():
+            if n not in inline:
+                self._all_sum(a)
 
     def receive(self) -> Order:
         """On any other rank: the next order (asleep on the bell until there is one)."""
         if self.bells[0].recv(1) != b"!":
             raise GroupLost("rank 0 of the decode group is gone")
-        n = int(self._all_sum(mx.zeros((1,), dtype=mx.int32)).item())
-        raw = self._all_sum(mx.zeros((n,), dtype=mx.uint8))
-        head = json.loads(bytes(raw.tolist()))
-        arrays = {
-            name: self._all_sum(mx.zeros(tuple(shape), dtype=_dtype(dtype)))
-            for name, dtype, shape in head["arrays"]
-        }
+        head = _unpadded(self._all_sum(mx.zeros((HEAD_BYTES,), dtype=mx.uint8)))
+        if "long" in head:
+            head = _unpadded(self._all_sum(mx.zeros((head["long"],), dtype=mx.uint8)))
+        arrays = {n: mx.array(v, dtype=_dtype(d)) for n, (d, v) in head["inline"].items()}
+        for name, dtype, shape in head["arrays"]:
+            arrays[name] = self._all_sum(mx.zeros(tuple(shape), dtype=_dtype(dtype)))
         return Order(head["op"], head["args"], arrays)
 
     def close(self) -> None:

@@ -29,6 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model, load_tokenizer
 from tandem.nodes.decode.group.split import RankShare, ranges, split_layers
 
+DENSE_STAGES = ("llama", "mistral", "qwen3")  # an embedding, decoder layers, a final norm
+
 
 class GroupError(Exception):
     """A model or a group that cannot run as a decode group; the message says why."""
@@ -142,8 +144,13 @@ class _DenseStage:
 
     def __init__(self, model: Any, group: Any, first: int, end: int) -> None:
         inner = getattr(model, "model", None)
-        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-            raise GroupError(f"no pipeline for a {type(model).__module__} model")
+        kind = getattr(model.args, "model_type", "")
+        if kind not in DENSE_STAGES or inner is None:
+            raise GroupError(
+                f"a {kind or type(model).__module__} model cannot run as a decode group yet "
+                f"(mlx-lm has no pipeline() for it, and tandem's stages serve "
+                f"{', '.join(DENSE_STAGES)})"
+            )
         self.model, self.inner, self.group = model, inner, group
         self.rank, self.size = group.rank(), group.size()
         inner.layers = list(inner.layers[:end])
