@@ -35,6 +35,12 @@ class KVShape:
     dtype: str  # the model's compute dtype, safetensors spelling
     state: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
+    def held_as(self, kv_format: KVFormat | None) -> str:
+        """How a request's KV is held: the model's dtype, or `q8/g64`-style."""
+        if kv_format is None:
+            return self.dtype.lower()
+        return f"q{kv_format.bits}/g{kv_format.group_size}"
+
     def bytes_per_token(self, kv_format: KVFormat | None) -> int:
         """K and V bytes of one token over all layers, in the wire's format."""
         itemsize = 4 if self.dtype == "F32" else 2

@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -118,7 +116,6 @@ class DecodeService:
                                     kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
-        self.broken: str | None = None  # a decode group that lost a rank: 503 from now on
         self.model_name = spec.name
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -160,9 +157,8 @@ class DecodeService:
     @contextlib.asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
         """A generation slot, after a wait in a bounded queue; 503 when that is full."""
-        lost = self.host.group.lost if self.host.group is not None else None
-        if self.broken is not None or lost is not None:
-            raise ApiError(503, self.broken or lost or "", "group_broken")
+        if self.host.group is not None and self.host.group.lost is not None:
+            raise ApiError(503, self.host.group.lost, "group_broken")
         if self._slots.locked() and self._waiting >= self.max_queue:
             raise ApiError(
                 503, f"{self.max_concurrent} generations running and {self._waiting} waiting",
@@ -210,25 +206,16 @@ class DecodeService:
             log.exception("request %s failed", rid)
             publish(RequestEvent(rid, phase="failed", detail=f"{type(e).__name__}: {e}"))
             if self.host.group is not None:  # the ranks are out of step: the group is done
-                self._group_lost(e)
-                raise GenerationFailed(self.broken or "", 503, "group_broken") from e
+                lost = self.host.group.lose(
+                    f"the decode group lost a rank ({type(e).__name__}: {e})"
+                )
+                raise GenerationFailed(lost, 503, "group_broken") from e
             raise GenerationFailed(f"generation failed: {type(e).__name__}: {e}") from e
         if info.where == "local":
             info.seconds = result.first_token_s
         publish(RequestEvent(rid, phase="done", tokens=result.tokens, where=info.where))
         ttft = (result.first_token_at or time.perf_counter()) - t0
         yield Finished(result, self._tandem(req, info, result, ttft))
-
-    def _group_lost(self, e: Exception) -> None:
-        """A decode group whose step failed (a rank exited, a link broke): every request from
-        now on is a 503, and the node stops, for `mlx.launch` or the service manager to
-        start the group again."""
-        self.broken = (
-            f"the decode group lost a rank ({type(e).__name__}: {e}); this node is stopping so "
-            "that the group can be started again"
-        )
-        log.error("%s", self.broken)
-        os.kill(os.getpid(), signal.SIGTERM)  # the node's own graceful stop
 
     @property
     def supports_tools(self) -> bool:
@@ -296,14 +283,14 @@ class DecodeService:
                 publish(RequestEvent(rid, phase="failed", detail=decision.reason))
             publish(
                 RequestEvent(rid, phase="prefill_start", tokens=new, where="local",
-                             detail=f"kv {kv_dtype(self.expect, fmt)}")
+                             detail=f"kv {self.expect.held_as(fmt)}")
             )  # fmt: skip
             return caches, PrefillInfo("local", None, new, **reuse)
         peer = decision.peer
         assert peer is not None
         publish(
             RequestEvent(rid, phase="prefill_start", tokens=new, where=peer.address,
-                         detail=f"kv {kv_dtype(self.expect, fmt)}")
+                         detail=f"kv {self.expect.held_as(fmt)}")
         )  # fmt: skip
         call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
         before = list(caches)  # a quantized stream swaps layers' caches for quantized ones
@@ -388,16 +375,9 @@ class DecodeService:
             request_id=req.request_id, prefill=info.where, prefill_node=info.node,
             prefill_tokens=info.tokens, prefill_s=info.seconds, kv_bytes=info.kv_bytes,
             ttft_s=ttft_s, decode_tokens=gen.tokens, decode_s=gen.decode_s,
-            kv_dtype=kv_dtype(self.expect, req.kv_format), steady_tok_s=gen.steady_tok_s,
+            kv_dtype=self.expect.held_as(req.kv_format), steady_tok_s=gen.steady_tok_s,
             cached_tokens=info.cached, cache_fallback=info.cache_fallback,
         ).to_json()  # fmt: skip
-
-
-def kv_dtype(expect: KVShape, kv_format: KVFormat | None) -> str:
-    """How a request's KV is held: the model's dtype, or `q8/g64`-style."""
-    if kv_format is None:
-        return expect.dtype.lower()
-    return f"q{kv_format.bits}/g{kv_format.group_size}"
 
 
 class _TokenTicker:

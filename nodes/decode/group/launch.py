@@ -74,6 +74,16 @@ class Rank0:
     def size(self) -> int:
         return len(self.shares)
 
+    def lose(self, why: str) -> str:
+        """The group is gone (`why`): every request from now on is a 503, and the node stops
+        (its own graceful stop), for `mlx.launch` or the service manager to start the group
+        again. Returns what requests are told."""
+        if self.lost is None:
+            self.lost = f"{why}; this node is stopping so that the group can be started again"
+            log.error("%s", self.lost)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.lost
+
     def watch(self, bells: list[Any]) -> None:
         """On a thread of its own: a rank whose doorbell socket closes is gone; say so, and
         stop this node (its own graceful stop) for the group to be started again."""
@@ -84,10 +94,8 @@ class Rank0:
                     gone = bell.recv(1, socket.MSG_PEEK) == b""
                 except OSError:
                     gone = True
-                if gone and self.lost is None:  # (not the node stopping the group itself)
-                    self.lost = "a rank of the decode group is gone"
-                    log.error("%s; stopping this node", self.lost)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                if gone:  # (where the node stopped the group itself, `lost` says so)
+                    self.lose("a rank of the decode group is gone")
                     return
 
 
