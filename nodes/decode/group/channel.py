@@ -78,9 +78,15 @@ class Channel:
         mx.eval(out)
         return out
 
-    def send(self, op: str, args: Mapping[str, Any] | None = None,
-             arrays: Mapping[str, mx.array] | None = None) -> None:  # fmt: skip
-        """On rank 0: one order to every other rank."""
+    def send(
+        self,
+        op: str,
+        args: Mapping[str, Any] | None = None,
+        arrays: Mapping[str, mx.array] | None = None,
+        to: int | None = None,
+    ) -> None:
+        """On rank 0: one order to every other rank; its arrays only to rank `to` where that
+        is a neighbour in the ring (point to point, half the bytes of an all_sum)."""
         for bell in self.bells:
             try:
                 bell.sendall(b"!")
@@ -90,7 +96,9 @@ class Channel:
         inline = {n: a.tolist() for n, a in arrays.items() if _small(a)}  # in the head itself
         listed = [[n, _name(a.dtype), list(a.shape)] for n, a in arrays.items() if n not in inline]
         small = {n: [_name(arrays[n].dtype), v] for n, v in inline.items()}
-        head = {"op": op, "args": dict(args or {}), "arrays": listed, "inline": small}
+        size = self.group.size()
+        to = to if to in (1, size - 1) else None  # the ring sends to neighbours only
+        head = {"op": op, "args": dict(args or {}), "arrays": listed, "inline": small, "to": to}
         raw = json.dumps(head).encode()
         if len(raw) > HEAD_BYTES:  # a long head: its length first, then it
             self._all_sum(_padded(json.dumps({"long": len(raw)}).encode(), HEAD_BYTES))
@@ -98,8 +106,12 @@ class Channel:
         else:
             self._all_sum(_padded(raw, HEAD_BYTES))
         for n, a in arrays.items():
-            if n not in inline:
+            if n in inline:
+                continue
+            if to is None:
                 self._all_sum(a)
+            else:
+                mx.eval(mx.distributed.send(a, to, group=self.group, stream=mx.cpu))
 
     def receive(self) -> Order:
         """On any other rank: the next order (asleep on the bell until there is one)."""
@@ -109,8 +121,15 @@ class Channel:
         if "long" in head:
             head = _unpadded(self._all_sum(mx.zeros((head["long"],), dtype=mx.uint8)))
         arrays = {n: mx.array(v, dtype=_dtype(d)) for n, (d, v) in head["inline"].items()}
+        to = head.get("to")
         for name, dtype, shape in head["arrays"]:
-            arrays[name] = self._all_sum(mx.zeros(tuple(shape), dtype=_dtype(dtype)))
+            if to is None:
+                arrays[name] = self._all_sum(mx.zeros(tuple(shape), dtype=_dtype(dtype)))
+            elif to == self.rank:
+                got = mx.distributed.recv(tuple(shape), _dtype(dtype), 0, group=self.group,
+                                          stream=mx.cpu)  # fmt: skip
+                mx.eval(got)
+                arrays[name] = got
         return Order(head["op"], head["args"], arrays)
 
     def close(self) -> None:

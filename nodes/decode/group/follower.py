@@ -75,6 +75,8 @@ class Follower:
 
     def _fill(self, order: Order) -> None:
         a = order.args
+        if not self.first <= a["layer"] < self.stage.layers_range[1]:
+            return  # another rank's layer (sent to it alone)
         cache_list = self.caches[a["id"]]
         layer = a["layer"]
         i = layer - self.first

@@ -112,7 +112,7 @@ def load_rank0(model_dir: str | Path, launch: GroupLaunch) -> Rank0:
         )
     kinds = frozenset(k.kind for k in spec.layer_kinds)
     channel = open_channel(group)
-    mirror = Mirror(channel, stage, kinds)
+    mirror = Mirror(channel, stage, kinds, [s.layers for s in shares])
     spans = ", ".join(f"rank {s.rank} layers {s.layers[0]}..{s.layers[1] - 1}" for s in shares)
     log.info("decode group of %d (%s): %s", group.size(), launch.backend, spans)
     rank0 = Rank0(GroupModel(stage, mirror), tokenizer, shares, launch.backend)

@@ -39,8 +39,10 @@ class GroupCaches(list[Any]):
 class Mirror:
     """Orders for the other ranks, for each step rank 0 takes."""
 
-    def __init__(self, channel: Channel, stage: Stage, kinds: frozenset[str]) -> None:
-        self.channel, self.stage = channel, stage
+    def __init__(
+        self, channel: Channel, stage: Stage, kinds: frozenset[str], spans: list[tuple[int, int]]
+    ) -> None:
+        self.channel, self.stage, self.spans = channel, stage, spans  # spans: each rank's layers
         self.first, end = stage.layers_range
         self.total = end  # rank 0 holds the last layers
         self.kinds = kinds  # every layer kind of the model, the other ranks' too
@@ -48,13 +50,18 @@ class Mirror:
         self._dropped: list[int] = []
         self._lock = threading.Lock()  # finalizers run on any thread
 
-    def order(self, op: str, args: Mapping[str, Any] | None = None,
-              arrays: Mapping[str, mx.array] | None = None) -> None:  # fmt: skip
+    def order(
+        self,
+        op: str,
+        args: Mapping[str, Any] | None = None,
+        arrays: Mapping[str, mx.array] | None = None,
+        to: int | None = None,
+    ) -> None:
         with self._lock:
             dropped, self._dropped = self._dropped, []
         if dropped:
             self.channel.send("free", {"ids": dropped})
-        self.channel.send(op, args, arrays)
+        self.channel.send(op, args, arrays, to)
 
     def _wrap(self, items: list[Any], id: int) -> GroupCaches:
         caches = GroupCaches(items, self, id)
@@ -98,7 +105,11 @@ class Mirror:
         """Another rank's layer: its frame's arrays to it (it fills its cache as rank 0 would)."""
         fmt = {"bits": kv_format.bits, "group_size": kv_format.group_size} if kv_format else None
         args = {"id": caches.id, "layer": arrays.layer, "end": arrays.end, "kv_format": fmt}
-        self.order("fill", args, arrays.tensors)
+        self.order("fill", args, arrays.tensors, to=self.owner(arrays.layer))
+
+    def owner(self, layer: int) -> int:
+        """The rank that holds `layer`."""
+        return next(r for r, (first, end) in enumerate(self.spans) if first <= layer < end)
 
     def stop(self) -> None:
         self.order("stop")
