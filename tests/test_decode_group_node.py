@@ -19,8 +19,15 @@ from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
 from tests.test_qwen3_5_handoff import _complete, _ids, _text
 
 MODELS = {
-    "llama": {"arch": "llama", "layers": 4},
-    "qwen3_5": {"arch": "qwen3_5", "layers": 8, "layout": "hf"},  # rank 0: layers 4..7
+    "llama": {"arch": "llama", "layers": 4, "heads": 2, "kv_heads": 1, "head_dim": 64},
+    "qwen3_5": {
+        "arch": "qwen3_5",
+        "layers": 8,
+        "layout": "hf",
+        "heads": 2,
+        "kv_heads": 1,
+        "head_dim": 64,
+    },  # rank 0: layers 4..7
 }
 
 
@@ -86,3 +93,32 @@ def test_three_turns_through_the_group_prefill_only_their_new_tokens(group: Clus
         assert extra["prefill_tokens"] == len(prompt) - 1 - held
         held = len(prompt) + len(ids) - 1
         prompt = prompt + ids
+
+
+def test_quantized_kv_goes_to_each_rank_quantized(group: Cluster) -> None:
+    """`kv_bits`: each rank's full layers get the quantized frames (rank 0 quantizing its
+    caches after the prompt orders the others to, as mlx-lm's own `kv_bits` does)."""
+    vocab = load_index(group.model).spec.vocab_size
+    prompt = [(37 * i + 11) % vocab for i in range(30)]
+    text, extra = _complete(group, prompt, 8)
+    assert extra["prefill"] == "remote" and extra["kv_dtype"] == "q8/g64"
+    assert text == _text(group, _ids(group, prompt, 8))
+
+
+def test_a_chat_of_two_turns_is_exact(group: Cluster) -> None:
+    from mlx_lm import generate
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    first = group.client().chat.completions.create(
+        model="m", messages=messages, max_tokens=12, temperature=0
+    )
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And another one?"}]  # fmt: skip
+    second = group.client().chat.completions.create(
+        model="m", messages=messages, max_tokens=12, temperature=0
+    )
+    ids = group.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert second.choices[0].message.content == generate(
+        group.mlx_model, group.tokenizer, ids, max_tokens=12
+    )
+    assert second.model_extra["tandem"]["cached_tokens"] > 0
