@@ -2,39 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from tandem.nodes.model.spec import LinearSpec
 from tandem.nodes.prefill.gated_delta import gated_delta_chunked, gated_delta_stepped
 from tandem.nodes.prefill.linear_mixer import linear_mixer
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class Lin:
-    """The LinearSpec fields the mixer reads."""
-
-    num_k_heads: int = 2
-    num_v_heads: int = 4
-    head_k_dim: int = 16
-    head_v_dim: int = 8
-    conv_kernel: int = 4
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
+def Lin() -> LinearSpec:
+    """A small linear-attention layer: 2 key heads of 16, 4 value heads of 8, conv of 4."""
+    return LinearSpec(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8, conv_kernel=4)
 
 
 HIDDEN = 32

@@ -40,7 +40,13 @@ from tandem.nodes.prefill.families.llama import (
     out_row_parts,
     row_unit,
 )
-from tandem.nodes.prefill.families.qwen3_moe import MoeState, _experts, _route, moe_parts
+from tandem.nodes.prefill.families.qwen3_moe import (
+    MoeState,
+    Qwen3MoeFamily,
+    _experts,
+    _route,
+    moe_parts,
+)
 from tandem.nodes.prefill.linear_mixer import linear_mixer
 from tandem.nodes.prefill.loads import Part, Piece, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
@@ -97,11 +103,7 @@ class Qwen35Family(PrefillFamily):
         tables = rope_tables(inv_freq(rotary), p.start, h.shape[0], h.device)
         return dataclasses.replace(p, ropes={"full": tables})
 
-    def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
-        if part.op != "router":
-            return None
-        assert isinstance(state, MoeState) and state.routes is not None
-        return state.routes.used
+    routing = Qwen3MoeFamily.routing  # the experts the router chose, as Qwen3-MoE's
 
     def new_state(
         self, p: Pass, kind: LayerKind, layer: int, count: int, prefix: Prefix | None
