@@ -19,11 +19,12 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt
 demo: $(STAMP)
 	$(BIN)/tandem demo
 
-# Whole files on TEST_WORKERS processes (a file's fixtures are made once), then the tests
-# that time themselves against the machine, alone.
+# Whole files on TEST_WORKERS processes (a file's fixtures are made once), each (and the nodes
+# it starts) with one OpenMP thread: two workers' torch pools fought mlx and each other for
+# the cores; then the tests that time themselves against the machine, alone.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=12
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=12
 	$(BIN)/python -m pytest -q -m serial
 
 lint: $(STAMP)
