@@ -179,7 +179,11 @@ def _read(conn: socket.socket, n: int) -> bytes:
 
 
 def _rank0_host() -> str:
-    """Rank 0's address as `mlx.launch` wrote it (`MLX_HOSTFILE`), else loopback."""
+    """Rank 0's address as `mlx.launch` gave it: the JACCL coordinator's, the ring hostfile's
+    first entry, else loopback."""
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator:
+        return coordinator.rsplit(":", 1)[0]
     try:
         entries = json.loads(Path(os.environ["MLX_HOSTFILE"]).read_text())
         return str(entries[0][0]).rsplit(":", 1)[0]
