@@ -169,11 +169,11 @@ def _blocks(
 def _lent_or_new(
     temp: torch.Tensor | None, per_row: int, rows: int, device: torch.device
 ) -> torch.Tensor:
-    """The caller's free bytes when they hold every row's temporaries, or at least
-    `BLOCK_BYTES` of them; else new bytes: all that is needed, at most `BLOCK_BYTES` (and at
-    least a row's)."""
+    """The caller's free bytes when they hold a row's temporaries at least (the rows then go
+    in blocks of what they hold: a plan lends what its budget allows); else new bytes: all
+    that is needed, at most `BLOCK_BYTES` (and at least a row's)."""
     want = max(per_row, min(per_row * rows, BLOCK_BYTES))
-    if temp is not None and temp.numel() >= want:
+    if temp is not None and temp.numel() >= per_row:
         return temp
     return torch.empty(want, dtype=torch.uint8, device=device)
 
@@ -215,27 +215,32 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
             return self._done[key]
         rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
         nbytes = rows * cols * torch.finfo(self._dtype).bits // 8
-        start = self._place(key, nbytes)
+        scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
+        per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, self._dtype)
+        temps = min(per_row * rows, BLOCK_BYTES) if quant.bits in (2, 4, 8) else 0
+        start = self._place(key, nbytes, temps)
         dest = self._scratch[start : start + nbytes].view(self._dtype)
         self._cursor = start + round_up(nbytes, ALIGN)
-        scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
         free = self._scratch[self._cursor :]  # holds nothing asked for: the temporaries' room
         out = dequantize(view, scales, biases, quant, self._dtype, dest.view(rows, cols), free)
         self._done[key] = out
         return out
 
-    def _place(self, key: str, nbytes: int) -> int:
-        """Where the next matrix of `nbytes` goes: from the cursor, at an `ALIGN` boundary of
-        the address; else of the scratch (a scratch whose own start is not aligned: a
-        matrix kept beats an aligned one dequantized again); else the same from the front,
-        starting over (what was there is dead, see the class doc)."""
+    def _place(self, key: str, nbytes: int, temps: int = 0) -> int:
+        """Where the next matrix of `nbytes` goes, with `temps` bytes after it for its
+        temporaries where the scratch has them (the plan sizes it so; else `dequantize`
+        allocates them): from the cursor, at an `ALIGN` boundary of the address; else of
+        the scratch (a scratch whose own start is not aligned: a matrix kept beats an
+        aligned one dequantized again); else the same from the front, starting over (what
+        was there is dead, see the class doc)."""
         size, base = self._scratch.numel(), self._scratch.data_ptr()
-        for cursor in (self._cursor, 0):
-            for start in (round_up(base + cursor, ALIGN) - base, cursor):
-                if start + nbytes <= size:
-                    if cursor == 0 and self._cursor:
-                        self._done.clear()
-                    return start
+        for room in dict.fromkeys((round_up(nbytes, ALIGN) + temps, nbytes)):
+            for cursor in (self._cursor, 0):
+                for start in (round_up(base + cursor, ALIGN) - base, cursor):
+                    if start + room <= size:
+                        if cursor == 0 and self._cursor:
+                            self._done.clear()
+                        return start
         raise ValueError(f"{key}: {nbytes} B dequantized exceed the {size} B scratch")
 
     def __iter__(self) -> Iterator[str]:

@@ -120,7 +120,8 @@ class PrefillEngine:
         # ("always": even where it does not; False: every expert)
         self.route_experts: Route = True
         dequantized = self.plan.resident_form == "dequantized"
-        self._floats = ResidentFloats(self.index, self.dtype) if dequantized else None
+        floats = ResidentFloats(self.index, self.dtype, self._scratch) if dequantized else None
+        self._floats = floats
         self._handover = make_handover(self.device)
         self.last_stats = PrefillStats()
         log.info(
@@ -200,7 +201,8 @@ class PrefillEngine:
         scales = self._gather_rows("model.embed_tokens.scales", tokens).to(self.device)
         biases = self._gather_rows("model.embed_tokens.biases", tokens).to(self.device)
         # mlx-lm's embedding dequantizes in the scales' dtype, whatever the model computes in
-        rows = dequantize(weight.to(self.device), scales, biases, quant, scales.dtype)
+        rows = dequantize(weight.to(self.device), scales, biases, quant, scales.dtype,
+                          temp=self._scratch)  # fmt: skip
         return rows.to(self.dtype)
 
     def prefill(

@@ -22,8 +22,11 @@ from typing import Literal
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
+from tandem.nodes.prefill.dequant import BLOCK_BYTES, temp_bytes_per_row
+from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.families import PrefillFamily, family_for
 from tandem.nodes.prefill.loads import (
+    ALIGN,
     Load,
     Part,
     ResidentForm,
@@ -31,6 +34,7 @@ from tandem.nodes.prefill.loads import (
     dequantized_sizes,
     layout,
     resident_form,
+    round_up,
     slot_size,
 )
 
@@ -179,15 +183,37 @@ def _scratch(
     once, or (`whole_parts=False`) only the largest matrix, one at a time."""
     parts = [part for layer in groups for g in layer for part in g]
     if whole_parts:
-        return max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
-    # o_proj's and down_proj's rows are dequantized in blocks of what the scratch holds
-    # (engine): they need one row, and get the room the other parts' matrices need anyway
-    sizes = [
-        s if p.op not in ("o", "down") else s // (p.hi - p.lo)
-        for p in parts
-        for s in dequantized_sizes(index, p, itemsize)
-    ]
-    return max(sizes, default=0)
+        most = max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
+    else:
+        # o_proj's and down_proj's rows are dequantized in blocks of what the scratch holds
+        # (engine): they need one row, and get the room the other parts' matrices need anyway
+        sizes = [
+            s if p.op not in ("o", "down") else s // (p.hi - p.lo)
+            for p in parts
+            for s in dequantized_sizes(index, p, itemsize)
+        ]
+        most = max(sizes, default=0)
+    return most + temp_room(index, parts, whole_parts) if most else 0
+
+
+def temp_room(index: ModelIndex, parts: list[Part], whole: bool = True) -> int:
+    """Room at the scratch's end for the temporaries `dequantize` needs beside a matrix (its
+    unpacked values, widened rows), so that no pass allocates them: all of the largest
+    matrix's, at most `BLOCK_BYTES` (a few blocks, a few kernels); for a tight budget
+    (`whole` False) one row's of the widest, which it then goes through in blocks of that.
+    Widths whose values cross words (3, 5, 6 bits) take int64 temporaries of their own."""
+    dtype, room = TORCH_DTYPES[index.dtype], 0
+    for part in parts:
+        for piece in part.pieces:
+            module = piece.key.removesuffix(".weight")
+            quant = index.quant(part.layer, module)
+            if quant is None or piece.key == module or quant.bits not in (2, 4, 8):
+                continue
+            rows, words = piece.shape[-2:]
+            scales = TORCH_DTYPES[index.layers[part.layer][f"{module}.scales"].dtype]
+            per_row = temp_bytes_per_row(words * 32 // quant.bits, quant.bits, scales, dtype)
+            room = max(room, min(per_row * rows, BLOCK_BYTES) if whole else per_row)
+    return round_up(room, ALIGN)
 
 
 def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int = 0) -> Plan:

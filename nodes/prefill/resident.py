@@ -15,8 +15,9 @@ from tandem.nodes.prefill.loads import ALIGN, Load
 
 
 class ResidentFloats:
-    def __init__(self, index: ModelIndex, dtype: torch.dtype) -> None:
+    def __init__(self, index: ModelIndex, dtype: torch.dtype, scratch: torch.Tensor) -> None:
         self.index, self.dtype = index, dtype
+        self.scratch = scratch  # free when a load is made: the temporaries' room
         self._made: dict[int, dict[str, torch.Tensor]] = {}  # load seq → its views
 
     def views(self, load: Load, views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -40,9 +41,10 @@ class ResidentFloats:
                 floats = _aligned(shape, self.dtype, words.device)
                 if words.dim() == 3:  # stacked experts [E, out, words]: one by one
                     for e in range(words.shape[0]):
-                        dequantize(words[e], scales[e], biases[e], quant, self.dtype, floats[e])
+                        dequantize(words[e], scales[e], biases[e], quant, self.dtype, floats[e],
+                                   self.scratch)  # fmt: skip
                 else:
-                    dequantize(words, scales, biases, quant, self.dtype, floats)
+                    dequantize(words, scales, biases, quant, self.dtype, floats, self.scratch)
                 out[at + piece.key] = floats
         return out
 

@@ -19,7 +19,12 @@ from typing import Literal
 import torch
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part, out_rows_part
-from tandem.nodes.prefill.dequant import DequantizedWeights, aligned_front, dequantize
+from tandem.nodes.prefill.dequant import (
+    DequantizedWeights,
+    aligned_front,
+    dequantize,
+    temp_bytes_per_row,
+)
 from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
 
@@ -67,7 +72,8 @@ def _out_rows(
     rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
     row_bytes = cols * torch.finfo(p.dtype).bits // 8
     scratch = aligned_front(p.scratch, row_bytes)
-    block = max(1, scratch.numel() // row_bytes)
+    temps = temp_bytes_per_row(cols, quant.bits, scales.dtype, p.dtype)  # lent after the rows
+    block = max(1, (scratch.numel() - ALIGN) // (row_bytes + temps))
     for a in range(0, rows, block):
         b = min(rows, a + block)
         used = round_up((b - a) * row_bytes, ALIGN)

@@ -1,0 +1,50 @@
+"""The plan lends `dequantize` its temporaries (issue 34): a quantized model's prefill,
+resident or streamed, allocates none of its own (no block beyond the budget), and its K/V
+are the same bits whatever the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill import dequant
+from tandem.nodes.prefill.engine import PrefillEngine
+
+from tests.conftest import MakeTiny
+
+
+@pytest.fixture
+def allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes `dequantize` allocated for temporaries (nothing lent, or too little)."""
+    made: list[int] = []
+    lent_or_new: Callable[..., torch.Tensor] = dequant._lent_or_new
+
+    def counting(temp: Any, per_row: int, rows: int, device: torch.device) -> torch.Tensor:
+        out = lent_or_new(temp, per_row, rows, device)
+        if out is not temp:
+            made.append(out.numel())
+        return out
+
+    monkeypatch.setattr(dequant, "_lent_or_new", counting)
+    return made
+
+
+@pytest.mark.parametrize("share", [None, 2])  # all resident; half of the layers' bytes
+def test_a_quantized_prefill_allocates_no_temporaries(
+    share: int | None, tiny_model: MakeTiny, allocations: list[int]
+) -> None:
+    model = tiny_model(arch="qwen3", layers=4, hidden=128, intermediate=256, quantize=4)
+    index = load_index(model)
+    budget = None if share is None else sum(map(index.layer_bytes, range(4))) // share
+    tokens = np.random.default_rng(3).integers(0, 512, 40).tolist()
+    engine = PrefillEngine(model, device="cpu", budget=budget, chunk_tokens=16)
+    try:
+        assert (engine.plan.n_slots > 0) == (share is not None)
+        kv = list(engine.prefill(tokens))
+    finally:
+        engine.close()
+    assert kv and not allocations, allocations
