@@ -62,11 +62,19 @@ def _checked_tokens(a: argparse.Namespace) -> list[int]:
 
 def run(a: argparse.Namespace) -> int:
     """Prefill, write the prompt cache and (with --stats-json) the engine's stats."""
+    from tandem.nodes.model.spec import load_spec
     from tandem.nodes.prefill.cache_file import write_prompt_cache
     from tandem.nodes.prefill.engine import PrefillEngine
     from tandem.nodes.prefill.errors import PrefillError
 
     tokens = _checked_tokens(a)
+    kinds = {k.kind for k in load_spec(a.model).layer_kinds}
+    if kinds != {"full"}:
+        raise UsageError(
+            f"tandem prefill writes mlx-lm prompt caches of full-attention layers only; this "
+            f"model also has {', '.join(sorted(kinds - {'full'}))} layers (serve it with "
+            "`tandem node`, whose decode node fills their caches)"
+        )
     try:
         engine = PrefillEngine(
             a.model,
