@@ -228,14 +228,14 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
 
     def _place(self, key: str, nbytes: int, temps: int = 0) -> int:
         """Where the next matrix of `nbytes` goes, with `temps` bytes after it for its
-        temporaries where the scratch has them (the plan sizes it so; else `dequantize`
-        allocates them): from the cursor, at an `ALIGN` boundary of the address; else of
+        temporaries where the scratch has them (the plan sizes it so; else `dequantize` goes
+        in smaller blocks): from the cursor, at an `ALIGN` boundary of the address; else of
         the scratch (a scratch whose own start is not aligned: a matrix kept beats an
         aligned one dequantized again); else the same from the front, starting over (what
         was there is dead, see the class doc)."""
         size, base = self._scratch.numel(), self._scratch.data_ptr()
-        for room in dict.fromkeys((round_up(nbytes, ALIGN) + temps, nbytes)):
-            for cursor in (self._cursor, 0):
+        for cursor in (self._cursor, 0):  # a matrix kept beats room for temporaries
+            for room in dict.fromkeys((round_up(nbytes, ALIGN) + temps, nbytes)):
                 for start in (round_up(base + cursor, ALIGN) - base, cursor):
                     if start + room <= size:
                         if cursor == 0 and self._cursor:

@@ -48,7 +48,7 @@ class Mirror:
         self.kinds = kinds  # every layer kind of the model, the other ranks' too
         self._ids = itertools.count(1)
         self._dropped: list[int] = []
-        self._lock = threading.Lock()  # finalizers run on any thread
+        self._lock = threading.RLock()  # finalizers run on any thread, even inside `order`
 
     def order(
         self,
