@@ -7,21 +7,19 @@ when a rank exits (it stops the others) is in test_decode_group.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
 
 from tests.conftest import MakeTiny
 from tests.group_support import rank_pids, start_group, stop_ranks
-from tests.nodeproc import NodeProc, start_node, stop_all, wait_healthy, wait_trusted
+from tests.nodeproc import start_node, stop_all, wait_healthy, wait_trusted
 from tests.test_handoff import Cluster, _chat
-from tests.test_turns import TOKEN
+from tests.test_turns import TOKEN, _watch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,7 +39,8 @@ async def test_prefill_killed_then_rank_1_killed(tiny_model: MakeTiny, tmp_path:
         await asyncio.sleep(1.5)  # the router's probe of the slow node
         prompt = "A story about sunflowers and a fence."
         landed = asyncio.Event()
-        watcher = asyncio.create_task(_layer_landed(decode, landed))
+        received = lambda rec: rec.get("state") == "received"  # noqa: E731 - a layer is in
+        watcher = asyncio.create_task(_watch(decode, "chatcmpl-", landed, [], received))
         reply_task = asyncio.create_task(asyncio.to_thread(_chat, group.client(TOKEN), prompt))
         await asyncio.wait_for(landed.wait(), 60)  # layer 0 is in: on rank 1, sent on
         prefill.proc.send_signal(signal.SIGKILL)
@@ -55,18 +54,6 @@ async def test_prefill_killed_then_rank_1_killed(tiny_model: MakeTiny, tmp_path:
     finally:
         stop_all([decode, prefill])
         stop_ranks(decode)
-
-
-async def _layer_landed(node: NodeProc, landed: asyncio.Event) -> None:
-    """Set `landed` once a chat request's layer 0 frame is in its cache (rank 1's layer)."""
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    url = f"{node.url}/v1/events?since={time.time() - 1}"
-    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                rec = json.loads(line[6:])
-                if rec["request_id"].startswith("chatcmpl-") and rec.get("state") == "received":
-                    landed.set()
 
 
 async def _rank_1_killed(group: Cluster) -> None:

@@ -8,7 +8,7 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -101,7 +101,16 @@ def test_turns_are_exact_and_prefill_only_new_tokens(
     prefill.stop()
 
 
-async def _watch(node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: list[dict]) -> None:
+def _net_in(rec: dict) -> bool:
+    return rec["kind"] == "link" and rec["name"] == "net_in"
+
+
+async def _watch(
+    node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: list[dict],
+    when: Callable[[dict], bool] = _net_in,
+) -> None:  # fmt: skip
+    """The node's events of requests `rid_prefix`... into `seen`; `stop` set at the first
+    one `when` picks (the first KV bytes in, by default)."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
     url = f"{node.url}/v1/events?since={time.time() - 1}"
     async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
@@ -110,7 +119,7 @@ async def _watch(node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: lis
                 rec = json.loads(line[6:])
                 if rec["request_id"].startswith(rid_prefix):
                     seen.append(rec)
-                    if rec["kind"] == "link" and rec["name"] == "net_in":
+                    if when(rec):
                         stop.set()
 
 

@@ -10,10 +10,10 @@ C = conv_dim = 2·key_dim + value_dim, K = conv_kernel.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from tandem.nodes.model.spec import LinearSpec
 from tandem.nodes.prefill.gated_delta import gated_delta_chunked
 from tandem.nodes.prefill.rope import rms_norm
 
@@ -21,31 +21,10 @@ RULE_CHUNK = 64  # tokens per chunk of the delta rule's parallel form
 QK_EPS = 1e-6  # the l2norm eps mlx-lm passes to normalize_qk (added to sum(x^2))
 
 
-class LinearShape(Protocol):
-    """A linear-attention layer's sizes (the fields of nodes/model/spec.py's `LinearSpec`)."""
-
-    @property
-    def num_k_heads(self) -> int: ...
-    @property
-    def num_v_heads(self) -> int: ...
-    @property
-    def head_k_dim(self) -> int: ...
-    @property
-    def head_v_dim(self) -> int: ...
-    @property
-    def conv_kernel(self) -> int: ...
-    @property
-    def key_dim(self) -> int: ...
-    @property
-    def value_dim(self) -> int: ...
-    @property
-    def conv_dim(self) -> int: ...
-
-
 def linear_mixer(
     x: torch.Tensor,
     w: Mapping[str, torch.Tensor],
-    lin: LinearShape,
+    lin: LinearSpec,
     eps: float,
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
@@ -66,7 +45,7 @@ def linear_mixer(
 def _block(
     x: torch.Tensor,
     w: Mapping[str, torch.Tensor],
-    lin: LinearShape,
+    lin: LinearSpec,
     eps: float,
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,

@@ -140,7 +140,8 @@ def _hosts(size: int) -> list[str]:
 
 class _DenseStage:
     """A dense model's call (`embed_tokens` → decoder layers → `norm` → head) as one stage:
-    layers [first, end) of it, the others dropped before the weights are read."""
+    layers [first, end) of it, the others dropped before the weights are read. It returns
+    the last position's logits [1, 1, vocab], all its callers read."""
 
     def __init__(self, model: Any, group: Any, first: int, end: int) -> None:
         inner = getattr(model, "model", None)
@@ -172,7 +173,10 @@ class _DenseStage:
                 cache[-1].keys = mx.depends(cache[-1].keys, h)
         if size > 1:  # the last stage's output, on every rank
             h = mx.distributed.all_gather(h, group=group)[: h.shape[0]]
-        h = self.inner.norm(h)
+        # the last position's logits only: a prompt's others are never read (mlx-lm's own
+        # prefill leaves them unevaluated; a group evaluates each call, and [T, vocab] of
+        # them is the largest array a long prompt would make)
+        h = self.inner.norm(h[:, -1:])
         if getattr(self.model.args, "tie_word_embeddings", False):
             return self.inner.embed_tokens.as_linear(h)
         return self.model.lm_head(h)
