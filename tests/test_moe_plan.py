@@ -58,3 +58,29 @@ def test_a_short_prompt_is_predicted_to_stream_fewer_bytes(tiny_model: MakeTiny)
         [s if not s.routed else cost.Step(s.read_s, s.copy_s, s.compute_s, True) for s in run],
         plan.n_slots,
     )
+
+
+def test_bench_side_by_side_reads_every_expert_in_its_all_experts_turns(
+    tiny_model: MakeTiny, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--vs all-experts` runs routed and all-experts passes in turns on one engine; the
+    all-experts turns read every expert even when a router has already run (a short prompt
+    computes faster than the loader reads, so its routes are there before its experts)."""
+    import json
+
+    from tandem.nodes.prefill import bench
+
+    model = tiny_model(**ARGS)
+    index = load_index(model)
+    quarter = sum(index.layer_bytes(i) for i in range(4)) // 4
+    plan = cost.node_plan(index, quarter)
+    args = ["--model", str(model), "--tokens", "2", "--budget", str(quarter), "--repeat", "2"]
+    assert bench.main([*args, "--vs", "all-experts", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["all_experts_bytes"] == plan.streamed_bytes  # every expert of every streamed load
+    assert 0 < r["routed_bytes"] < r["all_experts_bytes"]
+    assert r["vs_all_experts_ratio"] > 0 and r["route_wait_s"] >= 0
+    assert bench.main([*args, "--vs", "all-experts"]) == 0
+    assert "routed / all" in capsys.readouterr().out
+    dense = tiny_model(arch="llama", layers=4)
+    assert bench.main(["--model", str(dense), "--budget", "1MB", "--vs", "all-experts"]) == 2

@@ -208,9 +208,9 @@ def test_waiting_for_routers_stops_once_it_costs_more_than_it_saves(
 
     from tandem.nodes.prefill.stream.streamer import StreamStats, _Run
 
-    run = SimpleNamespace(await_routes=True, always_route=False, waited_s=waited_s,
-                          saved_bytes=saved_bytes,
-                          stats=StreamStats(load_busy_s=1.0, bytes_streamed=10_000))  # fmt: skip
+    stats = StreamStats(load_busy_s=1.0, bytes_streamed=10_000, route_wait_s=waited_s)
+    run = SimpleNamespace(await_routes=True, always_route=False, saved_bytes=saved_bytes,
+                          stats=stats)  # fmt: skip
     _Run._worth_waiting(run)  # type: ignore[arg-type]
     assert run.await_routes is keeps_waiting
     always = SimpleNamespace(**{**vars(run), "await_routes": True, "always_route": True})

@@ -43,6 +43,7 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.prefill import ram
+from tandem.nodes.prefill.bench_table import table
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ def bench(
     kv_bits: int = 16,
     vs_resident: bool = False,
     experts: str = "routed",
+    vs_all_experts: bool = False,
 ) -> dict[str, object]:
     index = load_index(model)
     fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
@@ -137,10 +139,13 @@ def bench(
     try:
         auto = link_gbps == "auto"
         phases = _phases(engine, ids, repeat, before, auto, fixed, kv_bits, vs_resident)
+        if vs_all_experts:
+            phases.side_by_side.update(_vs_all_experts(engine, ids, repeat, before))
     finally:
         engine.close()
-    streamed = sum(phases.last.experts_streamed.values())  # MoE: experts read in the last run
-    moe = {"experts": experts, "experts_streamed": streamed}
+    last = phases.last  # MoE: experts read in the last run, and the link's wait for routers
+    moe = {"experts": experts, "experts_streamed": sum(last.experts_streamed.values())}
+    moe["route_wait_s"] = last.route_wait_s
     return _result(phases, engine, index, budget, tokens, kv_bits, cold, repeat) | moe
 
 
@@ -268,6 +273,33 @@ def _vs_resident(
     }
 
 
+def _vs_all_experts(
+    engine: PrefillEngine, ids: list[int], repeat: int, before: Callable[[], None]
+) -> dict[str, float]:
+    """The same prompt with every expert read (no router waited for), in turns with the routed
+    runs on the same engine: `all_experts_wall_s` (median), `vs_all_experts_ratio` (the median
+    of each turn's routed / all-experts wall) and the bytes each streamed."""
+    if not any(ld.routed and not ld.resident for ld in engine.plan.loads):
+        raise ModelError("--vs all-experts: this plan streams no experts (no MoE layer streamed)")
+    routed, turns = engine.route_experts, []
+    try:
+        for _ in range(repeat):
+            before()
+            engine.route_experts = routed
+            chosen = _run(engine, ids)
+            before()
+            engine.route_experts = False
+            turns.append((chosen, _run(engine, ids)))
+    finally:
+        engine.route_experts = routed
+    return {
+        "all_experts_wall_s": statistics.median(every.wall_s for _, every in turns),
+        "all_experts_bytes": turns[-1][1].bytes_streamed,
+        "routed_bytes": turns[-1][0].bytes_streamed,
+        "vs_all_experts_ratio": statistics.median(c.wall_s / e.wall_s for c, e in turns),
+    }
+
+
 def vs_accelerate(model: Path, tokens: int, budget: int, device: str | None) -> dict[str, float]:
     """The same prompt through transformers + accelerate offload, in a fresh process."""
     cmd = [sys.executable, "-m", "tandem.nodes.prefill.vs_accelerate", str(model), str(tokens),
@@ -292,55 +324,6 @@ def make_random_model(spec: str, out: Path, dtype: str) -> Path:
     return make_model(out, args, with_tokenizer=False)
 
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _gbs(rate: object) -> str:
-    return f"{rate / 1e9:.2f} GB/s" if isinstance(rate, float) else "-"
-
-
-def table(r: dict[str, object]) -> str:
-    lines = [
-        f"tandem bench prefill — {r['tokens']} tokens on {r['device']}, "
-        f"budget {_fmt(r['budget_bytes'])} of a {_fmt(r['model_bytes'])} model"
-        + (", cold page cache" if r["cold"] else ""),
-        f"  wall        {r['wall_s']:.3f} s   ({r['tokens_per_s']:.0f} tokens/s)",
-        f"  load only   {r['load_s']:.3f} s   (link {r['link_gbps'] or 'unthrottled'} Gbit/s)",
-        f"  loader      {_gbs(r['loader_Bps'])} (disk {_gbs(r['disk_Bps'])}, "
-        f"copy {_gbs(r['copy_Bps'])})",
-        f"  compute     {r['compute_s']:.3f} s",
-        f"  overlap     {r['overlap_ratio']:.3f}   (wall / max(load, compute); 1.0 is ideal)",
-        f"  sequential  {r['sequential_ratio']:.3f}   (wall / (load + compute))",
-        f"  weights     peak {_fmt(r['peak_weight_bytes'])}, streamed {_fmt(r['bytes_streamed'])}"
-        f" per pass: {_fmt(r['ram_bytes'])} from RAM, {_fmt(r['disk_bytes'])} from disk"
-        f" (RAM tier {_fmt(r['ram_tier_bytes'])})",
-        f"  activations {_fmt(r['peak_activation_bytes'])}; "
-        f"peak RSS +{_fmt(r['peak_rss_delta_bytes'])}",
-    ]
-    if r.get("quantize_s") is not None:
-        lines.append(
-            f"  quantize    {r['quantize_s']:.3f} s  ({r['quantize_share']:.1%} of wall, "
-            f"{r['kv_bits']}-bit KV for the wire)"
-        )
-    if "vs_resident_ratio" in r:
-        lines.append(
-            f"  resident    {r['resident_wall_s']:.3f} s all resident; streamed / resident"
-            f" {r['vs_resident_ratio']:.3f} (turn by turn, median)"
-        )
-    if "accelerate_wall_s" in r:
-        lines.append(
-            f"  accelerate  {r['accelerate_wall_s']:.3f} s, peak RSS "
-            f"+{_fmt(r['accelerate_peak_rss_delta_bytes'])}  "
-            f"(tandem is {r['accelerate_wall_s'] / r['wall_s']:.1f}x faster)"
-        )
-    return "\n".join(lines)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench prefill", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -355,9 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=512)
     p.add_argument("--cold", action="store_true", help="evict the page cache before each phase")
-    p.add_argument("--vs", choices=["accelerate", "resident"], default=None,
-                   help="also run the prompt through accelerate's offload, or (resident)"
-                   " through a second engine holding the whole model, turn by turn")  # fmt: skip
+    p.add_argument("--vs", choices=["accelerate", "resident", "all-experts"], default=None,
+                   help="also run the prompt through accelerate's offload, (resident) through a"
+                   " second engine holding the whole model, turn by turn, or (all-experts, MoE)"
+                   " with every expert read, turn by turn with the routed runs")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16,
                    help="also time quantizing K/V for the wire")  # fmt: skip
@@ -382,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
                 a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident", a.experts,
+                vs_all_experts=a.vs == "all-experts",
             )  # fmt: skip
             if a.vs == "accelerate":
                 other = vs_accelerate(model, a.tokens, a.budget, a.device)

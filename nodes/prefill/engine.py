@@ -337,6 +337,7 @@ class PrefillEngine:
         stats.h2d_s = stream.h2d_s
         stats.experts_streamed = dict(stream.experts_streamed)
         stats.bytes_by_kind = dict(stream.bytes_by_kind)
+        stats.route_wait_s = stream.route_wait_s
         if dev.type == "cuda":
             if stream.h2d_s:  # per-load copy times exist only once the request is done
                 link = LinkEvent(rid, name="h2d", bytes=stream.bytes_streamed, seconds=stream.h2d_s)

@@ -34,13 +34,14 @@ class PrefillStats:
     layer_compute_s: list[float] = field(default_factory=list)
     experts_streamed: dict[int, int] = field(default_factory=dict)  # MoE layer → experts read
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # streamed: attention, mlp, ...
+    route_wait_s: float = 0.0  # MoE: the loader's time waiting for routers (its link idle)
 
     def to_json(self) -> dict[str, object]:
         keys = (
             "tokens", "layers", "wall_s", "load_busy_s", "compute_busy_s", "budget_bytes",
             "peak_weight_bytes", "peak_activation_bytes", "bytes_streamed", "disk_bytes",
             "ram_bytes", "disk_s", "h2d_s", "pinned_bytes", "activation_reserve_bytes",
-            "quantize_s", "resident_layers", "experts_streamed", "bytes_by_kind",
+            "quantize_s", "resident_layers", "experts_streamed", "bytes_by_kind", "route_wait_s",
         )  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 

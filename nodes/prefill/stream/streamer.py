@@ -43,6 +43,7 @@ class StreamStats:
     disk_bytes: int = 0  # of those, read from disk (not the host tier)
     experts_streamed: dict[int, int] = field(default_factory=dict)  # layer → experts read
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # attention, mlp, router, experts
+    route_wait_s: float = 0.0  # the loader's time waiting for routers (the link idle)
 
 
 @dataclass
@@ -187,9 +188,9 @@ class _Run:
         self.cancelled = False
         self.stats = StreamStats()
         self.routes: dict[int, frozenset[int]] = {}  # layer → the experts its tokens chose
-        self.await_routes = bool(route)  # read only chosen experts (waiting for the router)
+        self.routing = bool(route)  # False: every expert is read, whatever the routers chose
+        self.await_routes = self.routing  # read only chosen experts (waiting for the router)
         self.always_route = route == "always"  # even where waiting does not pay (tests)
-        self.waited_s = 0.0  # the loader's time waiting for routers
         self.saved_bytes = 0  # experts' bytes left unread thanks to them
         self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
         self.thread.start()
@@ -265,7 +266,7 @@ class _Run:
     def _chosen(self, load: Load) -> Load | None:
         """What of `load` to read: a routed load's chosen experts (after waiting for its
         router), else all of it; None when no token chose any of its experts."""
-        if not load.routed or load.resident:
+        if not load.routed or load.resident or not self.routing:
             return load
         self._worth_waiting()  # on what the layers before this one waited and saved
         with self.cond:
@@ -276,7 +277,7 @@ class _Run:
                 self.cond.wait_for(lambda: self.cancelled or load.layer in self.routes)
                 if self.cancelled:
                     raise StreamCancelled
-                self.waited_s += time.perf_counter() - t0
+                self.stats.route_wait_s += time.perf_counter() - t0
                 moved = routed_only(load, self.routes[load.layer])
         self.saved_bytes += load.weight_bytes - (moved.weight_bytes if moved else 0)
         if moved is not None:
@@ -292,9 +293,10 @@ class _Run:
         busy = self.stats.load_busy_s > 0 and self.stats.bytes_streamed
         if self.await_routes and not self.always_route and busy:
             rate = self.stats.bytes_streamed / self.stats.load_busy_s  # bytes/s
-            if self.waited_s > self.saved_bytes / rate:
+            if self.stats.route_wait_s > self.saved_bytes / rate:
                 log.debug(
-                    "routing stopped paying (%.3f s waited): every expert from here", self.waited_s
+                    "routing stopped paying (%.3f s waited): every expert from here",
+                    self.stats.route_wait_s,
                 )
                 self.await_routes = False
 
