@@ -246,8 +246,12 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
         resident = tuple(range(n))
         plan = Plan(_loads(whole, set(resident), direct), resident, 0, 0, budget, scratch, reserve)
         return _with_form(plan, index, weights)
+    busy: Plan | None = None  # the first plan found, where routing would idle the link
     for ring_budget, min_slots in ((weights // 2, 2), (weights, 2), (weights, 1)):
-        for target in _slot_targets(ring_budget, min_slots, max(layer_bytes), index.quantized):
+        targets = _slot_targets(ring_budget, min_slots, max(layer_bytes), index.quantized)
+        if index.spec.moe is not None:  # smaller loads, more slots: see `_routing_idles`
+            targets += [ring_budget // k for k in range(RING_LOADS + 1, 2 * RING_LOADS + 1)]
+        for target in targets:
             groups = _cut_all(family, index, target, direct)
             if groups is None:
                 continue
@@ -264,8 +268,33 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
                     groups[i] = [family.whole_layer(index, i)]
             loads = _loads(groups, resident, direct)
             plan = Plan(loads, tuple(sorted(resident)), n_slots, slot, budget, scratch, reserve)
+            if _routing_idles(plan):
+                busy = busy or plan
+                continue
+            if busy is not None and plan.streamed_bytes > busy.streamed_bytes:
+                continue  # a smaller resident set streams more than routing's wait costs
             return _with_form(plan, index, weights)
+    if busy is not None:
+        return _with_form(busy, index, weights)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")
+
+
+def _routing_idles(plan: Plan) -> bool:
+    """Whether the link would stand while a streamed layer's router runs: the loader reads
+    the next layer's first load then (`streamer._route_of`) where that load's slot is free
+    while compute sits at the router's load: where the ring has more slots than the ring
+    positions from the router's load to it. The planner takes more, smaller slots for that
+    where they keep as large a resident set, else this plan (a layer more to stream costs
+    more than a router's wait, a layer's attention compute)."""
+    ring = [ld for ld in plan.loads if not ld.resident]
+    router_at: int | None = None  # ring position of the last load before routed ones
+    for k, load in enumerate(ring):
+        if load.routed:
+            continue
+        if router_at is not None and k > router_at + 1 and k - router_at >= plan.n_slots:
+            return True
+        router_at = k
+    return False
 
 
 def _with_form(plan: Plan, index: ModelIndex, weights: int) -> Plan:

@@ -192,6 +192,7 @@ class _Run:
         self.await_routes = self.routing  # read only chosen experts (waiting for the router)
         self.always_route = route == "always"  # even where waiting does not pay (tests)
         self.saved_bytes = 0  # experts' bytes left unread thanks to them
+        self.early: set[int] = set()  # loads read ahead of their turn, while a router ran
         self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
         self.thread.start()
 
@@ -199,52 +200,26 @@ class _Run:
         if self.s.mover.loader_nice:
             lower_this_thread(self.s.mover.loader_nice)
         loads = self.s.plan.loads
-        plain_after: list[int | None] = [None] * len(loads)  # the next load not routed
+        plain_after: list[Load | None] = [None] * len(loads)  # the next load not routed
         for j in range(len(loads) - 2, -1, -1):
-            plain_after[j] = j + 1 if not loads[j + 1].routed else plain_after[j + 1]
+            plain_after[j] = loads[j + 1] if not loads[j + 1].routed else plain_after[j + 1]
         try:
             for j, load in enumerate(loads):
+                if load.seq in self.early:  # filled while an earlier load's router ran
+                    continue
                 if load.resident and load.seq in self.s._resident_ready:
                     self._mark_ready(load)
                     continue
-                slot = self.s.slot_of(load)
-                k = self.s._ring_index.get(load.seq, 0)
                 with self.cond:
-                    self.cond.wait_for(
-                        lambda ld=load, s=slot, k=k: self.cancelled or self._may_fill(ld, s, k)
-                    )
+                    self.cond.wait_for(lambda ld=load: self.cancelled or self._may_fill(ld))
                     if self.cancelled:
                         return
-                self.hooks.on_loading(load, slot)
+                self.hooks.on_loading(load, self.s.slot_of(load))
                 # the disk reads ahead while this load copies (past the experts its router
                 # has still to choose: the next layer's attention, while routing runs)
                 if (ahead := plain_after[j]) is not None:
-                    self.s.mover.prefetch(loads[ahead])
-                moved = self._chosen(load)
-                if moved is None:  # no token chose any of its experts: nothing to read
-                    with self.cond:
-                        if slot is not None:
-                            self.ring.filled[slot] = load.seq
-                    self._mark_ready(load)
-                    continue
-                t0 = time.perf_counter()
-                times = self.s.mover.fill(self.s.slot_id(load), self.s._memory(load), moved)
-                self.stats.load_busy_s += time.perf_counter() - t0
-                self.stats.disk_s += times.disk_s
-                self.stats.h2d_s += times.h2d_s
-                self.stats.bytes_streamed += times.nbytes
-                for part in moved.parts:
-                    kind = PART_KINDS.get(part.op, part.op)
-                    n = sum(piece.nbytes for piece in part.pieces)
-                    self.stats.bytes_by_kind[kind] = self.stats.bytes_by_kind.get(kind, 0) + n
-                self.stats.disk_bytes += times.disk_bytes
-                if load.resident:
-                    self.s._resident_ready.add(load.seq)
-                with self.cond:
-                    if slot is not None:
-                        self.ring.filled[slot] = load.seq
-                self.hooks.on_ready(load, slot, times)
-                self._mark_ready(load)
+                    self.s.mover.prefetch(ahead)
+                self._fill(load, self._chosen(load, ahead))
         except StreamCancelled:
             return
         except BaseException as e:  # surfaced on the compute thread
@@ -252,6 +227,35 @@ class _Run:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _fill(self, load: Load, moved: Load | None) -> None:
+        """Read `moved` (all or part of `load`, whose `on_loading` has fired) into the load's
+        memory; None: nothing to read (no token chose any of its experts)."""
+        slot = self.s.slot_of(load)
+        if moved is None:
+            with self.cond:
+                if slot is not None:
+                    self.ring.filled[slot] = load.seq
+            self._mark_ready(load)
+            return
+        t0 = time.perf_counter()
+        times = self.s.mover.fill(self.s.slot_id(load), self.s._memory(load), moved)
+        self.stats.load_busy_s += time.perf_counter() - t0
+        self.stats.disk_s += times.disk_s
+        self.stats.h2d_s += times.h2d_s
+        self.stats.bytes_streamed += times.nbytes
+        for part in moved.parts:
+            kind = PART_KINDS.get(part.op, part.op)
+            n = sum(piece.nbytes for piece in part.pieces)
+            self.stats.bytes_by_kind[kind] = self.stats.bytes_by_kind.get(kind, 0) + n
+        self.stats.disk_bytes += times.disk_bytes
+        if load.resident:
+            self.s._resident_ready.add(load.seq)
+        with self.cond:
+            if slot is not None:
+                self.ring.filled[slot] = load.seq
+        self.hooks.on_ready(load, slot, times)
+        self._mark_ready(load)
 
     def route(self, layer: int, used: frozenset[int], experts: int) -> None:
         """On the compute thread, once layer `layer`'s router ran: the experts its tokens
@@ -263,27 +267,50 @@ class _Run:
                 self.await_routes = False
             self.cond.notify_all()
 
-    def _chosen(self, load: Load) -> Load | None:
+    def _chosen(self, load: Load, ahead: Load | None) -> Load | None:
         """What of `load` to read: a routed load's chosen experts (after waiting for its
         router), else all of it; None when no token chose any of its experts."""
         if not load.routed or load.resident or not self.routing:
             return load
         self._worth_waiting()  # on what the layers before this one waited and saved
         with self.cond:
-            if not self.await_routes and load.layer not in self.routes:
-                moved: Load | None = load
-            else:
-                t0 = time.perf_counter()
-                self.cond.wait_for(lambda: self.cancelled or load.layer in self.routes)
-                if self.cancelled:
-                    raise StreamCancelled
-                self.stats.route_wait_s += time.perf_counter() - t0
-                moved = routed_only(load, self.routes[load.layer])
+            waits = self.await_routes or load.layer in self.routes
+        moved = routed_only(load, self._route_of(load.layer, ahead)) if waits else load
         self.saved_bytes += load.weight_bytes - (moved.weight_bytes if moved else 0)
         if moved is not None:
             n = self.stats.experts_streamed.get(load.layer, 0)
             self.stats.experts_streamed[load.layer] = n + len(moved.parts)
         return moved
+
+    def _route_of(self, layer: int, ahead: Load | None) -> frozenset[int]:
+        """The experts layer `layer`'s tokens chose, once its router ran. Meanwhile `ahead`
+        (the next load that needs no router: the next layer's attention) is read as soon as
+        its slot is free, so the link works while routing runs; the link's idle time is
+        `route_wait_s`."""
+        while True:
+            with self.cond:
+                t0 = time.perf_counter()
+                self.cond.wait_for(
+                    lambda a=ahead: self.cancelled or layer in self.routes or self._early(a)
+                )
+                self.stats.route_wait_s += time.perf_counter() - t0
+                if self.cancelled:
+                    raise StreamCancelled
+                if layer in self.routes:
+                    return self.routes[layer]
+            assert ahead is not None
+            self.early.add(ahead.seq)
+            self.hooks.on_loading(ahead, self.s.slot_of(ahead))
+            self._fill(ahead, ahead)
+            ahead = None
+
+    def _early(self, ahead: Load | None) -> bool:
+        """Whether `ahead` may be read now, before the loads in front of it."""
+        if ahead is None or ahead.seq in self.early or self.synchronous:
+            return False
+        if ahead.resident and ahead.seq in self.s._resident_ready:
+            return False
+        return self._may_fill(ahead)
 
     def _worth_waiting(self) -> None:
         """Stop waiting for routers once the link has idled, waiting for them, longer than
@@ -300,12 +327,14 @@ class _Run:
                 )
                 self.await_routes = False
 
-    def _may_fill(self, load: Load, slot: int | None, k: int) -> bool:
+    def _may_fill(self, load: Load) -> bool:
         if self.synchronous and load.seq > self.asked:
             return False
-        if slot is None:
+        if (slot := self.s.slot_of(load)) is None:
             return True
-        previous = k - self.s.plan.n_slots  # ring position of the slot's previous occupant
+        previous = (
+            self.s._ring_index[load.seq] - self.s.plan.n_slots
+        )  # ring position of the slot's previous occupant
         if previous < 0:
             return True
         return self.ring.released[slot] == self.s._streamed[previous].seq

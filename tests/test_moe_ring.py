@@ -1,0 +1,98 @@
+"""Issue 36: the link works while a router runs. While a streamed MoE layer's router runs
+(its experts cannot be chosen yet), the loader reads the next layer's first load, where the
+plan leaves its slot free; the planner takes more, smaller slots for that where they keep the
+resident set. Made fp32 qwen3_moe, CPU."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from tandem.nodes.contract.events import LayerEvent
+from tandem.nodes.model.index import load_index
+from tandem.nodes.prefill import cost
+from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.plan import _routing_idles
+from tandem.nodes.prefill.stream.streamer import _Run
+
+from tests.conftest import MakeTiny
+
+ARGS = {"arch": "qwen3_moe", "layers": 4, "experts": 8, "top_k": 2, "shards": 2}
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_model: MakeTiny) -> Path:
+    return tiny_model(**ARGS)
+
+
+def budget(model: Path) -> int:
+    """Two fifths of the layers: every layer streams; a ring that holds a layer's experts
+    and two slots more (at a quarter, a layer's experts fill the ring: the link stands)."""
+    index = load_index(model)
+    return sum(index.layer_bytes(i) for i in range(4)) * 2 // 5
+
+
+def test_the_plan_leaves_a_slot_for_the_next_layer_while_routing(moe: Path) -> None:
+    index = load_index(moe)
+    plan = cost.node_plan(index, budget(moe))
+    assert any(ld.routed and not ld.resident for ld in plan.loads)
+    assert not _routing_idles(plan)
+    # the ring positions from a router's load to the next load that needs no router
+    ring = [ld for ld in plan.loads if not ld.resident]
+    plain = [k for k, ld in enumerate(ring) if not ld.routed]
+    gap = max(b - a for a, b in itertools.pairwise(plain) if b > a + 1)
+    assert plan.n_slots > gap  # that load's slot is free while compute sits at the router
+    assert _routing_idles(replace(plan, n_slots=gap))  # the check itself, with one slot less
+
+
+def loading_order(engine: PrefillEngine, tokens: list[int]) -> tuple[list[Any], list[int]]:
+    """(K/V, the layer of each "loading" event in order) of one prefill."""
+    seen: list[int] = []
+
+    def listen(event: object) -> None:
+        if isinstance(event, LayerEvent) and event.state == "loading":
+            seen.append(event.layer)
+
+    stop = engine.events.add_listener(listen)
+    kv = list(engine.prefill(tokens))
+    stop()
+    return kv, seen
+
+
+def test_the_next_layer_loads_while_a_router_runs(
+    moe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routers made slow (30 ms each): every streamed layer after a routed one starts
+    loading before that layer's experts do; the K/V are those of a pass that overlaps
+    nothing. Without the read-ahead (the control), the order is the plan's."""
+    route = _Run.route
+
+    def slow_route(self: _Run, layer: int, used: frozenset[int], experts: int) -> None:
+        time.sleep(0.03)
+        route(self, layer, used, experts)
+
+    monkeypatch.setattr(_Run, "route", slow_route)
+    engine = PrefillEngine(moe, budget=budget(moe), device="cpu", chunk_tokens=8)
+    engine.route_experts = "always"
+    tokens = np.random.default_rng(4).integers(0, 512, 4).tolist()
+    try:
+        streamed = {ld.layer for ld in engine.plan.loads if ld.routed and not ld.resident}
+        pairs = [i for i in sorted(streamed) if i + 1 in streamed]
+        assert pairs
+        kv, order = loading_order(engine, tokens)
+        for i in pairs:  # layer i+1's first load, before layer i's last (its experts)
+            assert order.index(i + 1) < len(order) - order[::-1].index(i) - 1, order
+        reference = list(engine.prefill(tokens, synchronous=True))
+        for a, b in zip(kv, reference, strict=True):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+        monkeypatch.setattr(_Run, "_early", lambda self, ahead: False)
+        _, control = loading_order(engine, tokens)
+        assert control == sorted(control)
+    finally:
+        engine.close()
