@@ -84,3 +84,16 @@ def test_bench_side_by_side_reads_every_expert_in_its_all_experts_turns(
     assert "routed / all" in capsys.readouterr().out
     dense = tiny_model(arch="llama", layers=4)
     assert bench.main(["--model", str(dense), "--budget", "1MB", "--vs", "all-experts"]) == 2
+
+
+def test_tandem_plan_says_what_experts_a_pass_reads_and_what_stays_resident(
+    tiny_model: MakeTiny, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.app.cli.main import main
+
+    model = tiny_model(**ARGS)
+    hw = ["--pcie-gbps", "8", "--disk-gbps", "8", "--tflops", "1", "--host-budget", "0"]
+    assert main(["plan", "--model", str(model), "--budget", "2MB", "--tokens", "4", *hw]) == 0
+    out = capsys.readouterr().out
+    assert "top-2 of 8 per token" in out and "1 - (1 - 2/8)^tokens" in out
+    assert "resident layers keep all their experts: a fixed set" in out

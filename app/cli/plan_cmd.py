@@ -356,7 +356,8 @@ def render(r: Report) -> str:
         lines.append(
             f"  experts     top-{k} of {e} per token: a pass reads the experts its tokens choose,"
             f" 1 - (1 - {k}/{e})^tokens of them (routing taken as uniform; a skewed router"
-            " reads fewer)"
+            " reads fewer)\n              resident layers keep all their experts: a fixed set,"
+            " chosen before any prompt (which experts a prompt uses changes with each one)"
         )
     lines += render_kv(r.tokens, r.kv_wire, m)
     n = r.break_even_tokens
