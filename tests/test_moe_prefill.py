@@ -204,15 +204,11 @@ def test_waiting_for_routers_stops_once_it_costs_more_than_it_saves(
     waited_s: float, saved_bytes: int, keeps_waiting: bool
 ) -> None:
     """Loads have filled at 10 kB/s: 1000 bytes left unread saved 0.1 s of the link."""
-    from types import SimpleNamespace
+    from tandem.nodes.prefill.stream.routing import Routing
 
-    from tandem.nodes.prefill.stream.streamer import StreamStats, _Run
-
-    stats = StreamStats(load_busy_s=1.0, bytes_streamed=10_000, route_wait_s=waited_s)
-    run = SimpleNamespace(await_routes=True, always_route=False, saved_bytes=saved_bytes,
-                          stats=stats)  # fmt: skip
-    _Run._worth_waiting(run)  # type: ignore[arg-type]
-    assert run.await_routes is keeps_waiting
-    always = SimpleNamespace(**{**vars(run), "await_routes": True, "always_route": True})
-    _Run._worth_waiting(always)  # type: ignore[arg-type]
-    assert always.await_routes
+    routing = Routing(saved_bytes=saved_bytes)
+    routing.check_cost(waited_s, nbytes=10_000, busy_s=1.0)
+    assert routing.waits is keeps_waiting
+    always = Routing("always", saved_bytes=saved_bytes)
+    always.check_cost(waited_s, nbytes=10_000, busy_s=1.0)
+    assert always.waits

@@ -19,6 +19,7 @@ from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.plan import _routing_idles
+from tandem.nodes.prefill.stream.routing import Routing
 from tandem.nodes.prefill.stream.streamer import _Run
 
 from tests.conftest import MakeTiny
@@ -96,3 +97,43 @@ def test_the_next_layer_loads_while_a_router_runs(
         assert control == sorted(control)
     finally:
         engine.close()
+
+
+def test_a_long_prompt_reads_every_expert_without_waiting_for_routers(
+    moe: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 tokens, top-2 of 8: 1 - (3/4)^64 of the experts are expected in use, so the loader
+    reads every layer's experts at once, before its (slow) router has said so."""
+    route = _Run.route
+
+    def slow_route(self: _Run, layer: int, used: frozenset[int], experts: int) -> None:
+        time.sleep(0.3)
+        route(self, layer, used, experts)
+
+    monkeypatch.setattr(_Run, "route", slow_route)
+    index = load_index(moe)
+    engine = PrefillEngine(moe, budget=budget(moe), device="cpu", chunk_tokens=64)
+    try:
+        seen: list[LayerEvent] = []
+        engine.events.add_listener(lambda e: seen.append(e) if isinstance(e, LayerEvent) else None)
+        list(engine.prefill(np.random.default_rng(5).integers(0, 512, 64).tolist()))
+        assert engine.last_stats.route_wait_s == 0
+        assert engine.last_stats.experts_streamed == {i: 8 for i in range(4)}
+        for i in range(index.spec.num_layers):  # attention and experts, as slots allow
+            routed = next(k for k, e in enumerate(seen) if e.state == "routed" and e.layer == i)
+            assert sum(e.state == "ready" and e.layer == i for e in seen[:routed]) >= 2
+    finally:
+        engine.close()
+
+
+def test_counts_decide_whether_later_layers_wait() -> None:
+    """A router that chose nearly all (≥ 90%) of its experts ends the waiting; one that chose
+    few (< 50%) turns it back on; in between, the last decision stands."""
+    routing = Routing(nearly_all=True)  # a long prompt: expected to use nearly all
+    assert not routing.waits
+    for layer, chose, waits in ((0, 6, False), (1, 3, True), (2, 6, True), (3, 8, False)):
+        routing.chose(layer, frozenset(range(chose)), 8)
+        assert routing.waits is waits, (layer, chose)
+    routing.waiting_pays = False  # routing stopped paying (`check_cost`): counts cannot undo it
+    routing.chose(4, frozenset(range(1)), 8)
+    assert not routing.waits and not Routing(False).waits and Routing("always", True).waits

@@ -45,7 +45,7 @@ from tandem.nodes.prefill.disk_probe import measure_disk_Bps
 from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import N_STAGING
-from tandem.nodes.prefill.stream.streamer import ALL_EXPERTS
+from tandem.nodes.prefill.stream.routing import ALL_EXPERTS
 from tandem.nodes.prefill.work import Device, Hardware, Work, load_work
 
 __all__ = [  # what `tandem plan` and its tests take from here

@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -49,11 +50,11 @@ from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
 from tandem.nodes.prefill.stream.movers import N_STAGING, FillTimes, Mover, make_mover
+from tandem.nodes.prefill.stream.routing import ALL_EXPERTS, Route
 from tandem.nodes.prefill.stream.streamer import (
     TORCH_DTYPES,
     LayerStreamer,
     LoaderHooks,
-    Route,
     part_weights,
 )
 
@@ -124,6 +125,9 @@ class PrefillEngine:
         self._floats = floats
         self._handover = make_handover(self.device)
         self.last_stats = PrefillStats()
+        self._log_plan(moving.pinned_bytes)
+
+    def _log_plan(self, pinned: int) -> None:
         log.info(
             "plan: %s granularity, %d ring slots of %d B, resident layers %s, pool %d B "
             "+ scratch %d B + activations %d B (prompts up to %s tokens) of %d; %d B pinned; "
@@ -131,7 +135,7 @@ class PrefillEngine:
             self.plan.granularity, self.plan.n_slots, self.plan.slot_bytes,
             list(self.plan.resident_layers), self.plan.pool_bytes, self.plan.scratch_bytes,
             self.activation_reserve, self.max_prompt_tokens or "any", self.budget,
-            moving.pinned_bytes, self.plan.ram_bytes, self.plan.disk_bytes,
+            pinned, self.plan.ram_bytes, self.plan.disk_bytes,
         )  # fmt: skip
 
     def _activations(self, count: int, start: int, cut_ops: bool | None = None) -> int:
@@ -231,11 +235,7 @@ class PrefillEngine:
         self._handover.reset(kv_format)
         kinds, family = self.spec.layer_kinds, self.family
         uploads = PrefixUpload(prefix, self.device, self.dtype) if start and prefix else None
-        route = self.route_experts  # MoE: the routers' counts decide (streamer.route)
-        with (
-            torch.inference_mode(),
-            self.streamer.stream(self._hooks(rid), synchronous, route) as run,
-        ):
+        with torch.inference_mode(), self._stream(rid, len(tokens), synchronous) as run:
             # the loader is already filling the ring while the prompt's rows are read
             h = self.embed(tokens)
             rope = rope_tables(self._freqs, start, len(tokens), self.device)
@@ -266,6 +266,14 @@ class PrefillEngine:
         stats.compute_busy_s = sum(stats.layer_compute_s)
         stats.quantize_s = self._handover.quantize_seconds()
         self._finish(rid, stats, t_start)
+
+    def _stream(self, rid: str, count: int, synchronous: bool) -> AbstractContextManager[Any]:
+        """The streamer's pass. MoE: the routers' counts decide which experts are read
+        (`Routing`); before the first, the share of experts `count` tokens are expected to
+        choose (the plan's curve)."""
+        moe = self.spec.moe
+        many = moe is not None and moe.expected_share(count) >= ALL_EXPERTS
+        return self.streamer.stream(self._hooks(rid), synchronous, self.route_experts, many)
 
     def _hand_over(self, out: KV | State, i: int) -> None:
         """Layer i's handover: K/V (a full layer's quantized where asked; the others cross

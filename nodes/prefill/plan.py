@@ -248,10 +248,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
         return _with_form(plan, index, weights)
     busy: Plan | None = None  # the first plan found, where routing would idle the link
     for ring_budget, min_slots in ((weights // 2, 2), (weights, 2), (weights, 1)):
-        targets = _slot_targets(ring_budget, min_slots, max(layer_bytes), index.quantized)
-        if index.spec.moe is not None:  # smaller loads, more slots: see `_routing_idles`
-            targets += [ring_budget // k for k in range(RING_LOADS + 1, 2 * RING_LOADS + 1)]
-        for target in targets:
+        for target in _slot_targets(ring_budget, min_slots, max(layer_bytes), index):
             groups = _cut_all(family, index, target, direct)
             if groups is None:
                 continue
@@ -323,17 +320,19 @@ def _weight_budget(index: ModelIndex, budget: int, reserve: int) -> int:
     return weights
 
 
-def _slot_targets(ring_budget: int, min_slots: int, layer: int, quantized: bool) -> list[int]:
+def _slot_targets(ring_budget: int, min_slots: int, layer: int, index: ModelIndex) -> list[int]:
     """Slot sizes to try, largest first; the first that fits `min_slots` wins: a whole layer
     (`layer` bytes) if two fit, else loads of a RING_LOADS-th of the ring (then of a
     min_slots-th). A quantized model may need smaller slices still, to leave room for their
-    scratch."""
+    scratch; a mixture of experts smaller loads in more slots (`_routing_idles`)."""
     top = ring_budget // min_slots
     targets = [layer] if layer <= top else []
     targets += [ring_budget // max(min_slots, RING_LOADS), top]
-    while quantized and top > MIN_SLICE:  # slices cut tensors: smaller than the largest
+    while index.quantized and top > MIN_SLICE:  # slices cut tensors: smaller than the largest
         top = top * 3 // 4  # in small steps: the scratch of a slice changes by whole rows
         targets.append(top)
+    if index.spec.moe is not None:
+        targets += [ring_budget // k for k in range(RING_LOADS + 1, 2 * RING_LOADS + 1)]
     return targets
 
 

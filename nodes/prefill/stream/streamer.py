@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.loads import Load, routed_only
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes, Mover
+from tandem.nodes.prefill.stream.routing import Route, Routing
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,11 @@ class LayerStreamer:
 
     @contextmanager
     def stream(
-        self, hooks: LoaderHooks | None = None, synchronous: bool = False, route: Route = True
+        self,
+        hooks: LoaderHooks | None = None,
+        synchronous: bool = False,
+        route: Route = True,
+        expect_all: bool = False,
     ) -> Iterator[_Run]:
         """Yield a run: iterate it for (load, weight views) in plan order, each ready to
         compute on, and `release(load)` as soon as the load's compute is queued — the loader
@@ -98,9 +102,11 @@ class LayerStreamer:
         is asked for.) `synchronous=True` loads each load only when asked for it, so no copy
         overlaps compute (the bench's `compute_s` denominator). `route=False`: a routed
         load is read whole, without waiting for its router (a pass that computes nothing);
-        True: its chosen experts, while waiting pays (`_worth_waiting`); "always": always.
+        True: its chosen experts, while waiting pays (`_worth_waiting`) and the last router
+        did not choose nearly all of them (`expect_all`: what the first router is expected
+        to do, from the prompt's length); "always": always.
         """
-        run = _Run(self, hooks or LoaderHooks(), synchronous, route)
+        run = _Run(self, hooks or LoaderHooks(), synchronous, route, expect_all)
         try:
             yield run
         finally:
@@ -147,8 +153,6 @@ class LayerStreamer:
 # what a part streams, by kind (`StreamStats.bytes_by_kind`): what routing saved shows there
 PART_KINDS = {"attn": "attention", "qkv": "attention", "o": "attention", "gate_up": "mlp",
               "down": "mlp", "linear": "attention", "shared": "mlp"}  # fmt: skip
-ALL_EXPERTS = 0.9  # a router that chose this share of its experts: read later ones whole
-Route = bool | Literal["always"]  # whether a routed load waits for its router (`stream`)
 
 DEVICE_NICE = 5  # the compute thread: below a node's event loop, which sends the K/V
 LOADER_NICE = CpuMover.loader_nice  # a CPU loader: below compute, its reads wait for the gaps
@@ -175,7 +179,12 @@ class _Run:
     """One pass over the plan: a loader thread ahead of the consuming (compute) thread."""
 
     def __init__(
-        self, streamer: LayerStreamer, hooks: LoaderHooks, synchronous: bool, route: Route = True
+        self,
+        streamer: LayerStreamer,
+        hooks: LoaderHooks,
+        synchronous: bool,
+        route: Route = True,
+        expect_all: bool = False,
     ) -> None:
         self.s = streamer
         self.hooks = hooks
@@ -187,11 +196,7 @@ class _Run:
         self.error: BaseException | None = None
         self.cancelled = False
         self.stats = StreamStats()
-        self.routes: dict[int, frozenset[int]] = {}  # layer → the experts its tokens chose
-        self.routing = bool(route)  # False: every expert is read, whatever the routers chose
-        self.await_routes = self.routing  # read only chosen experts (waiting for the router)
-        self.always_route = route == "always"  # even where waiting does not pay (tests)
-        self.saved_bytes = 0  # experts' bytes left unread thanks to them
+        self.routing = Routing(route, nearly_all=expect_all)
         self.early: set[int] = set()  # loads read ahead of their turn, while a router ran
         self.thread = threading.Thread(target=self._loader, name="tandem-loader", daemon=True)
         self.thread.start()
@@ -260,44 +265,50 @@ class _Run:
     def route(self, layer: int, used: frozenset[int], experts: int) -> None:
         """On the compute thread, once layer `layer`'s router ran: the experts its tokens
         chose. Where they are nearly all of them, later layers' experts are read without
-        waiting for their routers (a long prompt: every expert is used anyway)."""
+        waiting for their routers (a long prompt: every expert is used anyway), until a
+        router chooses few of them."""
         with self.cond:
-            self.routes[layer] = used
-            if len(used) >= ALL_EXPERTS * experts:
-                self.await_routes = False
+            self.routing.chose(layer, used, experts)
             self.cond.notify_all()
 
     def _chosen(self, load: Load, ahead: Load | None) -> Load | None:
         """What of `load` to read: a routed load's chosen experts (after waiting for its
         router), else all of it; None when no token chose any of its experts."""
-        if not load.routed or load.resident or not self.routing:
+        routing, stats = self.routing, self.stats
+        if not load.routed or load.resident or not routing.mode:
             return load
-        self._worth_waiting()  # on what the layers before this one waited and saved
+        # on what the layers before this one waited and saved
+        routing.check_cost(stats.route_wait_s, stats.bytes_streamed, stats.load_busy_s)
         with self.cond:
-            waits = self.await_routes or load.layer in self.routes
-        moved = routed_only(load, self._route_of(load.layer, ahead)) if waits else load
-        self.saved_bytes += load.weight_bytes - (moved.weight_bytes if moved else 0)
+            waits = routing.waits or load.layer in routing.routes
+        used = self._route_of(load.layer, ahead) if waits else None
+        moved = load if used is None else routed_only(load, used)
+        routing.saved_bytes += load.weight_bytes - (moved.weight_bytes if moved else 0)
         if moved is not None:
             n = self.stats.experts_streamed.get(load.layer, 0)
             self.stats.experts_streamed[load.layer] = n + len(moved.parts)
         return moved
 
-    def _route_of(self, layer: int, ahead: Load | None) -> frozenset[int]:
-        """The experts layer `layer`'s tokens chose, once its router ran. Meanwhile `ahead`
-        (the next load that needs no router: the next layer's attention) is read as soon as
-        its slot is free, so the link works while routing runs; the link's idle time is
-        `route_wait_s`."""
+    def _route_of(self, layer: int, ahead: Load | None) -> frozenset[int] | None:
+        """The experts layer `layer`'s tokens chose, once its router ran; None where an
+        earlier router (a resident layer's too) chose nearly all of its experts meanwhile:
+        then every expert is read at once. Meanwhile `ahead` (the next load that needs no
+        router: the next layer's attention) is read as soon as its slot is free, so the link
+        works while routing runs; the link's idle time is `route_wait_s`."""
         while True:
             with self.cond:
                 t0 = time.perf_counter()
                 self.cond.wait_for(
-                    lambda a=ahead: self.cancelled or layer in self.routes or self._early(a)
-                )
+                    lambda a=ahead: self.cancelled or layer in self.routing.routes
+                    or not self.routing.waits or self._early(a)
+                )  # fmt: skip
                 self.stats.route_wait_s += time.perf_counter() - t0
                 if self.cancelled:
                     raise StreamCancelled
-                if layer in self.routes:
-                    return self.routes[layer]
+                if layer in self.routing.routes:
+                    return self.routing.routes[layer]
+                if not self.routing.waits:
+                    return None
             assert ahead is not None
             self.early.add(ahead.seq)
             self.hooks.on_loading(ahead, self.s.slot_of(ahead))
@@ -311,21 +322,6 @@ class _Run:
         if ahead.resident and ahead.seq in self.s._resident_ready:
             return False
         return self._may_fill(ahead)
-
-    def _worth_waiting(self) -> None:
-        """Stop waiting for routers once the link has idled, waiting for them, longer than
-        the experts they left out would have taken to read (at the rate loads have filled):
-        routing saved bytes but cost more time (the loader reads in order, so the link
-        stands while a layer's attention computes)."""
-        busy = self.stats.load_busy_s > 0 and self.stats.bytes_streamed
-        if self.await_routes and not self.always_route and busy:
-            rate = self.stats.bytes_streamed / self.stats.load_busy_s  # bytes/s
-            if self.stats.route_wait_s > self.saved_bytes / rate:
-                log.debug(
-                    "routing stopped paying (%.3f s waited): every expert from here",
-                    self.stats.route_wait_s,
-                )
-                self.await_routes = False
 
     def _may_fill(self, load: Load) -> bool:
         if self.synchronous and load.seq > self.asked:
