@@ -128,12 +128,18 @@ def test_a_long_prompt_reads_every_expert_without_waiting_for_routers(
 
 def test_counts_decide_whether_later_layers_wait() -> None:
     """A router that chose nearly all (≥ 90%) of its experts ends the waiting; one that chose
-    few (< 50%) turns it back on; in between, the last decision stands."""
+    few (< 50%) turns it back on, where the link binds; in between, the last decision
+    stands."""
     routing = Routing(nearly_all=True)  # a long prompt: expected to use nearly all
     assert not routing.waits
     for layer, chose, waits in ((0, 6, False), (1, 3, True), (2, 6, True), (3, 8, False)):
         routing.chose(layer, frozenset(range(chose)), 8)
         assert routing.waits is waits, (layer, chose)
-    routing.waiting_pays = False  # routing stopped paying (`check_cost`): counts cannot undo it
     routing.chose(4, frozenset(range(1)), 8)
+    assert routing.waits
+    routing.link_binds = False  # compute, not the link, binds: unread experts save nothing
+    assert not routing.waits
+    routing.link_binds = True
+    routing.waiting_pays = False  # routing stopped paying (`check_cost`): counts cannot undo it
+    routing.chose(5, frozenset(range(1)), 8)
     assert not routing.waits and not Routing(False).waits and Routing("always", True).waits

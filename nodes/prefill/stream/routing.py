@@ -4,8 +4,10 @@ only the experts the prompt's tokens chose, or every expert at once with no wait
 The routers' counts decide. Before any router has run, the prompt's length does, through the
 share of experts its tokens are expected to choose (`MoeSpec.expected_share`, the plan's own
 curve); a router that chose nearly all of its experts ends the waiting, and one that chose
-few of them (a skewed router) starts it again. Waiting also stops for the rest of the pass
-once the link has stood longer, waiting, than the experts left unread would have taken.
+few of them (a skewed router) starts it again, where the link binds (the loader has waited
+less for compute to free slots than it has read): only there do unread experts save time.
+Waiting also stops for the rest of the pass once the link has stood longer, waiting, than the
+experts left unread would have taken.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Routing:
     # the prompt's tokens are expected to)
     routes: dict[int, frozenset[int]] = field(default_factory=dict)  # layer → chosen experts
     waiting_pays: bool = True  # until `check_cost` finds it does not
+    link_binds: bool = True  # the loader reads more than it waits for compute to free slots
     saved_bytes: int = 0  # experts' bytes left unread thanks to the routers
 
     @property
@@ -39,7 +42,8 @@ class Routing:
         """Whether a routed load whose router has not run yet waits for it."""
         if not self.mode:
             return False
-        return self.mode == "always" or (self.waiting_pays and not self.nearly_all)
+        pays = self.waiting_pays and self.link_binds and not self.nearly_all
+        return self.mode == "always" or pays
 
     def chose(self, layer: int, used: frozenset[int], experts: int) -> None:
         """Layer `layer`'s router chose `used` of its `experts` experts."""

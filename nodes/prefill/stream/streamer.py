@@ -44,6 +44,7 @@ class StreamStats:
     experts_streamed: dict[int, int] = field(default_factory=dict)  # layer → experts read
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # attention, mlp, router, experts
     route_wait_s: float = 0.0  # the loader's time waiting for routers (the link idle)
+    slot_wait_s: float = 0.0  # ... and for compute to free a slot (the link not binding)
 
 
 @dataclass
@@ -216,7 +217,9 @@ class _Run:
                     self._mark_ready(load)
                     continue
                 with self.cond:
+                    t0 = time.perf_counter()
                     self.cond.wait_for(lambda ld=load: self.cancelled or self._may_fill(ld))
+                    self.stats.slot_wait_s += time.perf_counter() - t0
                     if self.cancelled:
                         return
                 self.hooks.on_loading(load, self.s.slot_of(load))
@@ -277,8 +280,9 @@ class _Run:
         routing, stats = self.routing, self.stats
         if not load.routed or load.resident or not routing.mode:
             return load
-        # on what the layers before this one waited and saved
+        # on what the layers before this one waited and saved, and whether the link binds
         routing.check_cost(stats.route_wait_s, stats.bytes_streamed, stats.load_busy_s)
+        routing.link_binds = stats.slot_wait_s <= stats.load_busy_s
         with self.cond:
             waits = routing.waits or load.layer in routing.routes
         used = self._route_of(load.layer, ahead) if waits else None
