@@ -103,9 +103,9 @@ class LayerStreamer:
         is asked for.) `synchronous=True` loads each load only when asked for it, so no copy
         overlaps compute (the bench's `compute_s` denominator). `route=False`: a routed
         load is read whole, without waiting for its router (a pass that computes nothing);
-        True: its chosen experts, while waiting pays (`_worth_waiting`) and the last router
-        did not choose nearly all of them (`expect_all`: what the first router is expected
-        to do, from the prompt's length); "always": always.
+        True: its chosen experts, where the routers' counts and the cost say to wait for
+        them (`Routing`; `expect_all`: before any router, the prompt's tokens are expected to
+        choose nearly all); "always": always.
         """
         run = _Run(self, hooks or LoaderHooks(), synchronous, route, expect_all)
         try:
@@ -267,9 +267,7 @@ class _Run:
 
     def route(self, layer: int, used: frozenset[int], experts: int) -> None:
         """On the compute thread, once layer `layer`'s router ran: the experts its tokens
-        chose. Where they are nearly all of them, later layers' experts are read without
-        waiting for their routers (a long prompt: every expert is used anyway), until a
-        router chooses few of them."""
+        chose (which also decide whether later layers wait for theirs: `Routing.chose`)."""
         with self.cond:
             self.routing.chose(layer, used, experts)
             self.cond.notify_all()
