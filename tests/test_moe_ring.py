@@ -143,3 +143,23 @@ def test_counts_decide_whether_later_layers_wait() -> None:
     routing.waiting_pays = False  # routing stopped paying (`check_cost`): counts cannot undo it
     routing.chose(5, frozenset(range(1)), 8)
     assert not routing.waits and not Routing(False).waits and Routing("always", True).waits
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_packing_grows_a_load_as_its_layout_would(moe: Path, direct: bool) -> None:
+    """`pack` sizes a load by laying out only the new part's pieces after it: the loads are
+    those of laying out each load whole at every step."""
+    from tandem.nodes.prefill.families.qwen3_moe import moe_parts
+    from tandem.nodes.prefill.loads import pack, slot_size
+
+    index = load_index(moe)
+    experts = moe_parts(index, 0)[1:]
+    for max_bytes in (slot_size(experts[:1], direct), slot_size(experts[:3], direct) + 100):
+        loads: list[list[Any]] = []
+        for part in experts:  # the whole layout of each grown load
+            if loads and slot_size([*loads[-1], part], direct) <= max_bytes:
+                loads[-1].append(part)
+            else:
+                loads.append([part])
+        assert pack(experts, max_bytes, direct) == loads
+    assert pack(experts, slot_size(experts[:1], direct) - 1, direct) is None

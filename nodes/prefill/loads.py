@@ -13,7 +13,7 @@ slot: its bytes *land* at their file offset modulo `DIRECT_ALIGN` (`landing`), a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -186,7 +186,7 @@ def moves(load: Load) -> list[tuple[int, int, int]]:
     return runs
 
 
-def layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
+def layout(pieces: list[Piece], direct: bool, start: int = 0) -> tuple[list[int], int]:
     """Each piece's offset in slot memory, and the bytes the slot needs.
 
     Pieces start `ALIGN`-aligned. With `direct`, a piece's span is whole aligned blocks of
@@ -194,9 +194,10 @@ def layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
     then DMAs it straight into the slot (O_DIRECT), no copy through the page cache, which on
     a CPU prefill is CPU time taken from compute; its offset is the `ALIGN` boundary at or
     below where it lands. Under 8 KiB per piece of at least `DIRECT_MIN` bytes; smaller ones
-    are read as before.
+    are read as before. `start`: the bytes already laid out before them (a load's size: its
+    pieces laid out then these give the size of all of them together, `pack`).
     """
-    offsets, cursor = [], 0
+    offsets, cursor = [], start
     for piece in pieces:
         if direct and _direct_ok(piece):
             file_offset, n = piece.span()
@@ -213,6 +214,32 @@ def layout(pieces: list[Piece], direct: bool) -> tuple[list[int], int]:
 
 def slot_size(parts: list[Part] | tuple[Part, ...], direct: bool) -> int:
     return layout([p for part in parts for p in part.pieces], direct)[1]
+
+
+def pack(
+    parts: Iterable[Part],
+    max_bytes: int,
+    direct: bool,
+    first: list[Part] | None = None,
+    joins: Callable[[Part, Part], bool] = lambda last, part: True,
+) -> list[list[Part]] | None:
+    """`parts`, whole and in order, into loads of at most `max_bytes`, after `first` (a load
+    to go on filling); a part joins the last load where `joins(that load's last part, part)`.
+    None where a part alone does not fit. Each load's size grows as `layout` places the
+    pieces, so packing a layer's hundreds of experts is linear in them."""
+    loads = [list(first)] if first else []
+    size = slot_size(first, direct) if first else 0
+    for part in parts:
+        grown = layout(list(part.pieces), direct, size)[1]
+        if loads and grown <= max_bytes and joins(loads[-1][-1], part):
+            loads[-1].append(part)
+            size = grown
+        elif (alone := slot_size([part], direct)) <= max_bytes:
+            loads.append([part])
+            size = alone
+        else:
+            return None
+    return loads
 
 
 def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]:

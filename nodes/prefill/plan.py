@@ -16,6 +16,7 @@ rest of the streamed set, read every pass).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -258,6 +259,10 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
             if ring == "no resident layer":
                 break  # half the budget buys no resident layer: give the ring all of it
             n_slots, slot, scratch, resident = ring
+            if busy and _held(layer_bytes, resident) < _held(layer_bytes, busy.resident_layers):
+                # a smaller resident set streams more than routing's wait costs (and smaller
+                # slots, or a larger ring, hold fewer resident layers still)
+                return _with_form(busy, index, weights)
             for i in resident:
                 if index.quantized:  # all of its slices, in one load
                     groups[i] = [[p for g in groups[i] for p in g]]
@@ -268,12 +273,14 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
             if _routing_idles(plan):
                 busy = busy or plan
                 continue
-            if busy is not None and plan.streamed_bytes > busy.streamed_bytes:
-                continue  # a smaller resident set streams more than routing's wait costs
             return _with_form(plan, index, weights)
     if busy is not None:
         return _with_form(busy, index, weights)
     raise ModelError(f"budget {budget} B cannot hold one slice of a layer; raise --budget")
+
+
+def _held(layer_bytes: list[int], resident: Iterable[int]) -> int:
+    return sum(layer_bytes[i] for i in resident)
 
 
 def _routing_idles(plan: Plan) -> bool:

@@ -48,7 +48,7 @@ from tandem.nodes.prefill.families.qwen3_moe import (
     moe_parts,
 )
 from tandem.nodes.prefill.linear_mixer import linear_mixer
-from tandem.nodes.prefill.loads import Part, Piece, slot_size
+from tandem.nodes.prefill.loads import Part, Piece, pack, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
 from tandem.nodes.prefill.rope import apply_rope, inv_freq, rms_norm, rope_tables
 
@@ -83,18 +83,9 @@ class Qwen35Family(PrefillFamily):
         if not _sparse(index, layer):
             mlp = _dense_loads(index, layer, max_bytes, direct)
             return None if mlp is None else [[mixer], *mlp]
-        loads: list[list[Part]] = [[mixer]]
-        router, *experts = _mlp(index, layer)  # the router, the shared expert, the experts
-        for part in (router, *experts):
-            if slot_size([*loads[-1], part], direct) <= max_bytes and (
-                part.op != "experts" or loads[-1][-1].op == "experts"
-            ):  # experts share loads only with experts: those are read once routed
-                loads[-1].append(part)
-            elif slot_size([part], direct) <= max_bytes:
-                loads.append([part])
-            else:
-                return None
-        return loads
+        # the router, the shared expert, the experts; experts share loads only with experts
+        # (those are read once routed)
+        return pack(_mlp(index, layer), max_bytes, direct, first=[mixer], joins=_experts_apart)
 
     def begin(self, p: Pass, h: torch.Tensor) -> Pass:
         """The full layers' RoPE tables: over the first int(head_dim · factor) dims only."""
@@ -160,6 +151,11 @@ class Qwen35Family(PrefillFamily):
         assert isinstance(state, Qwen35State)
         assert state.conv is not None and state.recurrent is not None
         return {"conv": state.conv[None], "recurrent": state.recurrent[None]}
+
+
+def _experts_apart(last: Part, part: Part) -> bool:
+    """Whether `part` may join a load ending in `last`: an expert only another expert's."""
+    return part.op != "experts" or last.op == "experts"
 
 
 def _sparse(index: ModelIndex, layer: int) -> bool:

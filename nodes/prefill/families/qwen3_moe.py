@@ -43,7 +43,7 @@ from tandem.nodes.prefill.families.llama import (
     out_row_parts,
     row_unit,
 )
-from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
+from tandem.nodes.prefill.loads import ALIGN, Part, Piece, pack, round_up, slot_size
 from tandem.nodes.prefill.rope import rms_norm
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
@@ -95,15 +95,8 @@ class Qwen3MoeFamily(DenseFamily):
             attn[-1] = [*attn[-1], router]
         else:
             attn.append([router])
-        loads: list[list[Part]] = []
-        for part in experts:
-            if loads and slot_size([*loads[-1], part], direct) <= max_bytes:
-                loads[-1].append(part)
-            elif slot_size([part], direct) <= max_bytes:
-                loads.append([part])
-            else:
-                return None  # one expert does not fit a slot
-        return attn + loads
+        loads = pack(experts, max_bytes, direct)  # None: one expert does not fit a slot
+        return None if loads is None else attn + loads
 
     def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
         if part.op != "router":
@@ -136,10 +129,9 @@ def moe_parts(index: ModelIndex, i: int) -> list[Part]:
     norm = Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"])
     router = Part(i, "router", 0, moe.num_experts, True, True,
                   (norm, *matrix_pieces(index, i, "mlp.gate")))  # fmt: skip
-    parts = [router]
+    parts, layout = [router], index.expert_layout(i)
     for lo in range(moe.num_experts):
         hi = lo + 1
-        layout = index.expert_layout(i)
         if layout == "stacked":  # rows of the stacked [E, out, in] tensors: experts lo..hi
             modules = [f"mlp.switch_mlp.{m}" for m in MATRICES]
             pieces = [p for m in modules for p in matrix_pieces(index, i, m, rows=(lo, hi))]
