@@ -1,7 +1,8 @@
-"""Issue 36: the link works while a router runs. While a streamed MoE layer's router runs
-(its experts cannot be chosen yet), the loader reads the next layer's first load, where the
-plan leaves its slot free; the planner takes more, smaller slots for that where they keep the
-resident set. Made fp32 qwen3_moe, CPU."""
+"""Issue 36: the link works while a router runs, and counts decide when to wait for one.
+While a streamed MoE layer's router runs (its experts cannot be chosen yet), the loader reads
+the next layer's first load, where the plan leaves its slot free; the planner takes more,
+smaller slots for that where they keep the resident set. A long prompt reads every expert at
+once; routers' counts turn the waiting off and on (`Routing`). Made fp32 qwen3_moe, CPU."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def test_the_plan_leaves_a_slot_for_the_next_layer_while_routing(moe: Path) -> N
     gap = max(b - a for a, b in itertools.pairwise(plain) if b > a + 1)
     assert plan.n_slots > gap  # that load's slot is free while compute sits at the router
     assert _routing_idles(replace(plan, n_slots=gap))  # the check itself, with one slot less
+    # at half the layers, a free slot would cost the resident layer: the plan keeps it
+    half = cost.node_plan(index, sum(index.layer_bytes(i) for i in range(4)) // 2)
+    assert half.resident_layers == (0,) and _routing_idles(half)
 
 
 def loading_order(engine: PrefillEngine, tokens: list[int]) -> tuple[list[Any], list[int]]:
