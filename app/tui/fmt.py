@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
+# A scale: rows of (from, unit size, decimals, unit name), largest first; a value is written
+# in the first row it reaches (the last row also takes what reaches none, negatives and NaN).
+_Scale = tuple[tuple[float, float, int, str], ...]
+_RATE: _Scale = (
+    (1e9, 1e9, 2, "GB/s"),
+    (1e6, 1e6, 1, "MB/s"),
+    (1e3, 1e3, 0, "kB/s"),
+    (float("-inf"), 1, 0, "B/s"),
+)
+_SIZE: _Scale = (
+    (1e10, 1e9, 0, "GB"),
+    (1e9, 1e9, 1, "GB"),
+    (1e6, 1e6, 0, "MB"),
+    (float("-inf"), 1e3, 0, "kB"),
+)
+_BINARY: _Scale = (
+    (1 << 30, 1 << 30, 1, "GiB"),
+    (10 << 20, 1 << 20, 0, "MiB"),
+    (1 << 20, 1 << 20, 1, "MiB"),
+    (float("-inf"), 1024, 0, "KiB"),
+)
+
+
+def _on_scale(x: float, scale: _Scale) -> str:
+    _, size, decimals, unit = next((row for row in scale if x >= row[0]), scale[-1])
+    return f"{x / size:.{decimals}f} {unit}"
+
 
 def format_rate(Bps: float) -> str:
     """Bytes/s in decimal units: `512 kB/s`, `12.3 MB/s`, `1.25 GB/s`."""
-    if Bps >= 1e9:
-        return f"{Bps / 1e9:.2f} GB/s"
-    if Bps >= 1e6:
-        return f"{Bps / 1e6:.1f} MB/s"
-    if Bps >= 1e3:
-        return f"{Bps / 1e3:.0f} kB/s"
-    return f"{Bps:.0f} B/s"
+    return _on_scale(Bps, _RATE)
 
 
 def format_gbit(Bps: float) -> str:
@@ -43,19 +64,9 @@ def format_seconds(s: float | None) -> str:
 
 def format_size(n: int) -> str:
     """Memory in decimal GB/MB, as vendors label it."""
-    if n >= 1e10:
-        return f"{n / 1e9:.0f} GB"
-    if n >= 1e9:
-        return f"{n / 1e9:.1f} GB"
-    if n >= 1e6:
-        return f"{n / 1e6:.0f} MB"
-    return f"{n / 1e3:.0f} kB"
+    return _on_scale(n, _SIZE)
 
 
 def format_binary(n: int) -> str:
     """Weights in binary units, as `tandem plan` and the logs give them: `1.2 GiB`, `640 MiB`."""
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.1f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.0f} MiB" if n >= 10 << 20 else f"{n / (1 << 20):.1f} MiB"
-    return f"{n / 1024:.0f} KiB"
+    return _on_scale(n, _BINARY)
