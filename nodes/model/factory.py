@@ -19,6 +19,7 @@ from typing import Literal, get_args
 import numpy as np
 from tandem.nodes.model import factory_qwen3_5 as qwen3_5
 from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.factory_keys import decoder_keys
 from tandem.nodes.model.factory_moe import (
     ExpertLayout,
     expert_weights,
@@ -175,16 +176,7 @@ def _config(a: MakeModelArgs, head_dim: int, eos: int, bos: int) -> dict[str, ob
     config: dict[str, object] = {
         "architectures": [_ARCH[a.arch]],
         "model_type": _MODEL_TYPE.get(a.arch, a.arch),
-        "hidden_size": a.hidden,
-        "intermediate_size": a.intermediate,
-        "num_hidden_layers": a.layers,
-        "num_attention_heads": a.heads,
-        "num_key_value_heads": a.kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "vocab_size": a.vocab,
-        "max_position_embeddings": a.max_position_embeddings,
+        **decoder_keys(a, head_dim),
         "rope_theta": theta,
         "rope_parameters": rope,
         "tie_word_embeddings": _tied(a),

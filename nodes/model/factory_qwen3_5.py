@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from tandem.nodes.model.factory_keys import DecoderArgs, decoder_keys
+
 if TYPE_CHECKING:
     import mlx.core as mx
 
@@ -40,21 +42,14 @@ _OFFSET_NORMS = (
 )
 
 
-class Qwen35Args(Protocol):
+class Qwen35Args(DecoderArgs, Protocol):
     """The fields of `factory.MakeModelArgs` read here."""
 
     arch: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
     dtype: str
     seed: int
     shards: int
     tie_embeddings: bool
-    max_position_embeddings: int
     rope_theta: float | None
     experts: int
     top_k: int
@@ -75,16 +70,7 @@ def qwen3_5_config(a: Qwen35Args, head_dim: int, eos: int, bos: int) -> dict[str
     interval = a.full_attention_interval
     text: dict[str, object] = {
         "model_type": f"{a.arch}_text",
-        "hidden_size": a.hidden,
-        "intermediate_size": a.intermediate,
-        "num_hidden_layers": a.layers,
-        "num_attention_heads": a.heads,
-        "num_key_value_heads": a.kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "vocab_size": a.vocab,
-        "max_position_embeddings": a.max_position_embeddings,
+        **decoder_keys(a, head_dim),
         "linear_num_key_heads": a.linear_k_heads,
         "linear_num_value_heads": a.linear_v_heads,
         "linear_key_head_dim": a.linear_k_dim,
