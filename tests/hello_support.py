@@ -13,7 +13,8 @@ import pytest
 from aiohttp import web
 from tandem.nodes.contract.cluster import Health
 from tandem.nodes.contract.http import PROTO
-from tandem.nodes.trust.auth import auth_middleware
+from tandem.nodes.serve.errors import node_middleware
+from tandem.nodes.trust.auth import Gate
 from tandem.nodes.trust.hello import HelloResponder
 from tandem.nodes.trust.tls import Identity, load_or_create
 
@@ -63,7 +64,7 @@ class FakeCallee:
         async def echo(request: web.Request) -> web.Response:
             return web.json_response({"body": (await request.read()).decode()})
 
-        app = web.Application(middlewares=[record, auth_middleware(self.token, CALLEE)])
+        app = web.Application(middlewares=[record, node_middleware(Gate(self.token, CALLEE))])
         app.router.add_get("/health", health)
         add_hello_routes(app, responder, held)
         app.router.add_route("*", "/v1/echo", echo)

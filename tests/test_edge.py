@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from tandem.nodes.contract.http import ApiError
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
-from tandem.nodes.serve.errors import json_errors, read_json_body
+from tandem.nodes.serve.errors import node_middleware, read_json_body
 from tandem.nodes.trust.auth import bearer_ok
 
 from tests.nodeproc import NodeProc, remote_pair
@@ -43,7 +43,7 @@ async def _echo(request: web.Request) -> web.Response:
 @asynccontextmanager
 async def serving(limits: EdgeLimits = LIMITS) -> AsyncIterator[int]:
     """A tiny app behind the node's middleware and runner; its port."""
-    app = web.Application(middlewares=[json_errors], client_max_size=1000)
+    app = web.Application(middlewares=[node_middleware()], client_max_size=1000)
     app.router.add_get("/ok", _ok)
     app.router.add_get("/refused", _refused)
     app.router.add_post("/echo", _echo)

@@ -1,6 +1,7 @@
 """How every route of both roles reads a body and refuses a request: one body reader that
-enforces the size limit, and one middleware that answers `ApiError` (and aiohttp's own
-404/405/413) with the contract's error body, never aiohttp's text/plain.
+enforces the size limit, and one middleware that lets in whom the `Gate` admits and answers
+`ApiError` (and aiohttp's own 404/405/413) with the contract's error body, never aiohttp's
+text/plain.
 """
 
 from __future__ import annotations
@@ -10,47 +11,49 @@ from typing import Any
 
 from aiohttp import web
 from tandem.nodes.contract.http import ApiError, BadBody, error_body, read_json
+from tandem.nodes.trust.auth import Gate
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 _KEPT_HEADERS = ("allow", "retry-after")  # what an aiohttp refusal says that a client needs
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The request's whole body; ApiError 413 past the app's `client_max_size`
-    (`MAX_BODY_BYTES`). aiohttp keeps the bytes, so a second read gets the same."""
+async def read_json_body(request: web.Request, code: str = "bad_json") -> Any:
+    """The request's body as JSON (`contract.read_json`); ApiError 413 past the app's
+    `client_max_size` (`MAX_BODY_BYTES`), 400 with `code` when it is not JSON the node reads."""
     try:
-        return await request.read()
+        raw = await request.read()  # aiohttp keeps the bytes: a second read gets the same
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, _too_large(request), "request_too_large") from None
     except web.RequestPayloadError:  # its framing: chunked encoding, compression
         raise ApiError(400, "the request body is malformed", "bad_request") from None
-
-
-async def read_json_body(request: web.Request, code: str = "bad_json") -> Any:
-    """The request's body as JSON (`contract.read_json`); ApiError 413 when too large, 400
-    with `code` when it is not JSON the node reads."""
-    raw = await read_body(request)
     try:
         return read_json(raw)
     except BadBody as e:
         raise ApiError(400, str(e), code) from None
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The outermost middleware: a refusal, ours or aiohttp's, in the one error body."""
-    try:
-        return await handler(request)
-    except ApiError as e:
-        return web.json_response(e.body(), status=e.status, headers=e.headers)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        message = _too_large(request) if e.status == 413 else e.reason
-        body = error_body(message, _CODES.get(e.status, "http_error"))
-        headers = {k: v for k, v in e.headers.items() if k.lower() in _KEPT_HEADERS}
-        return web.json_response(body, status=e.status, headers=headers)
+def node_middleware(gate: Gate | None = None) -> web.middleware:
+    """The node's one middleware: the `gate` (who may call), then the handler; a refusal,
+    ours or aiohttp's, in the one error body."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if gate is not None:
+                await gate.admit(request)
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status, headers=e.headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            message = _too_large(request) if e.status == 413 else e.reason
+            body = error_body(message, _CODES.get(e.status, "http_error"))
+            headers = {k: v for k, v in e.headers.items() if k.lower() in _KEPT_HEADERS}
+            return web.json_response(body, status=e.status, headers=headers)
+
+    return middleware
 
 
 def _too_large(request: web.Request) -> str:

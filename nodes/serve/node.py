@@ -1,10 +1,10 @@
 """One tandem node process: roles + one aiohttp app + peers (DESIGN.md `tandem node`).
 
 `create_app(config)` builds the app: the node's own routes (`routes.py`), its roles' routes,
-the error middleware (`errors.py`) and auth; `serve` runs it behind the connection limits
-(`connections.py`). The heavy halves are imported only for their role (torch for prefill,
-mlx for decode), so a Mac decode node starts without torch and a CUDA prefill node without
-mlx. Background work lives in `cleanup_ctx` and is cancelled on exit.
+the one middleware (`errors.py`: the auth gate, then the error body); `serve` runs it behind
+the connection limits (`connections.py`). The heavy halves are imported only for their role
+(torch for prefill, mlx for decode), so a Mac decode node starts without torch and a CUDA
+prefill node without mlx. Background work lives in `cleanup_ctx` and is cancelled on exit.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.kv_bytes import state_tensors
 from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
-from tandem.nodes.serve.errors import json_errors
+from tandem.nodes.serve.errors import node_middleware
 from tandem.nodes.serve.routes import NodeRoutes
-from tandem.nodes.trust.auth import auth_middleware, check_bind, is_loopback
+from tandem.nodes.trust.auth import Gate, check_bind, is_loopback
 from tandem.nodes.trust.hello import HelloResponder
 from tandem.nodes.trust.tls import Identity, TLSError, load_or_create, server_context
 
@@ -206,7 +206,7 @@ def create_app(config: NodeConfig) -> web.Application:
     index = load_index(config.model)
     node = Node(config, index, fingerprint(index), _identity(config))
     app = web.Application(
-        middlewares=[json_errors, auth_middleware(config.token, node.id)],
+        middlewares=[node_middleware(Gate(config.token, node.id))],
         client_max_size=MAX_BODY_BYTES,
     )
     app[NODE] = node

@@ -1,7 +1,7 @@
 """The routes every node serves, whatever its roles: `/health`, the hello pair, `/v1/events`
 and `/v1/cluster` (the roles add theirs: `/v1/prefill`, the OpenAI routes).
 
-A refusal raises `ApiError`; the node's `json_errors` middleware answers it.
+A refusal raises `ApiError`; the node's middleware (`errors.py`) answers it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from tandem.nodes.contract.http import error_body
+from tandem.nodes.contract.http import ApiError
 from tandem.nodes.trust.signing import SIGNED_HEADERS, SignatureError, Verifier
 
 log = logging.getLogger(__name__)
@@ -115,46 +115,40 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def auth_middleware(token: str | None, own_id: str) -> web.middleware:
-    """Every `/v1/*` route but the hello needs, once a token is configured, the bearer token
-    (a client) or a request signed for `own_id` (a peer: fresh, and never seen before)."""
-    if not token:
-        return _open
-    verifier = Verifier(token, own_id)
-    # this process remembers no nonce from before it started: refuse what was signed then
-    verifier.floor = int(time.time()) - 1
+class Gate:
+    """Who may call a route: every `/v1/*` route but the hello needs, once a token is
+    configured, the bearer token (a client) or a request signed for `own_id` (a peer: fresh,
+    and never seen before). Without a token the node serves loopback only (`check_bind`)
+    and lets every request in."""
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+    def __init__(self, token: str | None, own_id: str) -> None:
+        self.token = token
+        self.verifier = Verifier(token, own_id) if token else None
+        if self.verifier is not None:
+            # this process remembers no nonce from before it started: refuse what was signed then
+            self.verifier.floor = int(time.time()) - 1
+
+    async def admit(self, request: web.Request) -> None:
+        """Nothing for a request that may pass (a signed one's caller goes into
+        `request[CALLER_KEY]`); ApiError 401 otherwise. A signed request's body is read here
+        (aiohttp keeps the bytes for the handler; past the size limit, aiohttp's 413)."""
+        if self.token is None or self.verifier is None:
+            return
         if request.path in OPEN_PATHS or not request.path.startswith("/v1/"):
-            return await handler(request)
-        if bearer_ok(request.headers.get("Authorization"), token):
-            return await handler(request)
+            return
+        if bearer_ok(request.headers.get("Authorization"), self.token):
+            return
         if not any(h in request.headers for h in SIGNED_HEADERS):
-            return _unauthorized("missing or wrong bearer token")
-        # aiohttp keeps the bytes for the handler; past the size limit its 413 reaches the
-        # node's outer error middleware (nodes/serve/errors.py)
+            raise ApiError(401, "missing or wrong bearer token", "unauthorized")
         body = await request.read()
         try:
-            caller = verifier.verify(
+            caller = self.verifier.verify(
                 request.method, request.path, request.query, body, request.headers
             )
         except SignatureError as e:
             log.info("refused a signed %s %s: %s", request.method, request.path, e)
-            return _unauthorized(f"signed request refused: {e}")
+            raise ApiError(401, f"signed request refused: {e}", "unauthorized") from None
         request[CALLER_KEY] = caller
-        return await handler(request)
-
-    return middleware
 
 
 CALLER_KEY = "tandem_caller"  # request key: the peer id a signed request came from
-
-
-@web.middleware
-async def _open(request: web.Request, handler: web.Handler) -> web.StreamResponse:
-    return await handler(request)  # no token: a loopback-only node (`check_bind`)
-
-
-def _unauthorized(message: str) -> web.Response:
-    return web.json_response(error_body(message, "unauthorized"), status=401)
