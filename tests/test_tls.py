@@ -28,6 +28,8 @@ from tandem.nodes.trust.tls import (
     server_context,
 )
 
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
 
 def _der_fingerprint(cert_path: Path) -> str:
     return sha256(ssl.PEM_cert_to_DER_cert(cert_path.read_text())).hexdigest()
@@ -147,53 +149,54 @@ def test_contexts_speak_tls_1_2_or_later_and_the_client_trusts_by_pin_only(
 
 @asynccontextmanager
 async def _tls_echo(ident: Identity) -> AsyncIterator[int]:
+    """A loopback TLS echo server that serves `ident`: its port."""
+
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(await reader.readline())
         await writer.drain()
         writer.close()
 
     server = await asyncio.start_server(echo, "127.0.0.1", 0, ssl=server_context(ident))
-    try:
+    async with server:  # closes it and waits for it on the way out
         yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        await server.wait_closed()
+
+
+@asynccontextmanager
+async def _tls_echo_client(ident: Identity) -> AsyncIterator[Connection]:
+    """A first-contact client (no pin yet) connected to `_tls_echo(ident)`: (reader, writer)."""
+    async with _tls_echo(ident) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context())
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            await writer.wait_closed()
 
 
 async def test_a_client_sees_the_identity_it_was_told_to_pin(tmp_path: Path) -> None:
     ident = load_or_create(tmp_path / "server", "prefill")
     other = load_or_create(tmp_path / "other", "impostor")
-    async with _tls_echo(ident) as port:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context())
-        try:
-            ssl_object = writer.get_extra_info("ssl_object")
-            assert ssl_object.version() in ("TLSv1.2", "TLSv1.3")
-            assert peer_fingerprint(ssl_object) == ident.fingerprint
-            assert check_peer(ssl_object, ident.fingerprint) == ident.fingerprint
-            pretty = ":".join(ident.fingerprint[i : i + 2] for i in range(0, 64, 2)).upper()
-            assert check_peer(ssl_object, pretty) == ident.fingerprint
-            with pytest.raises(TLSError, match="not the pinned"):
-                check_peer(ssl_object, other.fingerprint)
-            with pytest.raises(TLSError, match="not a hex SHA-256"):
-                check_peer(ssl_object, "deadbeef")
-            writer.write(b"private prompt\n")
-            assert await reader.readline() == b"private prompt\n"
-        finally:
-            writer.close()
-            await writer.wait_closed()
+    async with _tls_echo_client(ident) as (reader, writer):
+        ssl_object = writer.get_extra_info("ssl_object")
+        assert ssl_object.version() in ("TLSv1.2", "TLSv1.3")
+        assert peer_fingerprint(ssl_object) == ident.fingerprint
+        assert check_peer(ssl_object, ident.fingerprint) == ident.fingerprint
+        pretty = ":".join(ident.fingerprint[i : i + 2] for i in range(0, 64, 2)).upper()
+        assert check_peer(ssl_object, pretty) == ident.fingerprint
+        with pytest.raises(TLSError, match="not the pinned"):
+            check_peer(ssl_object, other.fingerprint)
+        with pytest.raises(TLSError, match="not a hex SHA-256"):
+            check_peer(ssl_object, "deadbeef")
+        writer.write(b"private prompt\n")
+        assert await reader.readline() == b"private prompt\n"
 
 
 async def test_an_impostor_on_the_same_port_is_told_apart(tmp_path: Path) -> None:
     real = load_or_create(tmp_path / "real", "prefill")
     impostor = load_or_create(tmp_path / "impostor", "prefill")
-    async with _tls_echo(impostor) as port:
-        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client_context())
-        try:
-            with pytest.raises(TLSError, match="not the node that proved"):
-                check_peer(writer.get_extra_info("ssl_object"), real.fingerprint)
-        finally:
-            writer.close()
-            await writer.wait_closed()
+    async with _tls_echo_client(impostor) as (_, writer):
+        with pytest.raises(TLSError, match="not the node that proved"):
+            check_peer(writer.get_extra_info("ssl_object"), real.fingerprint)
 
 
 async def test_a_plain_connection_has_no_fingerprint() -> None:
