@@ -4,7 +4,6 @@ tests. Builds on tests/nodeproc.py (whose `start_node` runs nodes with `--no-mdn
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,7 +15,15 @@ from typing import Any, TypeVar
 
 from tandem.nodes.trust.auth import is_loopback
 
-from tests.nodeproc import ROOT, NodeProc, free_port, unverified_tls, wait_healthy
+from tests.nodeproc import (
+    ROOT,
+    NodeProc,
+    free_port,
+    node_command,
+    node_env,
+    unverified_tls,
+    wait_healthy,
+)
 
 T = TypeVar("T")
 
@@ -84,27 +91,12 @@ def start_mdns_node(
     """`tandem node --role ROLE` with mDNS on, on `port` or a free one; waits for /health."""
     port = port or free_port()
     log = tmp / f"node-{role}-{port}-{time.monotonic_ns()}.log"
-    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config")}
-    env.pop("TANDEM_TOKEN", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.app",
-        "node",
-        "--role",
-        role,
-        "--model",
-        str(model),
-    ]
-    cmd += ["--port", str(port), "--host", host, *args]
-    if token is not None:
-        token_file = tmp / f"token-{port}"
-        token_file.write_text(token)
-        cmd += ["--token-file", str(token_file)]
+    full_env = node_env(tmp)
+    cmd = node_command(tmp, model, role, port, token, "--host", host, *args)
     if netns is not None:
         cmd = ["ip", "netns", "exec", netns, *cmd]  # ip execs python: the pid is the node's
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
     tls = "--tls" in args or not is_loopback(host)  # as the node decides (NodeConfig.serves_tls)
     node = MdnsNode(proc, port, log, token, tls, host=host, netns=netns)
     if wait:

@@ -21,6 +21,8 @@ from tandem.app.cli.demo import free_port
 __all__ = [
     "NodeProc",
     "free_port",
+    "node_command",
+    "node_env",
     "remote_pair",
     "start_node",
     "stop_all",
@@ -67,6 +69,28 @@ class NodeProc:
         return self.log.read_text(errors="replace")
 
 
+def node_command(
+    tmp: Path, model: Path, role: str, port: int, token: str | None, *args: str
+) -> list[str]:
+    """`tandem node --role ROLE --model MODEL --port PORT ARGS`, and the token through a file
+    in `tmp` when there is one."""
+    cmd = [sys.executable, "-m", "tandem.app", "node", "--role", role, "--model", str(model)]
+    cmd += ["--port", str(port), *args]
+    if token is not None:
+        token_file = tmp / f"token-{port}"
+        token_file.write_text(token)
+        cmd += ["--token-file", str(token_file)]
+    return cmd
+
+
+def node_env(tmp: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with its own config folder in `tmp` and no TANDEM_TOKEN
+    (a node's token comes from `--token-file` or not at all), `env` on top."""
+    full_env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), **(env or {})}
+    full_env.pop("TANDEM_TOKEN", None)
+    return full_env
+
+
 def start_node(
     tmp: Path,
     model: Path,
@@ -80,23 +104,8 @@ def start_node(
     """`tandem node --role ROLE` on `port` (default: a free one); waits for /health."""
     port = port or free_port()
     log = tmp / f"node-{role}-{port}.log"
-    full_env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), **(env or {})}
-    full_env.pop("TANDEM_TOKEN", None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tandem.app",
-        "node",
-        "--role",
-        role,
-        "--model",
-        str(model),
-    ]
-    cmd += ["--port", str(port), "--no-mdns", *args]
-    if token is not None:
-        token_file = tmp / f"token-{port}"
-        token_file.write_text(token)
-        cmd += ["--token-file", str(token_file)]
+    full_env = node_env(tmp, env)
+    cmd = node_command(tmp, model, role, port, token, "--no-mdns", *args)
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT)
     node = NodeProc(proc, port, log, token, tls="--tls" in args)

@@ -17,14 +17,7 @@ from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
 
 from tests import fake_peer_support
-from tests.discovery_support import (
-    MdnsNode,
-    mutual_trust,
-    peer,
-    poll,
-    start_mdns_node,
-    trusted_by,
-)
+from tests.discovery_support import MdnsNode, mutual_trust, peer, poll, start_mdns_node, trusted_by
 from tests.fake_peer_support import TOKEN, FakeNode, serving
 from tests.nodeproc import wait_healthy
 

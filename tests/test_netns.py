@@ -15,14 +15,7 @@ from typing import Any
 import pytest
 from tandem.nodes.contract.http import SERVICE_TYPE
 
-from tests.discovery_support import (
-    MdnsNode,
-    mutual_trust,
-    peer,
-    poll,
-    start_mdns_node,
-    trusted_by,
-)
+from tests.discovery_support import MdnsNode, mutual_trust, peer, poll, start_mdns_node, trusted_by
 from tests.netns_relay import RelayProcess, read_log
 from tests.nodeproc import free_port, stop_all, wait_healthy
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tandem.nodes.contract.frames import FrameWriter, Header, LayerFrame, ProtocolError
 from tandem.nodes.contract.http import PROTO, KVFormat, kv_format_of
-from tandem.nodes.decode.kv import CacheBuilder, KVShape
+from tandem.nodes.decode.families.base import CacheBuilder, KVShape
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.prefill.handover import quantized_parts
 

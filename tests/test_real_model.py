@@ -286,7 +286,7 @@ def test_eight_bit_kv_handoff_is_within_one_percent_of_mlx_lms_own(real_model: R
     QuantizedKVCaches, read a real continuation within 1% perplexity of mlx-lm's own 8-bit
     cache of the same prompt (`generate(kv_bits=8, quantized_kv_start=0)`'s cache)."""
     from tandem.nodes.contract.http import KVFormat
-    from tandem.nodes.decode import kv
+    from tandem.nodes.decode.lm import device_kernel
     from tandem.nodes.prefill.engine import PrefillEngine
 
     from tests.handoff_quality import from_quantized, handoff_quality
@@ -295,7 +295,7 @@ def test_eight_bit_kv_handoff_is_within_one_percent_of_mlx_lms_own(real_model: R
     model, tokenizer = _mlx_load(model_dir)
     text = tokenizer.encode(CORPUS)
     prompt, continuation = text[: SPLIT[0]], text[SPLIT[0] : SPLIT[1]]
-    fmt = KVFormat(8, 64, kv.device_kernel())
+    fmt = KVFormat(8, 64, device_kernel())
 
     def handed_off() -> list[Any]:
         engine = PrefillEngine(model_dir, budget=48 * 2**20, device="cpu")

@@ -12,8 +12,8 @@ import pytest
 from tandem.nodes.cluster.peers import PeerTable
 from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.events import EventBus, LinkEvent
+from tandem.nodes.decode.families.base import KVShape
 from tandem.nodes.decode.host import ModelHost
-from tandem.nodes.decode.kv import KVShape
 from tandem.nodes.decode.remote import BufferPool, PrefillCall, RemotePrefill, RemotePrefillError
 from tandem.nodes.model import fingerprint, load_index
 

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.contract.http import KVFormat, KVKernel
 
 Caches = list[Any]  # one mlx-lm cache per layer
 CacheKind = Literal["full", "sliding", "linear", "other"]
@@ -228,6 +228,18 @@ def has_state(caches: Caches) -> bool:
     """Whether some layer holds a state (linear attention), which cannot be cut back (a
     decode group's other ranks' layers too)."""
     return any(kind(c) == "linear" for c in caches) or "linear" in getattr(caches, "kinds", ())
+
+
+def device_kernel() -> KVKernel:
+    """Whose `mx.quantize` rounding this node's caches get: mlx's CPU kernel or its GPU one."""
+    return "gpu" if mx.default_device() == mx.gpu else "cpu"
+
+
+def format_of(caches: Caches) -> KVFormat | None:
+    """The KV format the caches hold (None: full precision)."""
+    forms = [quantized_form(c) for c in caches if kind(c) == "full"]
+    form = forms[0] if forms else None  # windows stay float
+    return KVFormat(form[0], form[1], device_kernel()) if form else None
 
 
 def positions(caches: Caches) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.contract.prefix import best_prefix, common_prefix
-from tandem.nodes.decode import kv, lm
+from tandem.nodes.decode import lm
 
 DEFAULT_MAX_BYTES = 2 * 1024**3
 
@@ -80,7 +80,7 @@ class PromptCache:
         if not key or lm.positions(caches) != len(key):
             return
         nbytes = lm.nbytes(caches)
-        kv_format = kv.format_of(caches)
+        kv_format = lm.format_of(caches)
         form = _form(kv_format)
         with self._lock:
             for f, other in list(self._entries):

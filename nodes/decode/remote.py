@@ -25,10 +25,9 @@ from tandem.nodes.contract.frames import (
     ProtocolError,
 )
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import kv, lm
-from tandem.nodes.decode.families.base import DecodeFamily, LayerStepper
+from tandem.nodes.decode import lm
+from tandem.nodes.decode.families.base import CacheBuilder, DecodeFamily, KVShape, LayerStepper
 from tandem.nodes.decode.host import ModelHost
-from tandem.nodes.decode.kv import KVShape
 from tandem.nodes.model.spec import LayerKind
 from tandem.nodes.serve import http_stream
 from tandem.nodes.serve.http_stream import HttpError
@@ -249,14 +248,14 @@ class _Assembler:
         self.stepper = stepper
         self.queue: asyncio.Queue[LayerFrame | None] = asyncio.Queue(maxsize=4)
         self.task: asyncio.Task[None] | None = None
-        self.builder: kv.CacheBuilder | None = None
+        self.builder: CacheBuilder | None = None
 
     async def take(self, frame: Frame) -> None:
         if isinstance(frame, ErrorFrame):
             raise RemotePrefillError(f"prefill node error {frame.code}: {frame.message}")
         if isinstance(frame, Header):
             client = self.client
-            self.builder = kv.CacheBuilder(
+            self.builder = CacheBuilder(
                 frame, self.caches, client.expect, self.call.start, self.call.count,
                 self.call.kv_format, client.family, client.kinds,
             )  # fmt: skip

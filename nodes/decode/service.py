@@ -34,11 +34,10 @@ from tandem.nodes.contract.http import (
     ApiError,
     KVFormat,
 )
-from tandem.nodes.decode import kv, lm
+from tandem.nodes.decode import lm
 from tandem.nodes.decode.families import family_for
-from tandem.nodes.decode.families.base import LayerStepper
+from tandem.nodes.decode.families.base import KVShape, LayerStepper
 from tandem.nodes.decode.host import Cancelled, Generation, ModelHost
-from tandem.nodes.decode.kv import KVShape
 from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
@@ -110,7 +109,7 @@ class DecodeService:
         self.kv_format = kv_format  # the default of requests that do not say
         # a request's bits without a group size take the node's (its own bits may be 16)
         self.kv_group_size = kv_group_size
-        self.kv_kernel = kv.device_kernel()  # whose rounding quantized K/V must match
+        self.kv_kernel = lm.device_kernel()  # whose rounding quantized K/V must match
         self.family = family_for(spec.family)  # fills caches from frames, steps the last token
         self.remote = RemotePrefill(host, expect, fingerprint, peers, family=self.family,
                                     kinds=spec.layer_kinds)  # fmt: skip

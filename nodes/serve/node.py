@@ -305,8 +305,9 @@ def keep_torch_out() -> None:
 
 
 def _decode_service(node: Node) -> DecodeService:
+    from tandem.nodes.decode.families.base import KVShape
     from tandem.nodes.decode.host import ModelHost
-    from tandem.nodes.decode.kv import KVShape, device_kernel
+    from tandem.nodes.decode.lm import device_kernel
     from tandem.nodes.decode.service import DecodeService
 
     spec, c = node.index.spec, node.config

@@ -17,7 +17,7 @@ from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import LayerArrays
 from tandem.nodes.decode.group.channel import Channel, Order
 from tandem.nodes.decode.group.pipeline import Stage
-from tandem.nodes.decode.kv import device_kernel
+from tandem.nodes.decode.lm import device_kernel
 from tandem.nodes.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
