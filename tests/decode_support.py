@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families.base import LayerStepper
-from tandem.nodes.decode.host import Generation, ModelHost
+from tandem.nodes.decode.generate import Generation, texts
+from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Sampling
 
 
@@ -23,8 +24,9 @@ def generate(
     kv_format: KVFormat | None = None,
     first: LayerStepper | None = None,
 ) -> Generation:
-    """On the mlx thread: `host.texts` to its end, each piece to `on_text`."""
-    pieces = host.texts(prompt, cache, params, cancel, on_token, kv_format, first)
+    """On the mlx thread: `generate.texts` to its end, each piece to `on_text`."""
+    pieces = texts(host.model, host.tokenizer, prompt, cache, params, cancel, on_token, kv_format,
+                   first)  # fmt: skip
     while True:
         try:
             text = next(pieces)

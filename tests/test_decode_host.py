@@ -10,8 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
-from tandem.nodes.decode import token_loop
-from tandem.nodes.decode.host import Generation, ModelHost
+from tandem.nodes.decode.generate import Generation, steps
+from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Sampling
 
 from tests.decode_support import generate
@@ -53,7 +53,7 @@ def test_first_token_comes_before_the_second_is_computed(host: ModelHost) -> Non
     sampler = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
 
     def first_offset() -> int:
-        tokens = token_loop.steps(host.model, mx.array(prompt), cache, sampler, 5)
+        tokens = steps(host.model, mx.array(prompt), cache, sampler, 5)
         next(tokens)
         offset = cache[0].offset
         tokens.close()

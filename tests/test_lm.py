@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import lm, token_loop
+from tandem.nodes.decode import generate, lm
 from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
 from tandem.nodes.decode.reference import reference_tokens
 
@@ -39,9 +39,7 @@ def _theirs(model: Any, tokenizer: Any, caches: lm.Caches, n: int) -> list[int]:
 
 
 def _ours(model: Any, caches: lm.Caches, n: int, fmt: KVFormat | None = None) -> list[int]:
-    return [
-        s.token for s in token_loop.steps(model, mx.array(PROMPT[-1:]), caches, _greedy, n, fmt)
-    ]
+    return [s.token for s in generate.steps(model, mx.array(PROMPT[-1:]), caches, _greedy, n, fmt)]
 
 
 def _until_eos(tokens: list[int], tokenizer: Any) -> list[int]:
@@ -68,7 +66,7 @@ def test_a_cache_cut_shorter_decodes_as_mlx_lm_after_the_same_prefix(loaded: Any
     copy = lm.clone_prefix(caches, 20)
     assert lm.positions(copy) == 20
     want = list(reference_tokens(model, tokenizer, PROMPT[20:], 6, caches))
-    got = [s.token for s in token_loop.steps(model, mx.array(PROMPT[20:]), copy, _greedy, 6)]
+    got = [s.token for s in generate.steps(model, mx.array(PROMPT[20:]), copy, _greedy, 6)]
     assert _until_eos(got, tokenizer) == want
 
 

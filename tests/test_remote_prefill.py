@@ -38,7 +38,7 @@ def host(model: Path) -> Iterator[ModelHost]:
 async def _prefill(
     host: ModelHost, model: Path, url: str, pool: BufferPool, timeout_s: float = 30.0
 ) -> tuple[list, EventBus]:
-    caches = await host.call(host.new_cache)
+    caches = await host.thread.call(host.new_cache)
     events = EventBus()
     call = PrefillCall("r1", list(range(1, 40)), 0, timeout_s)
     await client(host, model, pool, url)(url, call, caches, events)
@@ -70,7 +70,7 @@ async def test_caches_filled_and_frame_buffers_reused(host: ModelHost, model: Pa
     try:
         events = EventBus()
         for _ in range(3):
-            caches = await host.call(host.new_cache)
+            caches = await host.thread.call(host.new_cache)
             call = PrefillCall("r1", list(range(1, 40)), 0)
             result = await client(host, model, pool, fake.url)(fake.url, call, caches, events)
             assert result.tokens == 39 and result.kv_bytes > 0
@@ -113,7 +113,7 @@ async def test_failures_raise_remote_prefill_error(host: ModelHost, model: Path,
 async def test_a_call_without_a_bus_runs_quiet(host: ModelHost, model: Path) -> None:
     fake = await start_fake_prefill(model, TOKEN, "zeros")
     try:
-        caches = await host.call(host.new_cache)
+        caches = await host.thread.call(host.new_cache)
         call = PrefillCall("probe", list(range(1, 9)), 0)
         result = await client(host, model, BufferPool(), fake.url)(fake.url, call, caches)
     finally:

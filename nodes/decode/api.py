@@ -52,7 +52,7 @@ class DecodeApi:
         tools = tools_of(body) if s.supports_tools else None
         sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=True)
         kv_format = s.kv_format_in(body)
-        tokens = await s.host.call(s.host.chat_tokens, messages, tools)
+        tokens = await s.host.thread.call(s.host.chat_tokens, messages, tools)
         context = s.spec.max_position_embeddings
         req = oa.completion(body, tokens, sampling, True, context, kv_format, tools)
         return await self._respond(request, req)
@@ -64,7 +64,9 @@ class DecodeApi:
         prompt = oa.prompt_of(body, s.spec.vocab_size)
         sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=False)
         kv_format = s.kv_format_in(body)
-        tokens = prompt if isinstance(prompt, list) else await s.host.call(s.host.encode, prompt)
+        tokens = (
+            prompt if isinstance(prompt, list) else await s.host.thread.call(s.host.encode, prompt)
+        )
         context = s.spec.max_position_embeddings
         req = oa.completion(body, tokens, sampling, False, context, kv_format)
         return await self._respond(request, req)

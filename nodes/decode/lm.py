@@ -1,4 +1,4 @@
-"""mlx-lm, seen from tandem: with `token_loop.py` (its token loop), the one module that imports
+"""mlx-lm, seen from tandem: with `generate.py` (its token loop), the one place that imports
 `mlx_lm`.
 
 Loading and the cache classes are reached here and nowhere else, written

@@ -272,7 +272,7 @@ class _Assembler:
         assert self.builder is not None
         host = self.client.host
         while (frame := await self.queue.get()) is not None:
-            await host.call(self._add, frame)
+            await host.thread.call(self._add, frame)
             self.client.buffers.give(frame.payload)  # copied into the cache: the buffer is free
             if self.events is not None:
                 received = LayerEvent(

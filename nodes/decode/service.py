@@ -37,7 +37,8 @@ from tandem.nodes.contract.http import (
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import KVShape, LayerStepper
-from tandem.nodes.decode.host import Cancelled, Generation, ModelHost
+from tandem.nodes.decode.generate import Cancelled, Generation
+from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
@@ -124,8 +125,8 @@ class DecodeService:
 
     async def calibrate(self, tokens: int = 128) -> LocalRate:
         """Measure this node's local (mlx) prefill rate and floor for the router."""
-        floor = await self.host.call(self.host.measure_prefill, 1)
-        rate = await self.host.call(self.host.measure_prefill, tokens)
+        floor = await self.host.thread.call(self.host.measure_prefill, 1)
+        rate = await self.host.thread.call(self.host.measure_prefill, tokens)
         self.local = LocalRate(tok_s=tokens / rate, floor_s=floor)
         log.info("local prefill: %.0f tokens/s, floor %.1f ms", tokens / rate, floor * 1e3)
         return self.local
@@ -139,7 +140,7 @@ class DecodeService:
             await asyncio.sleep(1.0)
 
     async def _probe(self, address: str, count: int = 8) -> None:
-        caches = await self.host.call(self.host.new_cache)
+        caches = await self.host.thread.call(self.host.new_cache)
         tokens = [(5 * i + 1) % self.spec.vocab_size for i in range(count)]
         call = PrefillCall(f"probe-{uuid.uuid4().hex[:8]}", tokens, 0, timeout_s=30.0)
         try:
@@ -197,7 +198,7 @@ class DecodeService:
             result = gen.result
             assert result is not None
             ticker.flush(result.tokens)
-            await self.host.call(self._remember, req.tokens + result.token_ids, caches)
+            await self.host.thread.call(self._remember, req.tokens + result.token_ids, caches)
         except (asyncio.CancelledError, GeneratorExit, ConnectionResetError, Cancelled):
             publish(RequestEvent(rid, phase="cancelled", detail="client went away"))
             raise
@@ -271,7 +272,7 @@ class DecodeService:
         """Caches holding positions 0..k-1, k = n-1 after a remote prefill; mlx-lm prefills
         whatever the cache lacks locally. The prompt cache supplies a reused prefix first."""
         rid, n, fmt = req.request_id, len(req.tokens) - 1, req.kv_format
-        k, caches, first, fell_back = await self.host.call(self._prepare, req.tokens, fmt)
+        k, caches, first, fell_back = await self.host.thread.call(self._prepare, req.tokens, fmt)
         reuse = {"cached": k, "cache_fallback": fell_back}
         new = n - k  # positions that need a prefill
         wire = kv_bytes(self.spec, fmt, ITEMSIZE[self.expect.dtype])
@@ -296,7 +297,7 @@ class DecodeService:
         try:
             result, first = await self._remote(peer.address, call, caches, first, req.tokens[-1])
         except RemotePrefillError as e:
-            await self.host.call(self._restore, caches, before, k, req.tokens[-1])
+            await self.host.thread.call(self._restore, caches, before, k, req.tokens[-1])
             log.warning("remote prefill failed, prefilling locally: %s", e)
             publish(RequestEvent(rid, phase="failed", detail=str(e), where="remote"))
             return caches, PrefillInfo("local", None, new, **reuse)
@@ -312,7 +313,7 @@ class DecodeService:
         if first is not None and first.complete:
             info.first = first
         elif first is not None:  # not every layer ran: the last token goes through whole
-            await self.host.call(lm.trim_to, caches, n)
+            await self.host.thread.call(lm.trim_to, caches, n)
         return caches, info
 
     async def _remote(
@@ -341,7 +342,7 @@ class DecodeService:
                 wait *= random.uniform(1.0, 1.5)
                 if time.monotonic() + wait >= deadline:
                     raise
-                first = await self.host.call(self._restore, caches, before, call.start, last)
+                first = await self.host.thread.call(self._restore, caches, before, call.start, last)
                 log.info("prefill node busy, asking again in %.1f s", wait)
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
