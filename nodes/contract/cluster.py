@@ -50,6 +50,13 @@ def _roles(obj: dict[str, Any], what: str) -> tuple[str, ...]:
     return tuple(roles)
 
 
+def _body(obj: Any, what: str) -> dict[str, Any]:
+    """`obj`, which must be a JSON object: ContractError "WHAT is not a JSON object"."""
+    if not isinstance(obj, dict):
+        raise ContractError(f"{what} is not a JSON object")
+    return obj
+
+
 def _object(obj: Any, key: str, what: str) -> dict[str, Any]:
     value = obj.get(key)
     if value is None:
@@ -206,9 +213,8 @@ class Health:
     @classmethod
     def from_json(cls, obj: Any) -> Health:
         """A node's `/health` body; ContractError when it is not one."""
-        if not isinstance(obj, dict):
-            raise ContractError("/health is not a JSON object")
         w = "/health"
+        obj = _body(obj, w)
         model = _object(obj, "model", w)
         return cls(
             id=_str(obj, "id", w), name=_str(obj, "name", w), roles=_roles(obj, w),
@@ -274,8 +280,7 @@ class Peer:
     @classmethod
     def from_json(cls, obj: Any) -> Peer:
         """One peer of a `/v1/cluster` body; ContractError when it is not one."""
-        if not isinstance(obj, dict):
-            raise ContractError("a /v1/cluster peer is not a JSON object")
+        obj = _body(obj, "a /v1/cluster peer")
         w = "/v1/cluster peer"
         model = _object(obj, "model", w)
         if not isinstance(obj.get("trusted", False), bool):
@@ -313,8 +318,7 @@ class Cluster:
         """A `/v1/cluster` body; ContractError when it is not an object with a list of
         peers. An entry that is not a peer (a newer node's, or junk) is left out, as
         `event_from_json` leaves out an event of a kind not known here."""
-        if not isinstance(obj, dict):
-            raise ContractError("/v1/cluster is not a JSON object")
+        obj = _body(obj, "/v1/cluster")
         peers = obj.get("peers") or []
         if not isinstance(peers, list):
             raise ContractError("/v1/cluster peers is not a list")
