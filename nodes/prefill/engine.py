@@ -260,8 +260,8 @@ class PrefillEngine:
                             self._routed(rid, run, i, used)
                 self._released(rid, run, load)
                 if load.last_of_layer:
-                    yield from self._handover.push()
-            yield from self._handover.flush()
+                    yield from self._handover.take()
+            yield from self._handover.take(last=True)
         stats.layer_compute_s = clock.per_layer(self.spec.num_layers)
         stats.compute_busy_s = sum(stats.layer_compute_s)
         stats.quantize_s = self._handover.quantize_seconds()

@@ -92,13 +92,10 @@ class HostHandover:
             LinearState(layer, {n: t.to("cpu", copy=True) for n, t in tensors.items()})
         )
 
-    def push(self) -> list[Handed]:
+    def take(self, last: bool = False) -> list[Handed]:
         """The layers whose K/V are done, once the layer is (the consumer's turn)."""
         done, self._done = self._done, []
         return done
-
-    def flush(self) -> list[Handed]:
-        return self.push()
 
     def reset(self, kv_format: KVFormat | None = None) -> None:
         self.kv_format = kv_format
@@ -185,12 +182,10 @@ class CudaHandover:
             t.record_stream(self.stream)
         self._pending.append((layer, host, copied, state))
 
-    def push(self) -> list[Handed]:
-        """After a layer: the layers whose copies are done, but the last LAG."""
-        return self._ready(self.LAG)
-
-    def flush(self) -> list[Handed]:
-        return self._ready(0)
+    def take(self, last: bool = False) -> list[Handed]:
+        """After a layer: the layers whose copies are done, but the last LAG; after the
+        `last` layer, every one."""
+        return self._ready(0 if last else self.LAG)
 
     def close(self) -> None:
         """Unpin the buffers, once no copy is in flight."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from aiohttp import web
@@ -191,9 +191,12 @@ class PrefillService:
         publish(RequestEvent(req.request_id, phase="prefill_start", tokens=count, where="remote"))
         t0 = time.perf_counter()
         try:
-            async with self.device_thread.stream(self._layers, req, buffer=2) as layers:
+            stream = self.device_thread.stream  # the layers over the prefix cache (`reusing`)
+            async with stream(reusing, self.engine, self.prefix_cache, req, buffer=2) as layers:
                 async for item in layers:
                     await self._send(response, writer, req.request_id, item)
+            self.served_tokens += layers.result  # positions computed, not reused
+            self.last_reused = len(req.tokens) - layers.result
             await response.write(writer.done())
             await response.write_eof()
             self.served_s += time.perf_counter() - t0
@@ -230,9 +233,3 @@ class PrefillService:
         publish = self.events.publish
         publish(LinkEvent(rid, name="net_out", bytes=len(frame), seconds=sent_s))
         publish(LayerEvent(rid, layer=item.layer, state="sent", bytes=len(frame)))
-
-    def _layers(self, req: PrefillBody) -> Iterator[Handed]:
-        """On the device thread: the request's layers over the prefix cache (`reusing`)."""
-        computed = yield from reusing(self.engine, self.prefix_cache, req)
-        self.served_tokens += computed
-        self.last_reused = len(req.tokens) - computed
