@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 
 def gated_delta_stepped(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
     """The recurrence one token at a time (the reference).
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state [Hv, Dv, Dk] float32.
@@ -42,14 +38,8 @@ def gated_delta_stepped(
 
 
 def gated_delta_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    chunk: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, chunk: int = 64
+) -> tuple[Tensor, Tensor]:
     """The recurrence in chunks of `chunk` tokens; same arguments and results as
     `gated_delta_stepped` up to float rounding. Works in float32; the intra-chunk
     matrices are [N, Hv, C, C], so callers bound T (the mixer passes token blocks).
@@ -93,19 +83,19 @@ def gated_delta_chunked(
     return y.to(q.dtype), s
 
 
-def _per_value_head(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_value_head(q: Tensor, k: Tensor, hv: int) -> tuple[Tensor, Tensor]:
     """q, k [T, Hk, Dk] -> float32 [T, Hv, Dk], key head j // r serving value head j."""
     r = hv // q.shape[1]
     return q.float().repeat_interleave(r, dim=1), k.float().repeat_interleave(r, dim=1)
 
 
-def _chunks(x: torch.Tensor, n: int, chunk: int, pad: int) -> torch.Tensor:
+def _chunks(x: Tensor, n: int, chunk: int, pad: int) -> Tensor:
     """[T, H, D] -> [N, H, C, D], zero-padded at the end."""
     x = F.pad(x, (0, 0, 0, 0, 0, pad))
     return x.view(n, chunk, x.shape[1], x.shape[2]).transpose(1, 2)
 
 
-def _segsum(log_g: torch.Tensor) -> torch.Tensor:
+def _segsum(log_g: Tensor) -> Tensor:
     """[..., C] -> [..., C, C]: out[t, s] = sum of log_g over (s, t] for s <= t, -inf above.
     Each entry sums only its own terms (no difference of cumsums), so it stays exact and a
     zero gate (log = -inf) gives no NaN."""
