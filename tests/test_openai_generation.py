@@ -18,7 +18,8 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
 from tests.conftest import MakeTiny
-from tests.nodeproc import NodeProc, start_node, stop_all, wait_healthy
+from tests.nodeproc import start_node
+from tests.openai_support import all_healthy, openai_client
 
 TOKEN = "openai-fields-token-0123456789"
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64]  # token ids: no template between us and mlx-lm
@@ -42,16 +43,8 @@ def nodes(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Ite
     args = ("--remote-prefill", "never")
     good = start_node(tmp, model, "decode", *args, token=TOKEN, wait=False)
     bad = start_node(tmp, broken, "decode", *args, token=TOKEN, wait=False)
-    try:
-        wait_healthy(good)
-        wait_healthy(bad)
+    with all_healthy(good, bad):
         yield model, good, bad
-    finally:
-        stop_all([good, bad])
-
-
-def _client(node: NodeProc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=node.url + "/v1", api_key=TOKEN, max_retries=0)
 
 
 def _mlx(model: Path, n: int, **processors: Any) -> list[Any]:
@@ -67,7 +60,7 @@ def _mlx(model: Path, n: int, **processors: Any) -> list[Any]:
 
 def test_logprobs_are_mlx_lms_own(nodes: Any) -> None:
     model, good, _ = nodes
-    reply = _client(good).completions.create(
+    reply = openai_client(good).completions.create(
         model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
     )
     want = _mlx(model, 6)
@@ -81,7 +74,7 @@ def test_logprobs_are_mlx_lms_own(nodes: Any) -> None:
 
 def test_chat_logprobs_shape(nodes: Any) -> None:
     _, good, _ = nodes
-    reply = _client(good).chat.completions.create(
+    reply = openai_client(good).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
         logprobs=True, top_logprobs=2,
     )  # fmt: skip
@@ -101,7 +94,7 @@ def test_chat_logprobs_shape(nodes: Any) -> None:
 )
 def test_penalties_and_bias_are_mlx_lms_processors(nodes: Any, fields: dict[str, Any]) -> None:
     model, good, _ = nodes
-    reply = _client(good).completions.create(
+    reply = openai_client(good).completions.create(
         model="m", prompt=PROMPT, max_tokens=8, temperature=0, **fields
     )
     bias = {int(k): float(v) for k, v in fields.get("logit_bias", {}).items()} or None
@@ -111,7 +104,7 @@ def test_penalties_and_bias_are_mlx_lms_processors(nodes: Any, fields: dict[str,
     )  # fmt: skip
     assert reply.choices[0].text == "".join(r.text for r in want)
     if "frequency_penalty" not in fields:  # a random model seldom repeats: nothing to damp
-        plain = _client(good).completions.create(
+        plain = openai_client(good).completions.create(
             model="m", prompt=PROMPT, max_tokens=8, temperature=0
         )
         assert plain.choices[0].text != reply.choices[0].text  # the fields did something
@@ -128,7 +121,7 @@ def test_penalties_and_bias_are_mlx_lms_processors(nodes: Any, fields: dict[str,
 def test_what_the_node_does_not_do_is_a_400_naming_it(nodes: Any, extra: dict[str, Any]) -> None:
     _, good, _ = nodes
     with pytest.raises(openai.BadRequestError) as e:
-        _client(good).chat.completions.create(
+        openai_client(good).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], **extra
         )
     assert e.value.code == "unsupported_field"
@@ -138,9 +131,11 @@ def test_what_the_node_does_not_do_is_a_400_naming_it(nodes: Any, extra: dict[st
 def test_non_finite_logits_are_an_error_not_an_empty_answer(nodes: Any) -> None:
     _, _, bad = nodes
     with pytest.raises(openai.InternalServerError) as e:
-        _client(bad).completions.create(model="m", prompt=PROMPT, max_tokens=4)
+        openai_client(bad).completions.create(model="m", prompt=PROMPT, max_tokens=4)
     assert "non-finite" in e.value.message
-    stream = _client(bad).completions.create(model="m", prompt=PROMPT, max_tokens=4, stream=True)
+    stream = openai_client(bad).completions.create(
+        model="m", prompt=PROMPT, max_tokens=4, stream=True
+    )
     with pytest.raises(openai.APIError, match="non-finite"):
         for _ in stream:
             pass
@@ -149,7 +144,7 @@ def test_non_finite_logits_are_an_error_not_an_empty_answer(nodes: Any) -> None:
 def test_chat_on_a_model_without_a_chat_template_is_a_clear_400(nodes: Any) -> None:
     _, _, base = nodes
     with pytest.raises(openai.BadRequestError) as e:
-        _client(base).chat.completions.create(
+        openai_client(base).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
     assert e.value.code == "no_chat_template"

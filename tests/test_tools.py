@@ -17,7 +17,8 @@ from mlx_lm.server import ToolCallFormatter
 from tandem.nodes.decode.openai_tools import split_tool_calls
 
 from tests.conftest import MakeTiny
-from tests.nodeproc import NodeProc, start_node, stop_all, wait_healthy
+from tests.nodeproc import start_node
+from tests.openai_support import all_healthy, openai_client
 from tests.tools_model import CALL, make_tools_model
 
 TOKEN = "tools-token-0123456789abcdef"
@@ -42,16 +43,8 @@ def nodes(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Ite
     args = ("--remote-prefill", "never")
     tools = start_node(tmp, model, "decode", *args, token=TOKEN, wait=False)
     plain = start_node(tmp, tiny_model(), "decode", *args, token=TOKEN, wait=False)
-    try:
-        wait_healthy(tools)
-        wait_healthy(plain)
+    with all_healthy(tools, plain):
         yield model, tools, plain
-    finally:
-        stop_all([tools, plain])
-
-
-def _client(node: NodeProc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=node.url + "/v1", api_key=TOKEN, max_retries=0)
 
 
 def _mlx_calls(model: Path) -> list[dict[str, Any]]:
@@ -67,7 +60,7 @@ def _mlx_calls(model: Path) -> list[dict[str, Any]]:
 
 def test_a_tool_call_round_trips(nodes: Any) -> None:
     model, node, _ = nodes
-    client = _client(node)
+    client = openai_client(node)
     r = client.chat.completions.create(
         model="m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=16
     )
@@ -95,7 +88,7 @@ def test_a_tool_call_round_trips(nodes: Any) -> None:
 
 def test_tool_choice_none_passes_no_tools(nodes: Any) -> None:
     _, node, _ = nodes
-    r = _client(node).chat.completions.create(
+    r = openai_client(node).chat.completions.create(
         model="m", messages=ASK, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=16
     )
     assert r.choices[0].message.tool_calls is None
@@ -113,14 +106,14 @@ def test_tool_choice_none_passes_no_tools(nodes: Any) -> None:
 def test_what_tools_does_not_do_is_refused(nodes: Any, extra: dict[str, Any]) -> None:
     _, node, _ = nodes
     with pytest.raises(openai.BadRequestError) as e:
-        _client(node).chat.completions.create(model="m", messages=ASK, tools=TOOLS, **extra)
+        openai_client(node).chat.completions.create(model="m", messages=ASK, tools=TOOLS, **extra)
     assert e.value.code == "unsupported_field"
 
 
 def test_a_malformed_tool_is_400(nodes: Any) -> None:
     _, node, _ = nodes
     with pytest.raises(openai.BadRequestError) as e:
-        _client(node).chat.completions.create(
+        openai_client(node).chat.completions.create(
             model="m", messages=ASK, tools=[{"type": "function", "function": {"x": 1}}]
         )
     assert e.value.code != "unsupported_field"
@@ -128,7 +121,7 @@ def test_a_malformed_tool_is_400(nodes: Any) -> None:
 
 def test_a_model_without_tool_calling_refuses_tools_and_the_tool_role(nodes: Any) -> None:
     _, _, plain = nodes
-    client = _client(plain)
+    client = openai_client(plain)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=ASK, tools=TOOLS)
     assert e.value.code == "unsupported_field"

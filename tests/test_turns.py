@@ -124,15 +124,7 @@ async def _watch(
 
 
 async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_path: Path) -> None:
-    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.004",
-                         token=TOKEN, wait=False)  # fmt: skip
-    decode = start_node(
-        tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
-        token=TOKEN,
-    )  # fmt: skip
-    try:
-        await asyncio.to_thread(wait_healthy, prefill)
-        await asyncio.to_thread(wait_trusted, decode)
+    with remote_pair(tmp_path, model, "200KB", TOKEN, "--link-gbps", "0.004") as (prefill, decode):
         await asyncio.sleep(1.5)  # let the router's probe of the slow node finish
         messages = [{"role": "user", "content": "A story about sunflowers and a fence."}]
         first_net_in, seen = asyncio.Event(), []
@@ -148,9 +140,6 @@ async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_p
         assert reply.model_extra["tandem"]["prefill"] == "local"
         failed = [r for r in seen if r["kind"] == "request" and r["phase"] == "failed"]
         assert failed and failed[0]["request_id"] == reply.id
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 async def test_fallback_on_every_kind_of_failure(
@@ -205,15 +194,8 @@ async def _request_events(node: NodeProc) -> list[dict]:
 async def test_full_queue_answers_503_and_the_decode_node_retries(
     model: Path, oracle: Oracle, tmp_path: Path
 ) -> None:
-    prefill = start_node(tmp_path, model, "prefill", "--budget", "200KB", "--link-gbps", "0.01",
-                         "--queue-limit", "1", token=TOKEN, wait=False)  # fmt: skip
-    decode = start_node(
-        tmp_path, model, "decode", "--peer", prefill.url, "--remote-prefill", "always",
-        token=TOKEN,
-    )  # fmt: skip
-    try:
-        await asyncio.to_thread(wait_healthy, prefill)
-        await asyncio.to_thread(wait_trusted, decode)
+    slow = ("--link-gbps", "0.01", "--queue-limit", "1")
+    with remote_pair(tmp_path, model, "200KB", TOKEN, *slow) as (prefill, decode):
         await asyncio.sleep(2.0)  # the router's start-up probe of the prefill node
         asks = [[{"role": "user", "content": f"Story {i}: a garden with sunflowers."}]
                 for i in range(3)]  # fmt: skip
@@ -245,9 +227,6 @@ async def test_full_queue_answers_503_and_the_decode_node_retries(
 
         results = await asyncio.gather(*(asyncio.to_thread(post) for _ in range(3)))
         assert (503, "1") in results and (200, None) in results
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +236,23 @@ def mid_model(tiny_model) -> Path:
                       intermediate=1024, vocab=1024)  # fmt: skip
 
 
-def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
-    prefill = start_node(tmp_path, mid_model, "prefill", token=TOKEN, wait=False)
-    decode = start_node(tmp_path, mid_model, "decode", "--peer", prefill.url, token=TOKEN)
+@contextlib.contextmanager
+def _peered(tmp: Path, model: Path) -> Iterator[tuple[NodeProc, NodeProc]]:
+    """A prefill node and a decode node with it as its peer (where to prefill is the router's
+    choice), once the decode node trusts it; both stopped on exit."""
+    prefill = start_node(tmp, model, "prefill", token=TOKEN, wait=False)
+    decode = start_node(tmp, model, "decode", "--peer", prefill.url, token=TOKEN)
     try:
         wait_healthy(prefill)
         wait_trusted(decode)
+        yield prefill, decode
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
+    with _peered(tmp_path, mid_model) as (_, decode):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # the router's start-up probe of the peer
             peers = decode.get("/v1/cluster")["peers"]
@@ -278,17 +268,10 @@ def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
         assert short.model_extra["tandem"]["prefill"] == "local"
         cluster = decode.get("/v1/cluster")
         assert cluster["peers"][0]["prefill_tok_s"] or cluster["peers"][0]["link_Bps"]
-    finally:
-        decode.stop()
-        prefill.stop()
 
 
 def test_restarted_prefill_node_is_trusted_again(model: Path, tmp_path: Path) -> None:
-    prefill = start_node(tmp_path, model, "prefill", token=TOKEN, wait=False)
-    decode = start_node(tmp_path, model, "decode", "--peer", prefill.url, token=TOKEN)
-    try:
-        wait_healthy(prefill)
-        wait_trusted(decode)
+    with _peered(tmp_path, model) as (prefill, decode):
         prefill.stop()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -297,9 +280,9 @@ def test_restarted_prefill_node_is_trusted_again(model: Path, tmp_path: Path) ->
                 break
             time.sleep(0.2)
         assert peer["reason"] == "unreachable" and not peer["trusted"]
-        prefill = start_node(tmp_path, model, "prefill", token=TOKEN, port=prefill.port)
-        wait_healthy(prefill)
-        wait_trusted(decode)
-    finally:
-        decode.stop()
-        prefill.stop()
+        restarted = start_node(tmp_path, model, "prefill", token=TOKEN, port=prefill.port)
+        try:
+            wait_healthy(restarted)
+            wait_trusted(decode)
+        finally:
+            restarted.stop()
