@@ -114,19 +114,9 @@ async def test_a_relay_to_the_real_prefill_node_is_never_trusted(
             serving(relay(plain.url, logs["plain"]), None) as plain_relay,
             serving(relay(tls.url, logs["tls"]), relay_cert) as tls_relay,
         ):
+            peers = ("--peer", plain_relay, "--peer", tls_relay, "--peer", tls.url)
             decode = start_node(
-                tmp_path,
-                model,
-                "decode",
-                "--remote-prefill",
-                "always",
-                "--peer",
-                plain_relay,
-                "--peer",
-                tls_relay,
-                "--peer",
-                tls.url,
-                token=TOKEN,
+                tmp_path, model, "decode", "--remote-prefill", "always", *peers, token=TOKEN
             )
             nodes.append(decode)
             await asyncio.to_thread(wait_trusted, decode)  # the real one, told of directly
@@ -220,16 +210,9 @@ async def test_an_impostor_in_a_dead_nodes_place_gets_nothing(tmp_path: Path, mo
                 wait=False,
             )  # fmt: skip
             decode = start_node(
-                tmp_path,
-                model,
-                "decode",
-                "--remote-prefill",
-                "always",
-                "--peer",
-                prefill.url,
-                token=TOKEN,
-                wait=False,
-            )
+                tmp_path, model, "decode", "--remote-prefill", "always", "--peer", prefill.url,
+                token=TOKEN, wait=False,
+            )  # fmt: skip
             nodes += [prefill, decode]
             targets[mode] = (prefill, decode)
         for node in nodes:  # all four start at once

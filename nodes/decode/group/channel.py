@@ -49,6 +49,10 @@ class GroupLost(ConnectionError):
     """A rank of the group is gone (its doorbell socket closed)."""
 
 
+Args = Mapping[str, Any]  # an order's arguments (its JSON head)
+Arrays = Mapping[str, mx.array]  # an order's arrays, by name
+
+
 @dataclass(frozen=True)
 class Order:
     op: str
@@ -79,11 +83,7 @@ class Channel:
         return out
 
     def send(
-        self,
-        op: str,
-        args: Mapping[str, Any] | None = None,
-        arrays: Mapping[str, mx.array] | None = None,
-        to: int | None = None,
+        self, op: str, args: Args | None = None, arrays: Arrays | None = None, to: int | None = None
     ) -> None:
         """On rank 0: one order to every other rank; its arrays only to rank `to` where that
         is a neighbour in the ring (point to point, half the bytes of an all_sum)."""

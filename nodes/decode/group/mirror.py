@@ -17,13 +17,12 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import mlx.core as mx
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode.families.base import LayerArrays
-from tandem.nodes.decode.group.channel import Channel
+from tandem.nodes.decode.group.channel import Args, Arrays, Channel
 from tandem.nodes.decode.group.pipeline import Stage
 
 
@@ -51,11 +50,7 @@ class Mirror:
         self._lock = threading.RLock()  # finalizers run on any thread, even inside `order`
 
     def order(
-        self,
-        op: str,
-        args: Mapping[str, Any] | None = None,
-        arrays: Mapping[str, mx.array] | None = None,
-        to: int | None = None,
+        self, op: str, args: Args | None = None, arrays: Arrays | None = None, to: int | None = None
     ) -> None:
         with self._lock:
             dropped, self._dropped = self._dropped, []
