@@ -149,8 +149,35 @@ class RemotePrefill:
     ) -> RemoteResult:
         """Fill `caches` from the prefill node at `url`, publishing on `events` (None: quiet);
         RemotePrefillError on any failure (the caches may then hold a partial prefix:
-        `lm.trim_to` them). `stepper` advances through layer i on the mlx thread right after
+        `lm.trim_to` them), and the moment the peer table stops trusting `url` (the request
+        is then abandoned). `stepper` advances through layer i on the mlx thread right after
         layer i is in its cache."""
+        task = asyncio.create_task(
+            self._fetch(url, call, caches, events, stepper), name="remote-prefill"
+        )
+        with self.peers.until_untrusted(url) as lost:
+            untrusted = asyncio.create_task(lost.wait(), name="peer-trust")
+            try:
+                await asyncio.wait({task, untrusted}, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                peer = self.peers.peers.get(url)
+                reason = peer.reason if peer is not None else "gone"
+                raise RemotePrefillError(f"{url} is no longer trusted ({reason})")
+            finally:
+                for t in (task, untrusted):
+                    t.cancel()
+                await asyncio.gather(task, untrusted, return_exceptions=True)
+
+    async def _fetch(
+        self,
+        url: str,
+        call: PrefillCall,
+        caches: lm.Caches,
+        events: EventBus | None,
+        stepper: LayerStepper | None,
+    ) -> RemoteResult:
+        """The request itself: POST, then each frame into its layer's cache as it lands."""
         body = PrefillBody(
             self.fingerprint, call.request_id, call.tokens, call.start, call.kv_format
         )

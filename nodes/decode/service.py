@@ -325,16 +325,17 @@ class DecodeService:
         last: int,
     ) -> tuple[RemoteResult, LayerStepper | None]:
         """The remote prefill, asked again (after its Retry-After, with jitter) while the node
-        is busy, at most MAX_ATTEMPTS times within the timeout; given up the moment the peer
-        table stops trusting the node. With it, `first`: the pass of the prompt's `last`
-        token, a layer at a time as the layers land (a fresh one for each attempt)."""
+        is busy, at most MAX_ATTEMPTS times within the timeout (`RemotePrefill` gives up the
+        moment the peer table stops trusting the node). With it, `first`: the pass of the
+        prompt's `last` token, a layer at a time as the layers land (a fresh one for each
+        attempt)."""
         deadline = time.monotonic() + self.remote_timeout_s
         before = list(caches)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             left = deadline - time.monotonic()
             timed = replace(call, timeout_s=max(1.0, left))
             try:
-                return await self._watched(address, timed, caches, first), first
+                return await self.remote(address, timed, caches, self.events, first), first
             except RemotePrefillError as e:
                 wait = e.retry_after
                 if wait is None or attempt == MAX_ATTEMPTS:
@@ -346,27 +347,6 @@ class DecodeService:
                 log.info("prefill node busy, asking again in %.1f s", wait)
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _watched(
-        self, address: str, call: PrefillCall, caches: lm.Caches, first: LayerStepper | None
-    ) -> RemoteResult:
-        """`self.remote(...)`, abandoned the moment the peer table stops trusting the peer."""
-        task = asyncio.create_task(
-            self.remote(address, call, caches, self.events, first), name="remote-prefill"
-        )
-        with self.peers.until_untrusted(address) as lost:
-            untrusted = asyncio.create_task(lost.wait(), name="peer-trust")
-            try:
-                await asyncio.wait({task, untrusted}, return_when=asyncio.FIRST_COMPLETED)
-                if task.done():
-                    return task.result()
-                peer = self.peers.peers.get(address)
-                reason = peer.reason if peer is not None else "gone"
-                raise RemotePrefillError(f"{address} is no longer trusted ({reason})")
-            finally:
-                for t in (task, untrusted):
-                    t.cancel()
-                await asyncio.gather(task, untrusted, return_exceptions=True)
 
     def _tandem(
         self, req: Completion, info: PrefillInfo, gen: Generation, ttft_s: float
