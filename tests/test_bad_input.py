@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from tandem.nodes.contract.http import PROTO
 
+from tests import bad_input_fixtures
 from tests.bad_input_support import (
     TOKEN,
     Oracle,
@@ -33,7 +34,6 @@ from tests.bad_input_support import (
     events_since,
     post,
     status_only,
-    tiny_llama,
 )
 from tests.nodeproc import NodeProc, remote_pair, start_node
 
@@ -42,14 +42,8 @@ DEEP_ARRAY = "[" * DEEP + "]" * DEEP
 DEEP_OBJECT = '{"a":' * DEEP + "1" + "}" * DEEP
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model) -> Path:
-    return tiny_llama(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def oracle(llama: Path) -> Oracle:
-    return Oracle(llama)
+llama = bad_input_fixtures.llama  # module-scoped: the model and mlx-lm as its oracle
+oracle = bad_input_fixtures.oracle
 
 
 @dataclass
@@ -80,6 +74,13 @@ def _routes(pair: Pair) -> dict[str, str]:
         "hello-decode": pair.decode.url + "/v1/hello",
         "hello-prefill": pair.prefill.url + "/v1/hello",
     }
+
+
+def _asking(route: str, text: str) -> dict[str, Any]:
+    """A body that asks `text` on `route`: one user message (chat) or the prompt."""
+    return (
+        {"messages": [{"role": "user", "content": text}]} if route == "chat" else {"prompt": text}
+    )
 
 
 DEEP_BODIES = {
@@ -167,11 +168,7 @@ def test_bad_seed_is_400_before_any_prefill(pair: Pair, seed: int, stream: bool)
 )
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_max_tokens_zero_or_false_is_400(pair: Pair, route: str, field: dict[str, Any]) -> None:
-    body: dict[str, Any] = (
-        {"messages": [{"role": "user", "content": "Count to ten."}]}
-        if route == "chat"
-        else {"prompt": "Count to ten."}
-    )
+    body = _asking(route, "Count to ten.")
     reply = post(_routes(pair)[route], {**body, "temperature": 0, **field})
     assert_error(reply)
 
@@ -189,11 +186,7 @@ def test_max_tokens_zero_or_false_is_400(pair: Pair, route: str, field: dict[str
 )
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_bad_stream_or_n_is_400(pair: Pair, route: str, field: dict[str, Any]) -> None:
-    body: dict[str, Any] = (
-        {"messages": [{"role": "user", "content": "Say hi."}]}
-        if route == "chat"
-        else {"prompt": "Say hi."}
-    )
+    body = _asking(route, "Say hi.")
     reply = post(_routes(pair)[route], {**body, "max_tokens": 4, "temperature": 0, **field})
     assert_error(reply)
 

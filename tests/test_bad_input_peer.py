@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests import bad_input_fixtures
 from tests.bad_input_support import (
     TOKEN,
     BadPeer,
@@ -20,20 +21,13 @@ from tests.bad_input_support import (
     chat_body,
     events_since,
     post,
-    tiny_llama,
 )
 
 FROZEN_LIMIT_S = 20.0  # a frozen peer must cost well under its 60 s read timeout
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model) -> Path:
-    return tiny_llama(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def oracle(llama: Path) -> Oracle:
-    return Oracle(llama)
+llama = bad_input_fixtures.llama  # module-scoped: the model and mlx-lm as its oracle
+oracle = bad_input_fixtures.oracle
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tests.conftest import MakeTiny
 from tests.group_support import start_group, stop_ranks
 from tests.nodeproc import start_node, stop_all, wait_healthy, wait_trusted
 from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
-from tests.test_qwen3_5_handoff import _complete, _ids, _text
+from tests.test_qwen3_5_handoff import _complete, _ids, _text, assert_quantized_kv_exact
 
 MODELS = {
     "llama": {"arch": "llama", "layers": 4, "heads": 2, "kv_heads": 1, "head_dim": 64},
@@ -98,11 +98,7 @@ def test_three_turns_through_the_group_prefill_only_their_new_tokens(group: Clus
 def test_quantized_kv_goes_to_each_rank_quantized(group: Cluster) -> None:
     """`kv_bits`: each rank's full layers get the quantized frames (rank 0 quantizing its
     caches after the prompt orders the others to, as mlx-lm's own `kv_bits` does)."""
-    vocab = load_index(group.model).spec.vocab_size
-    prompt = [(37 * i + 11) % vocab for i in range(30)]
-    text, extra = _complete(group, prompt, 8)
-    assert extra["prefill"] == "remote" and extra["kv_dtype"] == "q8/g64"
-    assert text == _text(group, _ids(group, prompt, 8))
+    assert_quantized_kv_exact(group, 30)
 
 
 def test_a_chat_of_two_turns_is_exact(group: Cluster) -> None:

@@ -56,6 +56,16 @@ def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, 
     return reply.choices[0].text, reply.model_extra["tandem"]
 
 
+def assert_quantized_kv_exact(cluster: Cluster, prompt_tokens: int) -> None:
+    """A prompt of `prompt_tokens` ids with `kv_bits` 8: prefilled remotely, its K/V held as
+    q8/g64, and the reply is mlx-lm's greedy with its own `kv_bits`."""
+    vocab = load_index(cluster.model).spec.vocab_size
+    prompt = [(37 * i + 11) % vocab for i in range(prompt_tokens)]
+    text, extra = _complete(cluster, prompt, 8)
+    assert extra["prefill"] == "remote" and extra["kv_dtype"] == "q8/g64"
+    assert text == _text(cluster, _ids(cluster, prompt, 8))
+
+
 def test_remote_chat_is_exactly_mlx_greedy_with_state_on_the_wire(cluster: Cluster) -> None:
     spec = load_index(cluster.model).spec
     assert sum(k.kind == "linear" for k in spec.layer_kinds) == 6
@@ -82,11 +92,7 @@ def test_streamed_chat_equals_mlx(cluster: Cluster) -> None:
 
 
 def test_quantized_kv_on_full_layers_keeps_state_in_float(cluster: Cluster) -> None:
-    vocab = load_index(cluster.model).spec.vocab_size
-    prompt = [(37 * i + 11) % vocab for i in range(40)]
-    text, extra = _complete(cluster, prompt, 8)
-    assert extra["prefill"] == "remote" and extra["kv_dtype"] == "q8/g64"
-    assert text == _text(cluster, _ids(cluster, prompt, 8))
+    assert_quantized_kv_exact(cluster, 40)
 
 
 def test_three_turns_prefill_only_their_new_tokens(cluster: Cluster) -> None:
