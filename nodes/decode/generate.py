@@ -3,9 +3,9 @@ samplers and logits processors), the text it makes (stop strings, log-probabilit
 the `Generation` it returns. With `lm.py` (the caches and the prompt loop), the one place
 that reaches into mlx-lm.
 
-`texts` is what a `DeviceStream` runs: text pieces as they come, then the `Generation`. It
-checks its cancel event between tokens, so a client that disconnects stops its decode within
-one token.
+`generation` runs `texts` on the host's mlx thread as a `DeviceStream`: text pieces as they
+come, then the `Generation`. It checks its cancel event between tokens, so a client that
+disconnects stops its decode within one token.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families.base import LayerStepper
+from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.lm import STREAM, Caches, prefill, quantize_when_due
 from tandem.nodes.decode.openai_api import Sampling, TokenLogprob
+from tandem.nodes.serve.device import DeviceStream
 
 
 @dataclass
@@ -56,6 +58,32 @@ class Generation:
 
 class Cancelled(Exception):
     """The request was cancelled while decoding."""
+
+
+# text pieces reach the event loop at most this often (batched): a wake-up per token, a
+# syscall on the mlx thread and a turn of the loop, was what the decode did beyond mlx-lm's
+TEXT_FLUSH_S = 1 / 30
+
+
+def generation(
+    host: ModelHost,
+    prompt: Sequence[int],
+    caches: lm.Caches,
+    params: Sampling,
+    on_token: Callable[[int], None] | None = None,
+    kv_format: KVFormat | None = None,
+    first: LayerStepper | None = None,
+    on_prompt: Callable[[lm.Caches], None] | None = None,
+) -> DeviceStream[str]:
+    """`async with generation(host, ...) as gen: async for text in gen: ...`, then
+    `gen.result` (the `Generation`): `texts` on the host's mlx thread, its pieces as they
+    come, its mlx work awaited on every way out. `on_prompt` (on the mlx thread) sees the
+    caches once they hold all of the prompt but its last token, before the first step."""
+    cancel = threading.Event()
+    return host.thread.stream(
+        texts, host.model, host.tokenizer, list(prompt), caches, params, cancel, on_token,
+        kv_format, first, on_prompt, cancel=cancel, flush_s=TEXT_FLUSH_S,
+    )  # fmt: skip
 
 
 def texts(

@@ -1,33 +1,25 @@
 """The decode node's model: mlx-lm weights and tokenizer, owned by one device thread.
 
 Everything that touches mlx runs on `ModelHost.thread` (a `DeviceThread`); async code reaches
-it with `await host.thread.call(fn, ...)`, and a generation through `host.generation(...)`:
-`generate.texts` on that thread, an async iterator of text pieces (a `DeviceStream`) whose
-mlx work is awaited on every way out, and whose `result` is the `Generation`.
+it with `await host.thread.call(fn, ...)`, and a generation through
+`generate.generation(host, ...)`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.decode import generate, lm
-from tandem.nodes.decode.families.base import LayerStepper
+from tandem.nodes.decode import lm
 from tandem.nodes.decode.group.launch import GroupLaunch, Rank0, load_rank0
 from tandem.nodes.decode.group.pipeline import GroupError
-from tandem.nodes.decode.openai_api import Sampling
 from tandem.nodes.model.errors import ModelError
-from tandem.nodes.serve.device import DeviceStream, DeviceThread
+from tandem.nodes.serve.device import DeviceThread
 
 log = logging.getLogger(__name__)
-# text pieces reach the event loop at most this often (batched): a wake-up per token, a
-# syscall on the mlx thread and a turn of the loop, was what the decode did beyond mlx-lm's
-TEXT_FLUSH_S = 1 / 30
 GROUP_STOP_S = 3.0  # a decode group's other ranks take the stop order within this
 
 
@@ -94,24 +86,3 @@ class ModelHost:
     def measure_prefill(self, count: int) -> float:
         """On the mlx thread: seconds to prefill `count` tokens into a scratch cache."""
         return lm.prefill_seconds(self.model, count)
-
-    def generation(
-        self,
-        prompt: Sequence[int],
-        caches: lm.Caches,
-        params: Sampling,
-        on_token: Callable[[int], None] | None = None,
-        kv_format: KVFormat | None = None,
-        first: LayerStepper | None = None,
-        on_prompt: Callable[[lm.Caches], None] | None = None,
-    ) -> DeviceStream[str]:
-        """`async with host.generation(...) as gen: async for text in gen: ...`, then
-        `gen.result` (the `Generation`): `generate.texts` on the mlx thread, its pieces as
-        they come.
-        `on_prompt` (on the mlx thread) sees the caches once they hold all of the prompt but
-        its last token, before the first step."""
-        cancel = threading.Event()
-        return self.thread.stream(
-            generate.texts, self.model, self.tokenizer, list(prompt), caches, params, cancel,
-            on_token, kv_format, first, on_prompt, cancel=cancel, flush_s=TEXT_FLUSH_S,
-        )  # fmt: skip

@@ -37,7 +37,7 @@ from tandem.nodes.contract.http import (
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import KVShape, LayerStepper
-from tandem.nodes.decode.generate import Cancelled, Generation
+from tandem.nodes.decode.generate import Cancelled, Generation, generation
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
@@ -190,8 +190,8 @@ class DecodeService:
             # a state cannot be cut back: a snapshot at the end of the prompt, for a turn
             # whose history differs from this reply (as a chat template may render it)
             snapshot = partial(self._snapshot, req.tokens) if lm.has_state(caches) else None
-            gen = self.host.generation(req.tokens[held:], caches, req.sampling, ticker.tick,
-                                       req.kv_format, info.first, snapshot)  # fmt: skip
+            gen = generation(self.host, req.tokens[held:], caches, req.sampling, ticker.tick,
+                             req.kv_format, info.first, snapshot)  # fmt: skip
             async with gen:
                 async for text in gen:
                     yield text
