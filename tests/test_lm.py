@@ -1,6 +1,7 @@
-"""nodes/decode/lm.py, the one module that reaches into mlx-lm, against mlx-lm itself: its
-token loop, its cache copies and its quantized-cache appends give the same token stream as
-`mlx_lm.stream_generate` on the same cache (greedy, float32). An mlx-lm upgrade that moves a
+"""nodes/decode/lm.py (the one module that reaches into mlx-lm) and the token loop over it
+(generate.py), against mlx-lm itself: the token loop, its cache copies and its quantized-cache
+appends give the same token stream as `mlx_lm.stream_generate` on the same cache (greedy,
+float32). An mlx-lm upgrade that moves a
 cache's `state` or the loop's op order fails here first."""
 
 from __future__ import annotations
@@ -103,3 +104,25 @@ def test_each_layers_cache_kind(loaded: Any) -> None:
     assert [lm.kind(c) for c in caches] == ["full", "full"]
     assert lm.kind(lm.to_quantized(caches[0], KVFormat(8, 64))) == "full"
     assert lm.quantized_form(lm.to_quantized(caches[0], KVFormat(4, 32))) == (4, 32)
+
+
+def test_only_lm_imports_mlx_lm_on_the_request_path() -> None:
+    """The decode node's request path reaches mlx-lm through lm.py alone. Exempt, each a
+    boundary of its own: the decode group's ranks (`group/`: mlx-lm's loader and pipeline
+    per rank) and `reference.py` (the bench's plain mlx-lm generation, side by side)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(lm.__file__).parent
+    exempt = {root / "lm.py", root / "reference.py"}
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        if path in exempt or "group" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "mlx_lm" or n.startswith("mlx_lm.") for n in names):
+                importers.append(path.relative_to(root).as_posix())
+    assert importers == []

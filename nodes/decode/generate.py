@@ -18,13 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import wired_limit
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families.base import LayerStepper
 from tandem.nodes.decode.host import ModelHost
-from tandem.nodes.decode.lm import STREAM, Caches, prefill, quantize_when_due
+from tandem.nodes.decode.lm import (
+    STREAM,
+    Caches,
+    Processor,
+    Sampler,
+    logits_processors,
+    prefill,
+    quantize_when_due,
+    sampler,
+    wired,
+)
 from tandem.nodes.decode.openai_api import Sampling, TokenLogprob
 from tandem.nodes.serve.device import DeviceStream
 
@@ -219,14 +227,6 @@ class _Text:
         return min(hits) if hits else None
 
 
-Sampler = Callable[[mx.array], mx.array]  # log-probabilities [1, vocab] -> token [1]
-Processor = Callable[[mx.array, mx.array], mx.array]  # (history [n], logits [1, vocab])
-
-
-def sampler(temperature: float, top_p: float) -> Sampler:
-    return make_sampler(temp=temperature, top_p=top_p)
-
-
 class NonFinite(ArithmeticError):
     """The model's logits held NaN or infinite values: its weights are corrupt, or not the
     ones its config describes."""
@@ -240,16 +240,6 @@ class Step:
     token: int
     logprob: float  # of `token`
     logprobs: mx.array
-
-
-def logits_processors(
-    presence: float, frequency: float, bias: Sequence[tuple[int, float]]
-) -> list[Processor]:
-    """mlx-lm's logits processors for OpenAI's penalties and `logit_bias` (none for zeros),
-    each over the last 20 tokens as mlx-lm's server has them."""
-    return make_logits_processors(
-        dict(bias) or None, presence_penalty=presence or None, frequency_penalty=frequency or None
-    )
 
 
 def steps(
@@ -295,7 +285,7 @@ def steps(
             return sampled(logprobs(logits, tokens))
 
     # as `stream_generate` does: on a Mac the weights stay wired in memory while it runs
-    with wired_limit(model, [STREAM]):
+    with wired(model):
         if first_logits is not None:
             with mx.stream(STREAM):
                 quantize_when_due(caches, kv_format)

@@ -1,5 +1,5 @@
-"""mlx-lm, seen from tandem: with `generate.py` (its token loop), the one place that imports
-`mlx_lm`.
+"""mlx-lm, seen from tandem: the one module of the request path that imports `mlx_lm` (the
+token loop, `generate.py`, takes its samplers and processors from here).
 
 Loading and the cache classes are reached here and nowhere else, written
 against mlx-lm's public API wherever one exists: a cache's `state` (read and set), `offset`,
@@ -16,15 +16,14 @@ state: `ArraysCache`). Decode families (`families/`) fill each kind from a layer
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm import load as _load
-from mlx_lm.generate import (
-    generation_stream,
-)
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -33,17 +32,40 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from tandem.nodes.contract.http import KVFormat, KVKernel
 
 Caches = list[Any]  # one mlx-lm cache per layer
 CacheKind = Literal["full", "sliding", "linear", "other"]
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: same chunks, same numbers
 STREAM = generation_stream  # mlx-lm's own stream for generation (thread-local)
+Sampler = Callable[[mx.array], mx.array]  # log-probabilities [1, vocab] -> token [1]
+Processor = Callable[[mx.array, mx.array], mx.array]  # (history [n], logits [1, vocab])
 
 
 def load(model_dir: str | Path) -> tuple[Any, Any]:
     """(model, tokenizer) as mlx-lm loads them."""
     return _load(str(model_dir))
+
+
+def wired(model: Any) -> AbstractContextManager[None]:
+    """As `stream_generate` runs: on a Mac the weights stay wired in memory meanwhile."""
+    return wired_limit(model, [STREAM])
+
+
+def sampler(temperature: float, top_p: float) -> Sampler:
+    """mlx-lm's sampler for a request's temperature and top_p."""
+    return make_sampler(temp=temperature, top_p=top_p)
+
+
+def logits_processors(
+    presence: float, frequency: float, bias: Sequence[tuple[int, float]]
+) -> list[Processor]:
+    """mlx-lm's logits processors for OpenAI's penalties and `logit_bias` (none for zeros),
+    each over the last 20 tokens as mlx-lm's server has them."""
+    return make_logits_processors(
+        dict(bias) or None, presence_penalty=presence or None, frequency_penalty=frequency or None
+    )
 
 
 def new_caches(model: Any) -> Caches:
