@@ -21,7 +21,7 @@ from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.handover import LayerKV
 
 from tests.conftest import MakeTiny
-from tests.test_prefill_engine import greedy
+from tests.test_prefill_engine import engine_opener, greedy
 
 WINDOW = 8
 CHUNK = 7  # tokens: query chunks that start and end inside a window
@@ -69,17 +69,8 @@ def mlx_model(gemma3_dir: Path) -> Any:
 
 @pytest.fixture
 def open_engine() -> Iterator[Callable[..., PrefillEngine]]:
-    engines: list[PrefillEngine] = []
-
-    def make(model: Path, **kwargs: Any) -> PrefillEngine:
-        kwargs.setdefault("device", "cpu")
-        kwargs.setdefault("chunk_tokens", CHUNK)
-        engines.append(PrefillEngine(model, **kwargs))
-        return engines[-1]
-
-    yield make
-    for engine in engines:
-        engine.close()
+    """`open_engine(dir, budget=...)`: a CPU engine of CHUNK-token chunks, closed after it."""
+    yield from engine_opener(CHUNK)
 
 
 def mlx_prefill(model: Any, *calls: Sequence[int]) -> list[Any]:

@@ -55,14 +55,14 @@ def half_layer(index: ModelIndex) -> int:
 BUDGETS: dict[str, Callable[[ModelIndex], int]] = {"quarter": quarter, "half_layer": half_layer}
 
 
-@pytest.fixture
-def open_engine() -> Iterator[Callable[..., PrefillEngine]]:
-    """`open_engine(dir, budget=...)`: a CPU engine with small chunks, closed after the test."""
+def engine_opener(chunk: int) -> Iterator[Callable[..., PrefillEngine]]:
+    """An `open_engine` fixture's body: `open_engine(dir, budget=...)` makes a CPU engine of
+    `chunk` tokens a chunk (unless told otherwise), closed after the test."""
     engines: list[PrefillEngine] = []
 
     def make(model: Path, **kwargs: Any) -> PrefillEngine:
         kwargs.setdefault("device", "cpu")
-        kwargs.setdefault("chunk_tokens", CHUNK)
+        kwargs.setdefault("chunk_tokens", chunk)
         engine = PrefillEngine(model, **kwargs)
         engines.append(engine)
         return engine
@@ -70,6 +70,12 @@ def open_engine() -> Iterator[Callable[..., PrefillEngine]]:
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def open_engine() -> Iterator[Callable[..., PrefillEngine]]:
+    """`open_engine(dir, budget=...)`: a CPU engine with small chunks, closed after the test."""
+    yield from engine_opener(CHUNK)
 
 
 def run(engine: PrefillEngine, tokens: Sequence[int], **kwargs: Any) -> list[LayerKV]:

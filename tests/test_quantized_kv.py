@@ -15,31 +15,17 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from tandem.nodes.contract.frame_reader import FrameReader
 from tandem.nodes.contract.frames import Header, LayerFrame
 from tandem.nodes.contract.http import PROTO
 from tandem.nodes.model import fingerprint, load_index
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import NodeProc, remote_pair, start_node
+from tests.test_wire import decode_all
 
 TOKEN = "quant-token-0123456789"
 PROMPTS = ["Tell me a story about a lighthouse keeper.", "Why is the sky blue?"]
 MAX_TOKENS = 16
-
-
-def read(data: bytes) -> list:
-    """Every frame in `data`, fed through a FrameReader as the wire would."""
-    r = FrameReader()
-    frames, pos = [], 0
-    while pos < len(data):
-        view = r.get_buffer()
-        n = min(len(view), len(data) - pos)
-        view[:n] = data[pos : pos + n]
-        pos += n
-        frames += r.buffer_updated(n)
-    r.finish()
-    return frames
 
 
 # ---------------------------------------------------------------- end to end
@@ -117,7 +103,7 @@ def _prefill_frames(pair: Pair, tokens: list[int], fmt: dict[str, int]) -> tuple
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=60) as r:
-        frames = read(r.read())
+        frames = decode_all(r.read())  # fed through a FrameReader as the wire would
     return frames[0], [f for f in frames if isinstance(f, LayerFrame)]
 
 
