@@ -12,6 +12,7 @@ import pytest
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
+from tests.handoff_checks import assert_completion_is_mlx
 from tests.test_handoff import PROMPTS, Cluster, _chat, _cluster
 
 WINDOW = 8
@@ -41,21 +42,12 @@ def test_remote_chat_past_the_window_is_exactly_mlx_greedy(cluster: Cluster) -> 
 
 
 def test_streamed_and_completions_equal_mlx(cluster: Cluster) -> None:
-    from mlx_lm import generate
-
     prompt = PROMPTS[3]
     chunks = list(_chat(cluster.client(), prompt, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].model_extra["tandem"]["prefill"] == "remote"
     assert text == cluster.reference(prompt)
-    words = "The quick brown fox jumps over the lazy dog by the river bank"
-    reply = cluster.client().completions.create(
-        model="m", prompt=words, max_tokens=12, temperature=0
-    )
-    assert reply.model_extra["tandem"]["prefill"] == "remote"
-    assert reply.choices[0].text == generate(
-        cluster.mlx_model, cluster.tokenizer, words, max_tokens=12
-    )
+    assert_completion_is_mlx(cluster, 12)
 
 
 def _ids(cluster: Cluster, prompt: list[int], bits: int = 0) -> list[int]:

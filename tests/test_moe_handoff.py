@@ -10,6 +10,7 @@ import pytest
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
+from tests.handoff_checks import assert_completion_is_mlx
 from tests.nodeproc import remote_pair
 from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
 
@@ -35,13 +36,4 @@ def test_remote_chat_is_exactly_mlx_greedy(cluster: Cluster) -> None:
 
 
 def test_completions_equal_mlx(cluster: Cluster) -> None:
-    from mlx_lm import generate
-
-    words = "The quick brown fox jumps over the lazy dog by the river bank"
-    reply = cluster.client().completions.create(
-        model="m", prompt=words, max_tokens=8, temperature=0
-    )
-    assert reply.model_extra["tandem"]["prefill"] == "remote"
-    assert reply.choices[0].text == generate(
-        cluster.mlx_model, cluster.tokenizer, words, max_tokens=8
-    )
+    assert_completion_is_mlx(cluster, 8)
