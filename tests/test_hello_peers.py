@@ -185,3 +185,24 @@ async def test_the_dashboard_client_proves_a_plain_http_node_before_each_stream(
             assert impostor.paths() and not [p for p, h in impostor.seen if "Authorization" in h]
         async with serving(fake.app(), None, port):  # the real node back: proved again, used
             assert (await client.probe()).ok and client.proven
+
+
+async def test_on_change_wakes_its_holder_on_any_entry_change_and_stops_after() -> None:
+    """What the decode node's probe loop waits on instead of polling the table."""
+    table = PeerTable("decode-a", FP, TOKEN, PROTO)
+    with table.on_change() as changed:
+        assert not changed.is_set()
+        table.add("http://127.0.0.1:9")
+        assert changed.is_set()
+        changed.clear()
+        table.remove("http://127.0.0.1:9")
+        assert changed.is_set()
+        changed.clear()
+        waiter = asyncio.create_task(changed.wait())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        table.add("http://127.0.0.1:10")
+        await asyncio.wait_for(waiter, 1.0)
+    changed.clear()
+    table.add("http://127.0.0.1:11")  # left: nobody is told any more
+    assert not changed.is_set()

@@ -59,6 +59,7 @@ class PeerTable:
         self.token = token
         self.proto = proto
         self._watchers: dict[str, set[asyncio.Event]] = {}  # see until_untrusted
+        self._listeners: set[asyncio.Event] = set()  # see on_change
         self.peers: dict[str, Peer] = _Watched(self._changed)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -127,8 +128,21 @@ class PeerTable:
             if not watchers:
                 self._watchers.pop(address, None)
 
+    @contextlib.contextmanager
+    def on_change(self) -> Iterator[asyncio.Event]:
+        """An event set whenever an entry changes or goes (its holder clears it): a loop
+        that acts on the table waits on it rather than polling."""
+        event = asyncio.Event()
+        self._listeners.add(event)
+        try:
+            yield event
+        finally:
+            self._listeners.discard(event)
+
     def _changed(self, address: str) -> None:
         """The entry at `address` changed (or went): tell those waiting on its trust."""
+        for listener in self._listeners:
+            listener.set()
         peer = self.peers.get(address)
         if peer is None or not peer.trusted:
             for event in self._watchers.get(address, ()):
@@ -317,8 +331,8 @@ class PeerTable:
 
 
 class _Watched(dict[str, Peer]):
-    """The table's entries: each change (set, delete, pop) is told to `changed`, so a peer
-    that loses trust anywhere in the table wakes its waiters (`until_untrusted`)."""
+    """The table's entries: each change (set, setdefault, delete, pop) is told to `changed`,
+    so a peer that loses trust anywhere in the table wakes its waiters (`until_untrusted`)."""
 
     def __init__(self, changed: Callable[[str], None]) -> None:
         super().__init__()
@@ -331,6 +345,12 @@ class _Watched(dict[str, Peer]):
     def __delitem__(self, address: str) -> None:
         super().__delitem__(address)
         self._on_change(address)
+
+    def setdefault(self, address: str, peer: Peer) -> Peer:  # type: ignore[override]
+        if address in self:
+            return self[address]
+        self[address] = peer
+        return peer
 
     def pop(self, address: str, *default: Any) -> Any:  # type: ignore[override]
         out = super().pop(address, *default)

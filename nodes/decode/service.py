@@ -132,12 +132,15 @@ class DecodeService:
         return self.local
 
     async def probe_peers(self) -> None:
-        """Keep calibrating: measure each newly trusted prefill node with a tiny prefill."""
-        while True:
-            for peer in self.peers.trusted("prefill"):
-                if peer.prefill_floor_s is None:
-                    await self._probe(peer.address)
-            await asyncio.sleep(1.0)
+        """Keep calibrating: measure each newly trusted prefill node with a tiny prefill (the
+        peer table says when an entry changes)."""
+        with self.peers.on_change() as changed:
+            while True:
+                changed.clear()
+                for peer in self.peers.trusted("prefill"):
+                    if peer.prefill_floor_s is None:
+                        await self._probe(peer.address)
+                await changed.wait()
 
     async def _probe(self, address: str, count: int = 8) -> None:
         caches = await self.host.thread.call(self.host.new_cache)
