@@ -16,7 +16,7 @@ from tandem.nodes.decode.families.base import CacheBuilder, KVShape
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.prefill.handover import quantized_parts
 
-from tests.test_quantized_kv import read
+from tests.test_wire import decode_all
 
 H = Header(PROTO, "fp", "r", "F32", layers=1, start=0, count=3, n_kv_heads=2, head_dim=64,
            kv_bits=8, kv_group_size=64)  # fmt: skip
@@ -47,7 +47,7 @@ def test_quantized_frames_round_trip_into_a_quantized_cache(bits: int) -> None:
     named = {n: raw(t) for n, t in parts.items()}
     stream = writer.start() + writer.layer(0, named.pop("k"), named.pop("v"), named)
     stream += writer.done()
-    frames = read(stream)
+    frames = decode_all(stream)
     layer = next(f for f in frames if isinstance(f, LayerFrame))
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -96,7 +96,7 @@ def test_packed_shapes_that_disagree_with_the_header_are_a_protocol_error() -> N
     bad.start()
     frame = bad.layer(0, named.pop("k"), named.pop("v"), named)
     with pytest.raises(ProtocolError, match="header says"):
-        read(start + frame)
+        decode_all(start + frame)
     with pytest.raises(ProtocolError, match="missing"):
         writer.layer(0, raw(parts["k"]), raw(parts["v"]))  # no scales and biases
 
