@@ -160,3 +160,18 @@ def test_bench_e2e_reads_a_hybrid_models_nested_config(tiny_model) -> None:
     spec = load_index(tiny_model(arch="qwen3_5", layers=8, kv_heads=1, head_dim=64)).spec
     assert spec.vocab_size == 512 and spec.linear is not None
     assert _full_kv_bytes(spec, 63) == 2 * 8 * 1 * 64 * 2 * 63  # K and V, bf16
+
+
+def test_a_bare_stream_whose_frames_each_come_in_one_read_still_has_a_finite_rate() -> None:
+    """Frames small enough to arrive whole in one read cannot be timed from their first read
+    to their last (`arrival_seconds` has no later bytes): the whole transfer's rate stands
+    for them, never an infinite one (the bench once printed `inf MB/s on idle cores`)."""
+    import asyncio
+    import math
+
+    from tandem.app.cli.bare_stream import _frame_rates, paced_server
+
+    sizes = [512] * 4
+    with paced_server([bytes(n) for n in sizes], None, 0.01) as url:
+        rates = asyncio.run(_frame_rates(url, sizes))
+    assert rates and all(math.isfinite(r) and r > 0 for r in rates)
