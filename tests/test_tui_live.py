@@ -105,7 +105,7 @@ async def test_prompt_streams_a_reply_while_every_layer_moves_through_the_pipeli
             lt = req.layers[i]
             assert in_order(lt.states(prefill_id), "loading", "computing", "sent"), lt.states()
             assert lt.states(decode_id) == ["received"]
-        sent0 = req.layers[0].first_seen("sent")
+        sent0 = next((s.seen for s in req.layers[0].history if s.state == "sent"), None)
         assert reply.first_text_at is not None and sent0 is not None
         assert sent0 < reply.first_text_at  # layer 0 left before the first token showed
         timeline = req.timeline()

@@ -12,7 +12,7 @@ from tandem.app.cli.main import main
 from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode.router import LocalRate, choose
-from tandem.nodes.model.kv_bytes import kv_bytes, kv_wire_bytes
+from tandem.nodes.model.kv_bytes import TokenBytes, kv_bytes
 from tandem.nodes.model.spec import FULL, LayerKind, ModelSpec
 
 from tests.conftest import MakeTiny
@@ -22,6 +22,13 @@ LAYERS, KV_HEADS, HEAD_DIM, WINDOW, PATTERN = 18, 1, 256, 512, 6
 GLOBAL = [i for i in range(LAYERS) if (i + 1) % PATTERN == 0]  # 5, 11, 17
 HW = ["--device", "cpu", "--budget", "1GiB", "--pcie-gbps", "100", "--disk-gbps", "10",
       "--tflops", "1", "--net-gbps", "10", "--mac-tok-s", "400"]  # fmt: skip
+
+
+def kv_wire_bytes(
+    spec: ModelSpec, tokens: int, kv_format: TokenBytes | None = None, itemsize: int | None = None
+) -> int:
+    """K and V bytes of a `tokens`-position prompt on the wire (see `kv_bytes`)."""
+    return kv_bytes(spec, kv_format, itemsize).at(tokens)
 
 
 def gemma_270m_spec(dtype: str = "bfloat16") -> ModelSpec:

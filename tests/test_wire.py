@@ -28,10 +28,38 @@ from tandem.nodes.contract.frames import (
     encode_done,
     encode_error,
     encode_header,
-    encode_layer,
-    layer_to_numpy,
+    encode_tensors,
+    layer_parts_to_numpy,
     max_layer_payload,
 )
+
+
+def encode_layer(
+    layer: int,
+    k: bytes | memoryview,
+    v: bytes | memoryview,
+    header: Header,
+    quantized: dict[str, bytes | memoryview] | None = None,
+) -> bytes:
+    """The whole frame for one layer's K and V (`encode_tensors` with "k", "v" and a quantized
+    header's scales and biases).
+
+    `k` and `v` hold `header.shape(layer)` in `header.dtype`, row-major: bytes or any C-contiguous
+    buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`). For a
+    quantized header, `k` and `v` are the packed words and `quantized` holds the scales and
+    biases (`k_scales`, `k_biases`, `v_scales`, `v_biases`).
+    """
+    return encode_tensors(layer, {"k": k, "v": v, **(quantized or {})}, header)
+
+
+def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
+    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]` (float headers): views of
+    the frame's buffer, with no copy (copy them, as `mx.array` does, before that buffer is
+    reused). numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it
+    into bf16 with `mx.array(a).view(mx.bfloat16)`."""
+    parts = layer_parts_to_numpy(frame, header)
+    return parts["k"], parts["v"]
+
 
 H = Header(PROTO, "fp", "r1", "F32", layers=3, start=0, count=5, n_kv_heads=2, head_dim=4)
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,7 +21,6 @@ from tandem.nodes.contract.frames import (
     encode_done,
     encode_error,
     encode_header,
-    encode_layer,
     max_layer_payload,
 )
 
@@ -31,6 +30,7 @@ from tests.test_wire import (
     H,
     blob,
     decode_all,
+    encode_layer,
     frame,
     kv_bytes,
     make_stream,

@@ -46,9 +46,6 @@ class LayerTrack:
         """States in arrival order, of one node or all."""
         return [s.state for s in self.history if node is None or s.node == node]
 
-    def first_seen(self, state: str) -> float | None:
-        return next((s.seen for s in self.history if s.state == state), None)
-
     def spans(self) -> dict[str, list[tuple[float, float]]]:
         """Copy, compute and send intervals on the prefill node (its clock only).
 

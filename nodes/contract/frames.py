@@ -168,23 +168,6 @@ def encode_header(h: Header) -> bytes:
     return _frame(KIND_HEADER, _json(dataclasses.asdict(h)))
 
 
-def encode_layer(
-    layer: int,
-    k: bytes | memoryview,
-    v: bytes | memoryview,
-    header: Header,
-    quantized: dict[str, bytes | memoryview] | None = None,
-) -> bytes:
-    """The whole frame for one layer's K and V; its tensors are copied once, into it.
-
-    `k` and `v` hold `header.shape(layer)` in `header.dtype`, row-major: bytes or any C-contiguous
-    buffer (a numpy array; a torch bf16 tensor as `t.view(torch.uint16).numpy()`). For a
-    quantized header, `k` and `v` are the packed words and `quantized` holds the scales and
-    biases (`k_scales`, `k_biases`, `v_scales`, `v_biases`).
-    """
-    return encode_tensors(layer, {"k": k, "v": v, **(quantized or {})}, header)
-
-
 def encode_tensors(layer: int, given: dict[str, bytes | memoryview], header: Header) -> bytes:
     """The whole frame for one layer's tensors by name, exactly those `header.tensors(layer)`
     names (K/V, quantized K/V, or a linear layer's state), each row-major bytes."""
@@ -349,15 +332,6 @@ def _check_state(h: Header) -> None:
             raise ProtocolError(f"header state {name}: shape must be 1 to {MAX_STATE_DIMS} dims")
         for d in shape:
             check_uint(d, f"header state {name} dimension", 1)
-
-
-def layer_to_numpy(frame: LayerFrame, header: Header) -> tuple[np.ndarray, np.ndarray]:
-    """K and V as numpy arrays `[1, n_kv_heads, count, head_dim]` (float headers): views of
-    the frame's buffer, with no copy (copy them, as `mx.array` does, before that buffer is
-    reused). numpy has no bfloat16: BF16 comes back as uint16 holding the raw bits; turn it
-    into bf16 with `mx.array(a).view(mx.bfloat16)`."""
-    parts = layer_parts_to_numpy(frame, header)
-    return parts["k"], parts["v"]
 
 
 def layer_parts_to_numpy(frame: LayerFrame, header: Header) -> dict[str, np.ndarray]:

@@ -109,10 +109,3 @@ def nbytes(dtype: str, shape: tuple[int, ...], model_itemsize: int) -> int:
     """A tensor's bytes: F32 4 a value, "model" (the model's dtype) `model_itemsize`, else 2."""
     itemsize = {"F32": 4, "model": model_itemsize}.get(dtype, 2)
     return itemsize * math.prod(shape)
-
-
-def kv_wire_bytes(
-    spec: ModelSpec, tokens: int, kv_format: TokenBytes | None = None, itemsize: int | None = None
-) -> int:
-    """K and V bytes of a `tokens`-position prompt on the wire (see `kv_bytes`)."""
-    return kv_bytes(spec, kv_format, itemsize).at(tokens)

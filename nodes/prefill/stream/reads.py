@@ -191,11 +191,6 @@ class Reader:
         self.direct = open_direct(files) if direct else {}
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-read")
 
-    @property
-    def direct_files(self) -> set[str]:
-        """The files still read with O_DIRECT (not refused)."""
-        return {f for f in self.direct if not f.startswith("refused:")}
-
     def read(
         self, load: Load, dest: torch.Tensor, tier: HostTier | None, settle: bool = True
     ) -> int:
