@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tandem.nodes.contract.units import gbps_to_Bps
+
 # A scale: rows of (from, unit size, decimals, unit name), largest first; a value is written
 # in the first row it reaches (the last row also takes what reaches none, negatives and NaN).
 _Scale = tuple[tuple[float, float, int, str], ...]
@@ -37,7 +39,7 @@ def format_rate(Bps: float) -> str:
 
 def format_gbit(Bps: float) -> str:
     """Bytes/s as a link rate in 10^9 bits/s (Ethernet and PCIe are quoted in Gbit)."""
-    gbit = Bps * 8 / 1e9
+    gbit = Bps / gbps_to_Bps(1.0)
     if gbit >= 10:
         return f"{gbit:.0f} Gbit/s"
     if gbit >= 0.1:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
 
 
@@ -106,6 +107,7 @@ def state_tensors(spec: ModelSpec, dtype: str) -> State:
 
 
 def nbytes(dtype: str, shape: tuple[int, ...], model_itemsize: int) -> int:
-    """A tensor's bytes: F32 4 a value, "model" (the model's dtype) `model_itemsize`, else 2."""
-    itemsize = {"F32": 4, "model": model_itemsize}.get(dtype, 2)
+    """A tensor's bytes: `dtype` a safetensors name, or "model" (the model's dtype, of
+    `model_itemsize` bytes a value)."""
+    itemsize = model_itemsize if dtype == "model" else ITEMSIZE[dtype]
     return itemsize * math.prod(shape)

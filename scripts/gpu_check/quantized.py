@@ -31,16 +31,15 @@ def quantize_model(
     import torch
     from safetensors.torch import load_file
     from tandem.nodes.model.safetensors_format import RawTensor, encode_parts
+    from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
     from tandem.nodes.prefill.kv_quant import quantize
-
-    st_dtype = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
     def raw(t: torch.Tensor) -> RawTensor:
         t = t.contiguous()
         if t.dtype == torch.uint32:
             dtype, t = "U32", t.view(torch.int32)
         else:
-            dtype = st_dtype[t.dtype]
+            dtype = SAFETENSORS_DTYPES[t.dtype]
             t = t.view(torch.int16) if t.element_size() == 2 else t
         return RawTensor(dtype, tuple(t.shape), memoryview(t.numpy().reshape(-1).view(np.uint8)))
 
