@@ -1,7 +1,7 @@
 """One generation on the mlx thread: mlx-lm's token loop (`generate_step` op for op, its
 samplers and logits processors), the text it makes (stop strings, log-probabilities), and
-the `Generation` it returns. With `lm.py` (the caches and the prompt loop), the one place
-that reaches into mlx-lm.
+the `Generation` it returns. It reaches mlx-lm only through `lm.py` (the caches, the prompt
+loop, the samplers).
 
 `generation` runs `texts` on the host's mlx thread as a `DeviceStream`: text pieces as they
 come, then the `Generation`. It checks its cancel event between tokens, so a client that
@@ -76,12 +76,12 @@ TEXT_FLUSH_S = 1 / 30
 def generation(
     host: ModelHost,
     prompt: Sequence[int],
-    caches: lm.Caches,
+    caches: Caches,
     params: Sampling,
     on_token: Callable[[int], None] | None = None,
     kv_format: KVFormat | None = None,
     first: LayerStepper | None = None,
-    on_prompt: Callable[[lm.Caches], None] | None = None,
+    on_prompt: Callable[[Caches], None] | None = None,
 ) -> DeviceStream[str]:
     """`async with generation(host, ...) as gen: async for text in gen: ...`, then
     `gen.result` (the `Generation`): `texts` on the host's mlx thread, its pieces as they
@@ -98,13 +98,13 @@ def texts(
     model: Any,
     tokenizer: Any,
     prompt: Sequence[int],
-    cache: lm.Caches | None,
+    cache: Caches | None,
     params: Sampling,
     cancel: threading.Event,
     on_token: Callable[[int], None] | None = None,
     kv_format: KVFormat | None = None,
     first: LayerStepper | None = None,
-    on_prompt: Callable[[lm.Caches], None] | None = None,
+    on_prompt: Callable[[Caches], None] | None = None,
 ) -> Generator[str, None, Generation]:
     """On the mlx thread: decode from `cache` (positions 0..k-1) and `prompt` (k..n-1);
     yields text pieces, returns the `Generation`.
@@ -157,12 +157,12 @@ def texts(
 def _steps(
     model: Any,
     prompt: list[int],
-    cache: lm.Caches,
+    cache: Caches,
     sample: Sampler,
     params: Sampling,
     kv_format: KVFormat | None = None,
     first: LayerStepper | None = None,
-    on_prompt: Callable[[lm.Caches], None] | None = None,
+    on_prompt: Callable[[Caches], None] | None = None,
 ) -> Iterator[Step]:
     """Tokens as mlx-lm's `generate_step` makes them (`steps`), through the logits
     processors the request's penalties and `logit_bias` ask for."""

@@ -132,7 +132,7 @@ class Gate:
         """Nothing for a request that may pass (a signed one's caller goes into
         `request[CALLER_KEY]`); ApiError 401 otherwise. A signed request's body is read here
         (aiohttp keeps the bytes for the handler; past the size limit, aiohttp's 413)."""
-        if self.token is None or self.verifier is None:
+        if not self.token or self.verifier is None:  # no token: a loopback-only node
             return
         if request.path in OPEN_PATHS or not request.path.startswith("/v1/"):
             return
