@@ -19,7 +19,8 @@ from mlx_lm.models.cache import KVCache
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families import family_for
-from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
+from tandem.nodes.decode.families.base import LayerArrays
+from tandem.nodes.decode.families.llama import fill_quantized
 from tandem.nodes.model.spec import ModelSpec
 
 

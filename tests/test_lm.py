@@ -12,7 +12,8 @@ import mlx.core as mx
 import pytest
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import generate, lm
-from tandem.nodes.decode.families.base import LayerArrays, fill_quantized
+from tandem.nodes.decode.families.base import LayerArrays
+from tandem.nodes.decode.families.llama import fill_quantized
 from tandem.nodes.decode.reference import reference_tokens
 
 from tests.conftest import MakeTiny

@@ -12,8 +12,9 @@ import pytest
 import torch
 from tandem.nodes.contract.frames import FrameWriter, Header, LayerFrame, ProtocolError
 from tandem.nodes.contract.http import PROTO, KVFormat, kv_format_of
-from tandem.nodes.decode.families.base import CacheBuilder, KVShape
+from tandem.nodes.decode.families.base import KVShape
 from tandem.nodes.decode.prompt_cache import PromptCache
+from tandem.nodes.decode.remote import CacheBuilder
 from tandem.nodes.prefill.handover import quantized_parts
 
 from tests.test_wire import decode_all

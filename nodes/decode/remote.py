@@ -1,5 +1,6 @@
 """The decode node's side of `/v1/prefill`: ask a prefill node for K/V and fill mlx caches
-layer by layer as frames arrive, while the prefill node computes the next layer."""
+layer by layer as frames arrive (each checked, then put in by the model's decode family),
+while the prefill node computes the next layer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import mlx.core as mx
 from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
 from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
@@ -26,9 +28,10 @@ from tandem.nodes.contract.frames import (
 )
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
-from tandem.nodes.decode.families.base import CacheBuilder, DecodeFamily, KVShape, LayerStepper
+from tandem.nodes.decode.families.base import DecodeFamily, KVShape, LayerStepper, layer_arrays
+from tandem.nodes.decode.families.llama import GenericFamily
 from tandem.nodes.decode.host import ModelHost
-from tandem.nodes.model.spec import LayerKind
+from tandem.nodes.model.spec import FULL, LayerKind
 from tandem.nodes.serve import http_stream
 from tandem.nodes.serve.http_stream import HttpError
 from tandem.nodes.serve.kv_link import arrival_seconds
@@ -325,6 +328,40 @@ class _Assembler:
             self.task.cancel()
         if self.task is not None:
             await asyncio.gather(self.task, return_exceptions=True)
+
+
+class CacheBuilder:
+    """Puts each layer's new positions into that layer's cache (the prefix already there)
+    through the model's family, once the header (`KVShape.check`) and each frame
+    (`layer_arrays`) agree with the model and the request."""
+
+    def __init__(
+        self,
+        header: Header,
+        caches: lm.Caches,
+        expect: KVShape,
+        start: int,
+        count: int,
+        kv_format: KVFormat | None = None,
+        family: DecodeFamily | None = None,
+        kinds: Sequence[LayerKind] | None = None,
+    ) -> None:
+        self.kinds = tuple(kinds) if kinds is not None else (FULL,) * expect.layers
+        expect.check(header, caches, start, count, kv_format, self.kinds)
+        self.header, self.caches, self.kv_format = header, caches, kv_format
+        self.family = family or GenericFamily()
+
+    def add(self, frame: LayerFrame) -> None:
+        """On the mlx thread: check the layer's values and put them into its cache."""
+        arrays = layer_arrays(frame, self.header)
+        i = frame.layer
+        first = getattr(self.caches, "first", 0)  # a decode group: rank 0 holds the last
+        if i < first:  # another rank's layer: its arrays to it
+            self.caches.mirror.fill(self.caches, arrays, self.kv_format)  # type: ignore[attr-defined]
+            return
+        j = i - first
+        self.caches[j] = self.family.fill(self.kinds[i], self.caches[j], arrays, self.kv_format)
+        mx.eval(self.caches[j].state[:2])  # (K, V), or a state cache's (slots, padding)
 
 
 RETRY_FLOOR_S = 0.5  # a busy node's Retry-After below this (0, nan) is read as this

@@ -1,15 +1,16 @@
 """Decode families, one file per family; a model's `model_type` picks one here.
 
-Adding a family: its file (a `DecodeFamily` subclass), its `model_type` in the model spec's
-parser (`nodes/model/spec.py`), and one line below. A type without a line gets the base
-family: full-attention layers filled, the last token's step run whole.
+Adding a family: its file (a `DecodeFamily` subclass, or the dense family's in `llama.py`
+where it has full-attention layers), its `model_type` in the model spec's parser
+(`nodes/model/spec.py`), and one line below. A type without a line gets the generic family:
+full-attention layers filled, the last token's step run whole.
 """
 
 from __future__ import annotations
 
 from tandem.nodes.decode.families.base import DecodeFamily
 from tandem.nodes.decode.families.gemma3 import Gemma3Family
-from tandem.nodes.decode.families.llama import DenseFamily
+from tandem.nodes.decode.families.llama import DenseFamily, GenericFamily
 from tandem.nodes.decode.families.qwen3_5 import Qwen35Family
 
 FAMILIES: dict[str, DecodeFamily] = {
@@ -25,5 +26,5 @@ FAMILIES: dict[str, DecodeFamily] = {
 
 
 def family_for(model_type: str) -> DecodeFamily:
-    """The decode family of a model type (the base family for a type not listed)."""
-    return FAMILIES.get(model_type) or DecodeFamily()
+    """The decode family of a model type (the generic family for a type not listed)."""
+    return FAMILIES.get(model_type) or GenericFamily()

@@ -1,4 +1,4 @@
-"""What a decode family does with a handoff, and the parts every family shares.
+"""What a decode family is, and the records every family and the remote prefill share.
 
 A family is one architecture's decode side (mlx-lm keeps one file per architecture; so do
 we). It does two jobs:
@@ -6,20 +6,21 @@ we). It does two jobs:
 - `fill`: put one layer frame's arrays into that layer's cache, by the layer's kind
   (`LayerKind` from the model spec, matching the cache `lm.new_caches` made for it):
   - "full": the frame holds K/V of new positions, appended (float, or quantized words,
-    scales and biases for a quantized stream);
+    scales and biases for a quantized stream): the dense family (`llama.py`), which the
+    other families extend;
   - "sliding": the frame holds the last positions' K/V its window keeps, always float (a
-    `RotatingKVCache`, refilled through `lm.fill_window`);
-  - "linear": the frame holds a fixed-size state (an `ArraysCache`: its slots are set).
+    `RotatingKVCache`, refilled through `lm.fill_window`): `gemma3.py`;
+  - "linear": the frame holds a fixed-size state (an `ArraysCache`: its slots are set):
+    `qwen3_5.py`.
+  A kind the family does not fill is a `ProtocolError` (the request falls back to a local
+  prefill).
 - `stepper`: the last prompt token's pass, run a layer at a time as layers land
   (`LayerStepper`), or None where the family does not know its model's structure: the decode
   node then runs that token's step whole.
 
-`DecodeFamily` fills "full" layers; the kinds no family here has yet say so (a
-`ProtocolError`: the request falls back to a local prefill).
-
-Before a family sees a frame, the `CacheBuilder` checks the remote prefill's header and each
-layer frame against the model (`KVShape`) and the request. A peer's bad frame (its shape, its
-dtype, values that are not all finite, a KV form other than the one asked for) is a
+Before a family sees a frame, the remote prefill checks the frames' header against the model
+(`KVShape.check`) and reads each layer frame's arrays (`layer_arrays`). A peer's bad frame (its
+shape, its dtype, values that are not all finite, a KV form other than the one asked for) is a
 `ProtocolError`, and the request falls back to a local prefill.
 """
 
@@ -33,7 +34,7 @@ import mlx.core as mx
 from tandem.nodes.contract.frames import Header, LayerFrame, ProtocolError, layer_parts_to_numpy
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
-from tandem.nodes.model.spec import FULL, LayerKind
+from tandem.nodes.model.spec import LayerKind
 
 
 @dataclass(frozen=True)
@@ -64,41 +65,22 @@ class LayerStepper(Protocol):
 
 
 class DecodeFamily:
-    """A family's decode side; this base fills "full" layers and knows no structure."""
+    """A family's decode side; this base fills no layer and knows no structure."""
 
-    name = "generic"
+    name = "base"
 
     def fill(
         self, kind: LayerKind, cache: Any, arrays: LayerArrays, kv_format: KVFormat | None
     ) -> Any:
         """The layer's cache with the frame's arrays in (a new object where its form
         changes: a float layer taking quantized frames)."""
-        if kind.kind != "full" or lm.kind(cache) != "full":
-            raise ProtocolError(
-                f"layer {arrays.layer}: a {kind.kind} layer ({type(cache).__name__}) is not "
-                f"filled by the {self.name} decode family"
-            )
-        if kv_format is None:
-            t = arrays.tensors
-            lm.append(cache, t["k"], t["v"])
-            return cache
-        return fill_quantized(cache, arrays, kv_format)
+        raise ProtocolError(
+            f"layer {arrays.layer}: a {kind.kind} layer ({type(cache).__name__}) is not "
+            f"filled by the {self.name} decode family"
+        )
 
     def stepper(self, model: Any, token: int, caches: lm.Caches) -> LayerStepper | None:
         return None
-
-
-def fill_quantized(cache: Any, arrays: LayerArrays, kv_format: KVFormat) -> Any:
-    """A full-attention layer's quantized positions appended; its float prefix (if any)
-    quantized first, as mlx-lm would have."""
-    cache = lm.to_quantized(cache, kv_format)
-    if lm.quantized_form(cache) != (kv_format.bits, kv_format.group_size):
-        raise ProtocolError(f"layer {arrays.layer}: the cache is quantized otherwise")
-    t = arrays.tensors
-    lm.append_quantized(
-        cache, (t["k"], t["k_scales"], t["k_biases"]), (t["v"], t["v_scales"], t["v_biases"])
-    )
-    return cache
 
 
 @dataclass(frozen=True)
@@ -125,38 +107,21 @@ class KVShape:
             return 2 * self.layers * self.n_kv_heads * self.head_dim * itemsize
         return kv_format.bytes_per_token(self.layers, self.n_kv_heads, self.head_dim, itemsize)
 
-
-def layer_arrays(frame: LayerFrame, header: Header) -> LayerArrays:
-    """A frame's tensors as mlx arrays (copies of the frame's buffer; bf16 stays bf16)."""
-    out = {}
-    quantized = header.quantized(frame.layer)
-    for name, array in layer_parts_to_numpy(frame, header).items():
-        words = quantized and name in ("k", "v")  # packed uint32 words
-        if header.dtype == "BF16" and not words:  # numpy holds the raw bits as uint16
-            out[name] = mx.array(array).view(mx.bfloat16)
-        else:
-            out[name] = mx.array(array)
-    return LayerArrays(frame.layer, out, header.start + header.count)
-
-
-class CacheBuilder:
-    """Puts each layer's new positions into that layer's cache (the prefix already there),
-    once the header and each frame agree with the model and the request."""
-
-    def __init__(
+    def check(
         self,
         header: Header,
         caches: lm.Caches,
-        expect: KVShape,
         start: int,
         count: int,
-        kv_format: KVFormat | None = None,
-        family: DecodeFamily | None = None,
-        kinds: Sequence[LayerKind] | None = None,
+        kv_format: KVFormat | None,
+        kinds: Sequence[LayerKind],
     ) -> None:
+        """ProtocolError unless a remote prefill's frames, as `header` says, are what the
+        model (`self`, `kinds`) and the request (`start`, `count`, `kv_format`) want and
+        `caches` hold the `start` positions before them."""
         got = (header.layers, header.n_kv_heads, header.head_dim, header.dtype)
-        want = (expect.layers, expect.n_kv_heads, expect.head_dim, expect.dtype)
-        if got != want or getattr(caches, "total", len(caches)) != expect.layers:
+        want = (self.layers, self.n_kv_heads, self.head_dim, self.dtype)
+        if got != want or getattr(caches, "total", len(caches)) != self.layers:
             raise ProtocolError(
                 f"frames hold (layers, kv heads, head dim, dtype) {got}, the model {want}"
             )
@@ -171,40 +136,31 @@ class CacheBuilder:
                 f"frames cover {header.count} positions from {header.start}, "
                 f"asked for {count} from {start}"
             )
-        kinds = tuple(kinds) if kinds is not None else (FULL,) * len(caches)
         want_kinds = (tuple(k.kind for k in kinds), tuple(k.window or 0 for k in kinds))
         if header.kinds and (header.kinds, header.windows) != want_kinds:
             raise ProtocolError(
                 f"frames hold layers of kinds {header.kinds}, windows {header.windows}; "
                 f"the model's are {want_kinds[0]}, {want_kinds[1]}"
             )
-        if header.state != expect.state:
+        if header.state != self.state:
             raise ProtocolError(
-                f"frames hold linear layers' state {header.state}, the model's {expect.state}"
+                f"frames hold linear layers' state {header.state}, the model's {self.state}"
             )
         if lm.positions(caches) != start:
             raise ProtocolError(f"frames start at {start}, the cache holds {lm.positions(caches)}")
-        self.header, self.caches, self.kv_format = header, caches, kv_format
-        self.family = family or DecodeFamily()
-        self.kinds = kinds
-
-    def add(self, frame: LayerFrame) -> None:
-        """On the mlx thread: check the layer's values and put them into its cache."""
-        arrays = layer_arrays(frame, self.header)
-        t = arrays.tensors
-        # words may hold any bits
-        floats = _SCALES if self.header.quantized(frame.layer) else tuple(t)
-        for name in floats:
-            if not mx.isfinite(t[name]).all().item():
-                raise ProtocolError(f"layer {frame.layer}: {name} are not all finite")
-        i = frame.layer
-        first = getattr(self.caches, "first", 0)  # a decode group: rank 0 holds the last
-        if i < first:  # another rank's layer: its arrays to it
-            self.caches.mirror.fill(self.caches, arrays, self.kv_format)  # type: ignore[attr-defined]
-            return
-        j = i - first
-        self.caches[j] = self.family.fill(self.kinds[i], self.caches[j], arrays, self.kv_format)
-        mx.eval(self.caches[j].state[:2])  # (K, V), or a state cache's (slots, padding)
 
 
-_SCALES = ("k_scales", "k_biases", "v_scales", "v_biases")
+def layer_arrays(frame: LayerFrame, header: Header) -> LayerArrays:
+    """A frame's tensors as mlx arrays (copies of the frame's buffer; bf16 stays bf16);
+    ProtocolError where its float values are not all finite (packed words may hold any bits)."""
+    out = {}
+    quantized = header.quantized(frame.layer)
+    for name, array in layer_parts_to_numpy(frame, header).items():
+        words = quantized and name in ("k", "v")  # packed uint32 words
+        if header.dtype == "BF16" and not words:  # numpy holds the raw bits as uint16
+            out[name] = mx.array(array).view(mx.bfloat16)
+        else:
+            out[name] = mx.array(array)
+        if not words and not mx.isfinite(out[name]).all().item():
+            raise ProtocolError(f"layer {frame.layer}: {name} are not all finite")
+    return LayerArrays(frame.layer, out, header.start + header.count)

@@ -5,7 +5,7 @@ ones).
 A sliding layer's frame holds only the positions its window keeps, in float: they replace
 the cache (`lm.fill_window`), after what the window still reaches of a cached prefix. The
 cache then holds what mlx-lm's would after its own prefill, and trims and rotates as decoding
-goes on. Global layers are the base family's, quantized when the request asks (mlx-lm cannot
+goes on. Global layers are the dense family's, quantized when the request asks (mlx-lm cannot
 quantize a `RotatingKVCache`; a window is bounded anyway). The last prompt token runs whole
 (no layer-at-a-time stepper: Gemma's layers need their own masks and embedding scale).
 """
@@ -17,11 +17,12 @@ from typing import Any
 from tandem.nodes.contract.frames import ProtocolError
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
-from tandem.nodes.decode.families.base import DecodeFamily, LayerArrays
+from tandem.nodes.decode.families.base import LayerArrays, LayerStepper
+from tandem.nodes.decode.families.llama import DenseFamily
 from tandem.nodes.model.spec import LayerKind
 
 
-class Gemma3Family(DecodeFamily):
+class Gemma3Family(DenseFamily):
     name = "gemma3"
 
     def fill(
@@ -38,3 +39,6 @@ class Gemma3Family(DecodeFamily):
             return lm.fill_window(cache, arrays.tensors["k"], arrays.tensors["v"], arrays.end)
         except ValueError as e:
             raise ProtocolError(f"layer {arrays.layer}: {e}") from None
+
+    def stepper(self, model: Any, token: int, caches: lm.Caches) -> LayerStepper | None:
+        return None

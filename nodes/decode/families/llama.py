@@ -1,8 +1,9 @@
 """The dense family (Llama, Mistral, Qwen2, Qwen3): every layer full attention, the model
 `model.model` = embed_tokens → layers → norm, then `lm_head` (or the tied embedding).
 
-Its stepper runs the prompt's last token through the model one layer at a time, as a remote
-prefill's layers land, so that the first token is sampled the moment the last layer is in.
+It fills full-attention layers (every family's: Gemma 3's and Qwen3.5's families extend this
+one), and its stepper runs the prompt's last token through the model one layer at a time, as
+a remote prefill's layers land, so that the first token is sampled the moment the last layer is in.
 Layer i of that pass needs only layer i's cache, so it runs as soon as frame i is in (on the
 mlx thread, between frames); what remains when the last frame lands is one layer, the final
 norm and the head, not a whole decode step. On mlx's CPU backend with a quantized cache that
@@ -11,7 +12,8 @@ step alone was a fifth of the time to first token.
 The ops are the model's own modules in the model's own order — mlx-lm's `Model.__call__` on
 one token, cut between layers — so the logits are the same bits as `model(token, cache)`.
 A model whose structure is not this one (sliding-window layers, other wrappers) gets no
-stepper, and the decode node runs the step whole.
+stepper, and the decode node runs the step whole; so does a model type no family lists
+(`GenericFamily`: its full-attention layers filled as here).
 """
 
 from __future__ import annotations
@@ -19,15 +21,52 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from tandem.nodes.contract.frames import ProtocolError
+from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
-from tandem.nodes.decode.families.base import DecodeFamily, LayerStepper
+from tandem.nodes.decode.families.base import DecodeFamily, LayerArrays, LayerStepper
+from tandem.nodes.model.spec import LayerKind
 
 
 class DenseFamily(DecodeFamily):
     name = "dense"
 
+    def fill(
+        self, kind: LayerKind, cache: Any, arrays: LayerArrays, kv_format: KVFormat | None
+    ) -> Any:
+        if kind.kind != "full" or lm.kind(cache) != "full":
+            return super().fill(kind, cache, arrays, kv_format)
+        if kv_format is None:
+            t = arrays.tensors
+            lm.append(cache, t["k"], t["v"])
+            return cache
+        return fill_quantized(cache, arrays, kv_format)
+
     def stepper(self, model: Any, token: int, caches: lm.Caches) -> LayerStepper | None:
         return FirstStep.for_model(model, token, caches)
+
+
+class GenericFamily(DenseFamily):
+    """A model type no family lists: its full-attention layers filled, its last prompt
+    token's step run whole (its model may scale or cap what the dense structure does not)."""
+
+    name = "generic"
+
+    def stepper(self, model: Any, token: int, caches: lm.Caches) -> LayerStepper | None:
+        return None
+
+
+def fill_quantized(cache: Any, arrays: LayerArrays, kv_format: KVFormat) -> Any:
+    """A full-attention layer's quantized positions appended; its float prefix (if any)
+    quantized first, as mlx-lm would have."""
+    cache = lm.to_quantized(cache, kv_format)
+    if lm.quantized_form(cache) != (kv_format.bits, kv_format.group_size):
+        raise ProtocolError(f"layer {arrays.layer}: the cache is quantized otherwise")
+    t = arrays.tensors
+    lm.append_quantized(
+        cache, (t["k"], t["k_scales"], t["k_biases"]), (t["v"], t["v_scales"], t["v_biases"])
+    )
+    return cache
 
 
 class FirstStep:

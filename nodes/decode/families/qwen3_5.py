@@ -5,7 +5,7 @@ others).
 A linear layer's frame holds its state after the prompt, "conv" [1, K-1, conv_dim] and
 "recurrent" [1, Hv, Dv, Dk] (float32): they go into a new cache's slots, in mlx-lm's order
 (the old cache is left as it was, for a failed prefill to fall back to). Whatever a cached
-prefix left there is replaced: the state covers the whole prompt. Full layers are the base
+prefix left there is replaced: the state covers the whole prompt. Full layers are the dense
 family's, quantized when the request asks (the state never is). The last prompt token runs
 whole (no layer-at-a-time stepper: the model holds its layers under `language_model`, with
 a mask per layer kind).
@@ -18,13 +18,14 @@ from typing import Any
 from tandem.nodes.contract.frames import ProtocolError
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
-from tandem.nodes.decode.families.base import DecodeFamily, LayerArrays
+from tandem.nodes.decode.families.base import LayerArrays, LayerStepper
+from tandem.nodes.decode.families.llama import DenseFamily
 from tandem.nodes.model.spec import LayerKind
 
 STATE_SLOTS = ("conv", "recurrent")  # an ArraysCache's slots, in order
 
 
-class Qwen35Family(DecodeFamily):
+class Qwen35Family(DenseFamily):
     name = "qwen3_5"
 
     def fill(
@@ -40,3 +41,6 @@ class Qwen35Family(DecodeFamily):
         new = lm.new_state_cache(len(STATE_SLOTS))
         lm.fill_state(new, [arrays.tensors[name] for name in STATE_SLOTS])
         return new
+
+    def stepper(self, model: Any, token: int, caches: lm.Caches) -> LayerStepper | None:
+        return None
