@@ -10,17 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
-from tandem.nodes.contract.http import (
-    DEFAULT_CHUNK_TOKENS,
-    DEFAULT_KV_GROUP_SIZE,
-    DEFAULT_MAX_CONCURRENT,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_PORT,
-    DEFAULT_PREFILL_QUEUE,
-    DEFAULT_REMOTE_TIMEOUT_S,
-    KV_BITS,
-    KV_GROUP_SIZES,
-)
+from tandem.nodes.contract import http
 from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
 
 if TYPE_CHECKING:
@@ -34,14 +24,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a prefill and/or decode node")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=http.DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
     p.add_argument("--budget", type=size, default=None, help="weights and activations")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help=MAX_PROMPT_HELP)
     p.add_argument(
         "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
     )
-    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS)
+    p.add_argument("--chunk-tokens", type=int, default=http.DEFAULT_CHUNK_TOKENS)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--peer", action="append", default=[], metavar="URL")
     p.add_argument("--no-mdns", action="store_true")
@@ -51,12 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--remote-prefill", choices=["auto", "always", "never"], default="auto")
     p.add_argument(
-        "--kv-bits", type=int, choices=[16, *KV_BITS], default=16,
+        "--kv-bits", type=int, choices=[16, *http.KV_BITS], default=16,
         help="decode: KV on the wire and in the cache (16: the model's dtype)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-group-size", type=int, choices=list(KV_GROUP_SIZES), default=DEFAULT_KV_GROUP_SIZE
-    )
+        "--kv-group-size", type=int, choices=list(http.KV_GROUP_SIZES),
+        default=http.DEFAULT_KV_GROUP_SIZE,
+    )  # fmt: skip
     p.add_argument("--name", default="")
     p.add_argument("--link-gbps", type=float, default=None, help="throttle host→device")
     p.add_argument("--net-gbps", type=float, default=None, help="cap KV bytes sent (Gbit/s)")
@@ -68,24 +59,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# queue and concurrency limits, and the remote-prefill timeout: (flag, type, default, help)
+_LIMITS: tuple[tuple[str, type, float, str], ...] = (
+    ("--queue-limit", int, http.DEFAULT_PREFILL_QUEUE, "prefills waiting, then 503"),
+    ("--max-concurrent", int, http.DEFAULT_MAX_CONCURRENT, "decode: generations at once"),
+    ("--max-queue", int, http.DEFAULT_MAX_QUEUE, "decode: generations waiting, then 503"),
+    (
+        "--remote-timeout", float, http.DEFAULT_REMOTE_TIMEOUT_S,
+        "seconds before a remote prefill counts as failed and the decode node prefills locally",
+    ),
+)  # fmt: skip
+
+
 def _add_limits(p: argparse.ArgumentParser) -> None:
-    """Queue and concurrency limits, and the remote-prefill timeout."""
-    p.add_argument(
-        "--queue-limit", type=int, default=DEFAULT_PREFILL_QUEUE, help="prefills waiting, then 503"
-    )
-    p.add_argument(
-        "--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
-        help="decode: generations at once",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-        help="decode: generations waiting for a slot, then 503",
-    )  # fmt: skip
-    p.add_argument(
-        "--remote-timeout", type=float, default=DEFAULT_REMOTE_TIMEOUT_S,
-        help="seconds before a remote prefill "
-        "counts as failed and the decode node prefills locally",
-    )  # fmt: skip
+    for flag, kind, default, help in _LIMITS:
+        p.add_argument(flag, type=kind, default=default, help=help)
 
 
 def node_config(a: argparse.Namespace) -> NodeConfig:

@@ -122,6 +122,11 @@ class LayerFrame:
     parts: dict[str, memoryview]
 
     @property
+    def wire_bytes(self) -> int:
+        """The frame's bytes on the wire: its prefix and its payload."""
+        return PREFIX.size + len(self.payload)
+
+    @property
     def k(self) -> memoryview:
         return self.parts["k"]
 

@@ -17,15 +17,7 @@ from tandem.nodes.cluster.peers import PeerTable, UntrustedPeer
 from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
 from tandem.nodes.contract.frame_reader import FrameReader
-from tandem.nodes.contract.frames import (
-    PREFIX,
-    Done,
-    ErrorFrame,
-    Frame,
-    Header,
-    LayerFrame,
-    ProtocolError,
-)
+from tandem.nodes.contract.frames import Done, ErrorFrame, Frame, Header, LayerFrame, ProtocolError
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families.base import DecodeFamily, KVShape, LayerStepper, layer_arrays
@@ -249,7 +241,7 @@ class _FrameClock:
 
     def frame(self, frame: Frame) -> None:
         if isinstance(frame, LayerFrame) and self._first is not None:
-            size = PREFIX.size + len(frame.payload)
+            size = frame.wire_bytes
             (t_first, r_first), (t_last, r_last) = self._first, self._last
             seconds = arrival_seconds(size, t_last - t_first, r_last - r_first)
             self.transfer_s += seconds

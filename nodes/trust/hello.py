@@ -184,8 +184,9 @@ class HelloResponder:
         if expires_ms <= max(now, self._floor_ms) or nonce in self._used:
             raise HelloRefused("no hello of this node's is waiting for that nonce")
         if not verify_hello_proof(
-            self._key, "caller", caller_nonce, nonce, caller, self.own_id, self.fingerprint,
-            self.cert_fingerprint, proof, address=address,
+            self._key, "caller", proof=proof, caller_nonce=caller_nonce, callee_nonce=nonce,
+            caller_id=caller, callee_id=self.own_id, model_fingerprint=self.fingerprint,
+            cert_fingerprint=self.cert_fingerprint, address=address,
         ):  # fmt: skip
             raise HelloRefused("the caller's proof does not verify")
         self._used[nonce] = expires_ms
@@ -336,7 +337,8 @@ async def hello_over(post: Post, token: str | None, own_id: str, cert: str, addr
         raise HelloError("bad_reply", f"{HELLO_PATH} did not answer a hello v2 object")
     peer_id, fp, peer_nonce = answer["id"], answer["fingerprint"], answer["nonce"]
     if not verify_hello_proof(
-        key, "callee", nonce, peer_nonce, own_id, peer_id, fp, cert, answer["proof"],
+        key, "callee", proof=answer["proof"], caller_nonce=nonce, callee_nonce=peer_nonce,
+        caller_id=own_id, callee_id=peer_id, model_fingerprint=fp, cert_fingerprint=cert,
         address=address,
     ):  # fmt: skip
         raise HelloError(

@@ -241,32 +241,13 @@ def hello_proof(
     return hmac.new(token.encode(), msg, sha256).hexdigest()
 
 
-def verify_hello_proof(
-    token: str,
-    role: Role,
-    caller_nonce: str,
-    callee_nonce: str,
-    caller_id: str,
-    callee_id: str,
-    model_fingerprint: str,
-    cert_fingerprint: str,
-    proof: object,
-    address: str = "",
-) -> bool:
-    """Whether `proof` is `hello_proof(...)` for these fields (constant time)."""
+def verify_hello_proof(token: str, role: Role, *, proof: object, **hello: str) -> bool:
+    """Whether `proof` is `hello_proof(token, role, **hello)` (constant time); `hello` names
+    `hello_proof`'s fields (caller_nonce, callee_nonce, caller_id, callee_id,
+    model_fingerprint, cert_fingerprint, and address where there is one)."""
     if not isinstance(proof, str):
         return False
-    want = hello_proof(
-        token,
-        role,
-        caller_nonce,
-        callee_nonce,
-        caller_id,
-        callee_id,
-        model_fingerprint,
-        cert_fingerprint,
-        address,
-    )
+    want = hello_proof(token, role, **hello)
     return hmac.compare_digest(want.encode(), utf8(proof))
 
 
