@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tandem.nodes.contract.cluster import Cluster, Peer
 from tandem.nodes.trust.auth import is_loopback
 
 from tests.nodeproc import (
@@ -116,18 +117,18 @@ def poll(check: Callable[[], T | None], timeout: float, interval: float = 0.1) -
     raise TimeoutError(f"not within {timeout} s; last: {last!r}")
 
 
-def peer(cluster: dict, node_id: str) -> dict | None:
+def peer(cluster: Cluster, node_id: str) -> Peer | None:
     """The entry for `node_id` in a `/v1/cluster` reply, if listed."""
-    return next((p for p in cluster["peers"] if p["id"] == node_id), None)
+    return next((p for p in cluster.peers if p.id == node_id), None)
 
 
-def trusted_by(node: MdnsNode, node_id: str) -> dict | None:
+def trusted_by(node: MdnsNode, node_id: str) -> Peer | None:
     """`node_id`'s entry in `node`'s `/v1/cluster` once `node` trusts it."""
-    entry = peer(node.get("/v1/cluster"), node_id)
-    return entry if entry and entry["trusted"] else None
+    entry = peer(node.cluster(), node_id)
+    return entry if entry and entry.trusted else None
 
 
-def mutual_trust(a: MdnsNode, a_id: str, b: MdnsNode, b_id: str) -> tuple[dict, dict] | None:
+def mutual_trust(a: MdnsNode, a_id: str, b: MdnsNode, b_id: str) -> tuple[Peer, Peer] | None:
     """(a as b lists it, b as a lists it) once each trusts the other."""
     a_seen, b_seen = trusted_by(b, a_id), trusted_by(a, b_id)
     return (a_seen, b_seen) if a_seen and b_seen else None

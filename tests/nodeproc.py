@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.app.cli.demo import free_port
+from tandem.nodes.contract.cluster import Cluster, Health
 
 __all__ = [
     "NodeProc",
@@ -61,6 +62,14 @@ class NodeProc:
         context = unverified_tls() if self.url.startswith("https://") else None
         with urllib.request.urlopen(req, timeout=10, context=context) as r:
             return json.loads(r.read())
+
+    def health(self) -> Health:
+        """Its `/health` (no auth), read through the contract's record."""
+        return Health.from_json(self.get("/health", auth=False))
+
+    def cluster(self) -> Cluster:
+        """Its `/v1/cluster`, read through the contract's record."""
+        return Cluster.from_json(self.get("/v1/cluster"))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         return stop_process(self.proc, sig, timeout)
@@ -114,25 +123,26 @@ def start_node(
     return node
 
 
-def wait_healthy(node: NodeProc, timeout: float = 60.0) -> dict:
+def wait_healthy(node: NodeProc, timeout: float = 60.0) -> Health:
+    """`node`'s `/health` once it answers; RuntimeError if its process exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if node.proc.poll() is not None:
             raise RuntimeError(f"node exited with {node.proc.returncode}:\n{node.output()}")
         try:
-            return node.get("/health", auth=False)
+            return node.health()
         except (urllib.error.URLError, ConnectionError, OSError):
             time.sleep(0.1)
     raise TimeoutError(f"node on {node.port} not healthy:\n{node.output()}")
 
 
-def wait_trusted(node: NodeProc, role: str = "prefill", timeout: float = 15.0) -> dict:
-    """Wait until `node` lists a trusted peer with `role` in /v1/cluster."""
+def wait_trusted(node: NodeProc, role: str = "prefill", timeout: float = 15.0) -> Cluster:
+    """`node`'s `/v1/cluster` once it lists a trusted peer with `role`."""
     deadline = time.monotonic() + timeout
-    cluster: dict = {}
+    cluster: Cluster | None = None
     while time.monotonic() < deadline:
-        cluster = node.get("/v1/cluster")
-        if any(p["trusted"] and role in p["roles"] for p in cluster["peers"]):
+        cluster = node.cluster()
+        if any(p.trusted and role in p.roles for p in cluster.peers):
             return cluster
         time.sleep(0.1)
     raise TimeoutError(f"no trusted {role} peer: {cluster}")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from tandem.nodes.cluster.mdns_records import url_for
+from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.http import PROTO, SERVICE_TYPE
 from zeroconf import IPVersion, ServiceStateChange, Zeroconf
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZeroconf
@@ -20,6 +21,7 @@ from tests import fake_peer_support
 from tests.discovery_support import MdnsNode, mutual_trust, peer, poll, start_mdns_node, trusted_by
 from tests.fake_peer_support import TOKEN, FakeNode, serving
 from tests.nodeproc import wait_healthy
+from tests.records import stats_of
 
 TXT_KEYS = {"id", "name", "roles", "proto", "model", "device", "mem"}
 model = fake_peer_support.model  # this module's tiny model and its fingerprint (fixtures)
@@ -67,24 +69,24 @@ def test_two_nodes_find_and_trust_each_other_within_5s(
     pair: tuple[MdnsNode, MdnsNode, float], fp: str
 ) -> None:
     prefill, decode, t_up = pair
-    pid, did = prefill.get("/health")["id"], decode.get("/health")["id"]
+    pid, did = prefill.health().id, decode.health().id
 
     seen_prefill, seen_decode = poll(lambda: mutual_trust(prefill, pid, decode, did), 5.0)
     took = time.monotonic() - t_up
     print(f"discovery: mutual trust {took:.2f} s after both nodes answered /health")
     assert took < 5.0
-    assert seen_prefill["address"] == prefill.url and seen_decode["address"] == decode.url
-    assert seen_prefill["roles"] == ["prefill"] and seen_decode["roles"] == ["decode"]
-    assert seen_prefill["source"] == "mdns" and seen_prefill["reason"] is None
-    assert seen_prefill["model"]["fingerprint"] == fp
-    assert seen_prefill["name"] == seen_decode["name"] == "twin"
+    assert seen_prefill.address == prefill.url and seen_decode.address == decode.url
+    assert seen_prefill.roles == ("prefill",) and seen_decode.roles == ("decode",)
+    assert seen_prefill.source == "mdns" and seen_prefill.reason is None
+    assert seen_prefill.model["fingerprint"] == fp
+    assert seen_prefill.name == seen_decode.name == "twin"
 
 
 async def test_own_browser_sees_the_txt_keys(
     pair: tuple[MdnsNode, MdnsNode, float], fp: str
 ) -> None:
     prefill, decode, _ = pair
-    want = {n.get("/health")["id"]: n for n in (prefill, decode)}
+    want = {n.health().id: n for n in (prefill, decode)}
     names: set[str] = set()
 
     def on_change(
@@ -124,22 +126,22 @@ def test_sigkilled_node_is_unreachable_within_10s_and_trusted_again_on_return(
     _, decode, _ = pair
     doomed = start_mdns_node(tmp_path, model, "prefill", "--name", "doomed")
     try:
-        doomed_id = doomed.get("/health")["id"]
+        doomed_id = doomed.health().id
 
-        def state() -> dict | None:
-            return peer(decode.get("/v1/cluster"), doomed_id)
+        def state() -> Peer | None:
+            return peer(decode.cluster(), doomed_id)
 
         poll(lambda: trusted_by(decode, doomed_id), 10.0)
         doomed.proc.send_signal(signal.SIGKILL)  # no goodbye: zeroconf keeps its records
         doomed.proc.wait()
         t0 = time.monotonic()
-        gone = poll(lambda: (p := state()) and p["reason"] == "unreachable" and p, 10.0)
+        gone = poll(lambda: (p := state()) and p.reason == "unreachable" and p, 10.0)
         print(f"SIGKILL: unreachable after {time.monotonic() - t0:.2f} s")
-        assert not gone["trusted"]
+        assert not gone.trusted
 
         back = start_mdns_node(tmp_path, model, "prefill", "--name", "doomed", port=doomed.port)
         doomed = back
-        assert back.get("/health")["id"] == doomed_id  # the id persists per port
+        assert back.health().id == doomed_id  # the id persists per port
         poll(lambda: trusted_by(decode, doomed_id), 10.0)
     finally:
         doomed.stop()
@@ -167,18 +169,18 @@ async def test_spoofed_registrations_are_rejected_and_never_get_a_prompt_or_toke
         infos = [f.info(p) for f, p in zip(fakes, (p0, p1, p2), strict=True)]
         await asyncio.gather(*(_register(azc, i) for i in infos))
 
-        def listed() -> dict[str, dict] | None:
-            cluster = guarded.get("/v1/cluster")
+        def listed() -> dict[str, Peer | None] | None:
+            cluster = guarded.cluster()
             got = {i: peer(cluster, i) for i in expected}
-            ok = all(p and p["reason"] == expected[i] for i, p in got.items())
+            ok = all(p and p.reason == expected[i] for i, p in got.items())
             return got if ok else None
 
         rejected = await in_thread_poll(listed, 15.0)
-        assert all(p["trusted"] is False and p["source"] == "mdns" for p in rejected.values())
+        assert all(p.trusted is False and p.source == "mdns" for p in rejected.values())
 
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
         reply = await asyncio.to_thread(guarded.post, "/v1/chat/completions", body)
-        assert reply["tandem"]["prefill"] == "local"
+        assert stats_of(reply).prefill == "local"
 
         for fake in fakes:
             assert "/health" in fake.paths
@@ -193,8 +195,8 @@ async def test_spoofed_registrations_are_rejected_and_never_get_a_prompt_or_toke
 async def test_follows_model_change_address_change_and_goodbye(guarded: MdnsNode, fp: str) -> None:
     fake = FakeNode("chameleon", "honest", fp)
 
-    def entry() -> dict | None:
-        return peer(guarded.get("/v1/cluster"), fake.id)
+    def entry() -> Peer | None:
+        return peer(guarded.cluster(), fake.id)
 
     async with (
         serving(fake.app()) as port,
@@ -203,22 +205,20 @@ async def test_follows_model_change_address_change_and_goodbye(guarded: MdnsNode
     ):
         info = fake.info(port)
         await _register(azc, info)
-        first = await in_thread_poll(lambda: (p := entry()) and p["trusted"] and p, 10.0)
-        assert first["address"] == url_for("127.0.0.1", port)
+        first = await in_thread_poll(lambda: (p := entry()) and p.trusted and p, 10.0)
+        assert first.address == url_for("127.0.0.1", port)
 
         fake.behaviour = "other_model"  # restarted with another model: TXT follows
         t0 = time.monotonic()
         await (await azc.async_update_service(fake.info(port)))
-        await in_thread_poll(lambda: (p := entry()) and p["reason"] == "model_mismatch", 5.0)
+        await in_thread_poll(lambda: (p := entry()) and p.reason == "model_mismatch", 5.0)
         print(f"model change noticed after {time.monotonic() - t0:.2f} s")
 
         await (await azc.async_update_service(fake.info(new_port)))  # moved to another port
 
         def moved() -> bool:
-            addresses = [p["address"] for p in guarded.get("/v1/cluster")["peers"]]
-            return url_for("127.0.0.1", new_port) in addresses and first["address"] not in (
-                addresses
-            )
+            addresses = [p.address for p in guarded.cluster().peers]
+            return url_for("127.0.0.1", new_port) in addresses and first.address not in addresses
 
         await in_thread_poll(moved, 5.0)
 

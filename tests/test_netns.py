@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.contract.http import SERVICE_TYPE
 
 from tests.discovery_support import MdnsNode, mutual_trust, peer, poll, start_mdns_node, trusted_by
 from tests.netns_relay import RelayProcess, read_log
 from tests.nodeproc import free_port, stop_all, wait_healthy
+from tests.records import peer_at, stats_of
 
 pytestmark = pytest.mark.netns
 TOKEN = "netns-test-token-0123456789"
@@ -152,28 +154,28 @@ def test_nodes_in_two_namespaces_discover_each_other_and_prefill_remotely(
     decode = lab.node(
         b, host_b, "decode", "--name", "mac", "--remote-prefill", "always", model=model
     )
-    ids = [wait_healthy(n)["id"] for n in (prefill, decode)]
+    ids = [wait_healthy(n).id for n in (prefill, decode)]
     t_up = time.monotonic()
 
     mutual = poll(lambda: mutual_trust(prefill, ids[0], decode, ids[1]), 10.0, interval=0.2)
     seen_prefill, seen_decode = mutual
     took = time.monotonic() - t_up
-    assert seen_prefill["address"] == prefill.url and seen_prefill["source"] == "mdns"
-    assert seen_decode["address"] == decode.url
+    assert seen_prefill.address == prefill.url and seen_prefill.source == "mdns"
+    assert seen_decode.address == decode.url
     # beyond loopback both serve TLS, and each pinned the certificate the other serves
     assert prefill.url.startswith("https://") and decode.url.startswith("https://")
-    assert seen_prefill["cert_fingerprint"] == prefill.get("/health")["cert_fingerprint"]
-    assert seen_decode["cert_fingerprint"] == decode.get("/health")["cert_fingerprint"]
+    assert seen_prefill.cert_fingerprint == prefill.health().cert_fingerprint
+    assert seen_decode.cert_fingerprint == decode.health().cert_fingerprint
 
     body = {"messages": [{"role": "user", "content": "across the link"}], "max_tokens": 4}
-    reply = decode.post("/v1/chat/completions", body)
-    assert reply["tandem"]["prefill"] == "remote"
-    assert reply["tandem"]["prefill_node"] == prefill.url
+    stats = stats_of(decode.post("/v1/chat/completions", body))
+    assert stats.prefill == "remote"
+    assert stats.prefill_node == prefill.url
     print(
         f"\n[{host_a} ↔ {host_b}] mutual trust {took:.2f} s after /health; "
-        f"remote prefill of {reply['tandem']['prefill_tokens']} tokens via "
-        f"{reply['tandem']['prefill_node']}, {reply['tandem']['kv_bytes']} KV bytes, "
-        f"ttft {reply['tandem']['ttft_s'] * 1000:.0f} ms"
+        f"remote prefill of {stats.prefill_tokens} tokens via "
+        f"{stats.prefill_node}, {stats.kv_bytes} KV bytes, "
+        f"ttft {stats.ttft_s * 1000:.0f} ms"
     )
 
 
@@ -185,7 +187,7 @@ def test_routed_subnets_block_mdns_the_node_hints_and_peer_works(lab: Lab, model
         b, "10.78.2.2", "decode", "--name", "mac", "--peer", prefill.url,
         "--remote-prefill", "always", model=model,
     )  # fmt: skip
-    prefill_id = wait_healthy(prefill)["id"]
+    prefill_id = wait_healthy(prefill).id
     wait_healthy(decode)
 
     hint = poll(
@@ -193,12 +195,12 @@ def test_routed_subnets_block_mdns_the_node_hints_and_peer_works(lab: Lab, model
     )
     print(f"\nwhat the user sees: {hint}")
     seen = poll(lambda: trusted_by(decode, prefill_id), 10.0)
-    assert seen["source"] == "static"
+    assert seen.source == "static"
     assert "mDNS: found" not in decode.output()
     reply = decode.post(
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     )
-    assert reply["tandem"]["prefill"] == "remote"
+    assert stats_of(reply).prefill == "remote"
 
 
 def test_a_second_node_with_the_same_id_advertises_under_a_new_name(lab: Lab, model: Path) -> None:
@@ -208,11 +210,11 @@ def test_a_second_node_with_the_same_id_advertises_under_a_new_name(lab: Lab, mo
     lab.link(a, "10.79.0.1/24", b, "10.79.0.2/24")
     port = free_port()  # the same port in both: the id file (config/nodes/PORT.id) is shared
     first = lab.node(a, "10.79.0.1", "prefill", "--name", "collide", model=model, port=port)
-    node_id = wait_healthy(first)["id"]
+    node_id = wait_healthy(first).id
     name = f"collide-{node_id[:8]}.{SERVICE_TYPE}"
     poll(lambda: f"mDNS: advertising {name}" in first.output(), 20.0)
     second = lab.node(b, "10.79.0.2", "prefill", "--name", "collide", model=model, port=port)
-    assert wait_healthy(second)["id"] == node_id
+    assert wait_healthy(second).id == node_id
     renamed = f"collide-{node_id[:8]}-2.{SERVICE_TYPE}"
     poll(lambda: f"mDNS: advertising {renamed}" in second.output(), 20.0)
     assert f"{name} is already advertised" in second.output()
@@ -229,14 +231,14 @@ def test_a_lan_peer_with_another_certificate_is_refused_until_it_proves_the_toke
     lab.link(a, "10.80.0.1/24", b, "10.80.0.2/24")
     port = free_port()
     prefill = lab.node(a, "10.80.0.1", "prefill", "--no-mdns", model=model, port=port)
-    prefill_id = wait_healthy(prefill)["id"]
+    prefill_id = wait_healthy(prefill).id
     decode = lab.node(
         b, "10.80.0.2", "decode", "--no-mdns", "--peer", prefill.url,
         "--remote-prefill", "always", model=model,
     )  # fmt: skip
     wait_healthy(decode)
-    first_pin = poll(lambda: trusted_by(decode, prefill_id), 15.0)["cert_fingerprint"]
-    assert first_pin == prefill.get("/health")["cert_fingerprint"]
+    first_pin = poll(lambda: trusted_by(decode, prefill_id), 15.0).cert_fingerprint
+    assert first_pin == prefill.health().cert_fingerprint
 
     identity = lab.tmp / "config" / "tandem" / "nodes" / str(port)  # where its cert lives
     prefill.stop(timeout=5.0)
@@ -246,34 +248,33 @@ def test_a_lan_peer_with_another_certificate_is_refused_until_it_proves_the_toke
         a, "10.80.0.1", "prefill", "--no-mdns", model=model, port=port,
         token="another-cluster-token-0123456789",
     )  # fmt: skip
-    other_pin = wait_healthy(other)["cert_fingerprint"]
+    other_pin = wait_healthy(other).cert_fingerprint
     assert other_pin != first_pin
     seen = poll(
-        lambda: (p := peer(decode.get("/v1/cluster"), prefill_id)) and
-        p["reason"] == "unauthorized" and p, 10.0,
+        lambda: (p := peer(decode.cluster(), prefill_id)) and
+        p.reason == "unauthorized" and p, 10.0,
     )  # fmt: skip
-    assert not seen["trusted"] and seen["cert_fingerprint"] == first_pin  # nothing new pinned
+    assert not seen.trusted and seen.cert_fingerprint == first_pin  # nothing new pinned
     time.sleep(4.0)  # two more health checks: still refused
-    assert not peer(decode.get("/v1/cluster"), prefill_id)["trusted"]
+    assert not peer(decode.cluster(), prefill_id).trusted
     assert "does not hold this token" in decode.output()
 
     other.stop(timeout=5.0)
     for name in ("cert.pem", "key.pem"):
         (identity / name).unlink()
     back = lab.node(a, "10.80.0.1", "prefill", "--no-mdns", model=model, port=port)
-    new_pin = wait_healthy(back)["cert_fingerprint"]
+    new_pin = wait_healthy(back).cert_fingerprint
     again = poll(lambda: trusted_by(decode, prefill_id), 15.0)
-    assert again["cert_fingerprint"] == new_pin not in (first_pin, other_pin)
+    assert again.cert_fingerprint == new_pin not in (first_pin, other_pin)
     reply = decode.post(
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     )
-    assert reply["tandem"]["prefill"] == "remote"
+    assert stats_of(reply).prefill == "remote"
 
 
-def _at(node: MdnsNode, address: str) -> dict | None:
-    """`node`'s `/v1/cluster` entry for `address` (a relay and the node it relays to share
-    an id; only their addresses tell them apart)."""
-    return next((p for p in node.get("/v1/cluster")["peers"] if p["address"] == address), None)
+def _at(node: MdnsNode, address: str) -> Peer | None:
+    """`node`'s `/v1/cluster` entry for `address`."""
+    return peer_at(node.cluster(), address)
 
 
 def test_a_lan_relay_with_its_own_certificate_is_never_trusted_and_gets_nothing(
@@ -295,26 +296,26 @@ def test_a_lan_relay_with_its_own_certificate_is_never_trusted_and_gets_nothing(
         )  # fmt: skip
         health = wait_healthy(prefill)
         wait_healthy(decode)
-        real = poll(lambda: (e := _at(decode, prefill.url)) and e["trusted"] and e, 15.0)
+        real = poll(lambda: (e := _at(decode, prefill.url)) and e.trusted and e, 15.0)
         # the relay answered the real node's /health and was asked for the hello
-        poll(lambda: (e := _at(decode, relay.url)) and e["reason"] == "unauthorized", 10.0)
+        poll(lambda: (e := _at(decode, relay.url)) and e.reason == "unauthorized", 10.0)
         seen = []
         t0 = time.monotonic()
         while time.monotonic() < t0 + 4.5:  # two more health checks (every 2 s)
             seen.append(_at(decode, relay.url))
             time.sleep(0.2)
         body = {"messages": [{"role": "user", "content": "who relays?"}], "max_tokens": 3}
-        reply = decode.post("/v1/chat/completions", body)["tandem"]
+        reply = stats_of(decode.post("/v1/chat/completions", body))
     finally:
         relay.stop()
-    assert relay.url.startswith("https://") and relay.fingerprint != health["cert_fingerprint"]
-    assert seen and all(e is not None and not e["trusted"] for e in seen)
+    assert relay.url.startswith("https://") and relay.fingerprint != health.cert_fingerprint
+    assert seen and all(e is not None and not e.trusted for e in seen)
     last = seen[-1]
-    assert last is not None and last["reason"] == "unauthorized"
-    assert last["id"] == health["id"]  # the real node's /health, relayed
-    assert last["cert_fingerprint"] == ""  # nothing pinned for it
-    assert real["cert_fingerprint"] == health["cert_fingerprint"]
-    assert reply["prefill"] == "remote" and reply["prefill_node"] == prefill.url
+    assert last is not None and last.reason == "unauthorized"
+    assert last.id == health.id  # the real node's /health, relayed
+    assert last.cert_fingerprint == ""  # nothing pinned for it
+    assert real.cert_fingerprint == health.cert_fingerprint
+    assert reply.prefill == "remote" and reply.prefill_node == prefill.url
     log, raw = read_log(relay.log)
     assert "/health" in log.paths and "/v1/hello" in log.paths  # asked; its proof failed
     log.assert_nothing_usable(TOKEN)

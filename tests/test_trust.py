@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 from tandem.app.cli.pair import check, run_check
+from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
 from tandem.nodes.trust.hello import HelloResponder
 from tandem.nodes.trust.signing import SIGNATURE, sign
@@ -25,6 +27,7 @@ from tandem.nodes.trust.tls import load_or_create
 
 from tests.discovery_support import poll
 from tests.nodeproc import NodeProc, start_node, unverified_tls, wait_healthy, wait_trusted
+from tests.records import peer_at, stats_of
 from tests.trust_support import Log, add_hello_routes, relay, serving
 
 TOKEN = "trust-test-token-0123456789abcdef"
@@ -60,22 +63,22 @@ def impostor(health: dict[str, Any], log: Log) -> web.Application:
     return app
 
 
-def chat(node: NodeProc, content: str = "who is there?") -> dict[str, Any]:
-    """One chat completion's `tandem` object (each new `content` needs a fresh prefill)."""
+def chat(node: NodeProc, content: str = "who is there?") -> ReplyStats:
+    """One chat completion's `tandem` stats (each new `content` needs a fresh prefill)."""
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 3}
     req = urllib.request.Request(node.url + "/v1/chat/completions", data=json.dumps(body).encode())
     req.add_header("Authorization", f"Bearer {TOKEN}")
     req.add_header("Content-Type", "application/json")
     context = unverified_tls() if node.tls else None
     with urllib.request.urlopen(req, timeout=60, context=context) as r:
-        return json.loads(r.read())["tandem"]
+        return stats_of(json.loads(r.read()))
 
 
-def entry(node: NodeProc, address: str) -> dict[str, Any] | None:
-    return next((p for p in node.get("/v1/cluster")["peers"] if p["address"] == address), None)
+def entry(node: NodeProc, address: str) -> Peer | None:
+    return peer_at(node.cluster(), address)
 
 
-Seen = list[tuple[float, dict[str, Any] | None]]
+Seen = list[tuple[float, Peer | None]]
 
 
 async def watch(node: NodeProc, address: str, seconds: float) -> Seen:
@@ -106,7 +109,7 @@ async def test_a_relay_to_the_real_prefill_node_is_never_trusted(
     tls = start_node(tmp_path, model, "prefill", "--tls", token=TOKEN)
     nodes = [plain, tls]
     wait_healthy(plain)
-    tls_cert = tls.get("/health")["cert_fingerprint"]
+    tls_cert = tls.health().cert_fingerprint
     logs = {"plain": Log(), "tls": Log()}
     relay_cert = load_or_create(tmp_path / "relay-tls", "relay")
     try:
@@ -123,16 +126,16 @@ async def test_a_relay_to_the_real_prefill_node_is_never_trusted(
             seen = await watch(decode, plain_relay, 4.0)
             seen_tls = await watch(decode, tls_relay, 2.0)
             reply = await asyncio.to_thread(chat, decode)
-            cluster = decode.get("/v1/cluster")
+            cluster = decode.cluster()
     finally:
         for node in nodes:
             node.stop()
     for entries in (seen, seen_tls):
-        assert entries and all(e is not None and not e["trusted"] for _, e in entries)
-        assert entries[-1][1]["reason"] == "unauthorized"  # type: ignore[index]
-    real = next(p for p in cluster["peers"] if p["address"] == tls.url)
-    assert real["trusted"] and real["cert_fingerprint"] == tls_cert
-    assert reply["prefill"] == "remote" and reply["prefill_node"] == tls.url
+        assert entries and all(e is not None and not e.trusted for _, e in entries)
+        assert entries[-1][1].reason == "unauthorized"  # type: ignore[union-attr]
+    real = next(p for p in cluster.peers if p.address == tls.url)
+    assert real.trusted and real.cert_fingerprint == tls_cert
+    assert reply.prefill == "remote" and reply.prefill_node == tls.url
     for name, log in logs.items():
         assert "/v1/hello" in log.paths, name  # it was asked, and its relayed proof failed
         log.assert_nothing_usable(TOKEN)
@@ -160,32 +163,32 @@ def test_replayed_and_tampered_signed_requests_are_refused_and_pair_pins(
 ) -> None:
     node = start_node(tmp_path, model, "prefill", "--tls", token=TOKEN)
     try:
-        health = node.get("/health", auth=False)
+        health = node.health()
         body = json.dumps(
             {
-                "proto": health["proto"],
-                "fingerprint": health["model"]["fingerprint"],
+                "proto": health.proto,
+                "fingerprint": health.fingerprint,
                 "request_id": "signed-1",
                 "tokens": [1, 2, 3, 4],
                 "start": 0,
             }
         ).encode()
-        headers = sign(TOKEN, "POST", "/v1/prefill", None, body, "test-caller", health["id"])
+        headers = sign(TOKEN, "POST", "/v1/prefill", None, body, "test-caller", health.id)
         assert _post(node.url, "/v1/prefill", body, headers) == 200
         assert _post(node.url, "/v1/prefill", body, headers) == 401  # replayed
-        fresh = sign(TOKEN, "POST", "/v1/prefill", None, body, "test-caller", health["id"])
+        fresh = sign(TOKEN, "POST", "/v1/prefill", None, body, "test-caller", health.id)
         assert _post(node.url, "/v1/prefill", body.replace(b"[1, 2", b"[9, 2"), fresh) == 401
         other = sign(TOKEN, "POST", "/v1/prefill", None, body, "test-caller", "another-node")
         assert _post(node.url, "/v1/prefill", body, other) == 401  # meant for someone else
-        wrong = sign("x" * 40, "POST", "/v1/prefill", None, body, "test-caller", health["id"])
+        wrong = sign("x" * 40, "POST", "/v1/prefill", None, body, "test-caller", health.id)
         assert _post(node.url, "/v1/prefill", body, wrong) == 401
-        moved = sign(TOKEN, "POST", "/v1/cluster", None, body, "test-caller", health["id"])
+        moved = sign(TOKEN, "POST", "/v1/cluster", None, body, "test-caller", health.id)
         assert _post(node.url, "/v1/prefill", body, moved) == 401  # signed for another path
         # and `tandem pair --check` says which certificate it pinned
         ok, text = run_check(node.url, TOKEN)
-        assert ok and f"sha256:{health['cert_fingerprint']}" in text
+        assert ok and f"sha256:{health.cert_fingerprint}" in text
         ok, text = run_check(node.url.removeprefix("https://"), TOKEN)  # host:port alone
-        assert ok and f"sha256:{health['cert_fingerprint']}" in text
+        assert ok and f"sha256:{health.cert_fingerprint}" in text
         ok, text = run_check(node.url, "not-the-token-0123456789abcdef")
         assert not ok and "does NOT hold" in text
     finally:
@@ -220,7 +223,7 @@ async def test_an_impostor_in_a_dead_nodes_place_gets_nothing(tmp_path: Path, mo
         for prefill, decode in targets.values():  # trusted, and its probe done
             await asyncio.to_thread(
                 poll,
-                lambda d=decode, p=prefill: (e := entry(d, p.url)) and e["prefill_floor_s"],
+                lambda d=decode, p=prefill: (e := entry(d, p.url)) and e.prefill_floor_s,
                 20.0,
             )
         health = {m: p.get("/health", auth=False) for m, (p, _) in targets.items()}
@@ -241,15 +244,15 @@ async def test_an_impostor_in_a_dead_nodes_place_gets_nothing(tmp_path: Path, mo
             node.stop()
     assert took >= WATCH_S
     for (mode, log), entries in zip(logs.items(), seen, strict=True):
-        first = next(i for i, (_, e) in enumerate(entries) if e and not e["trusted"])
+        first = next(i for i, (_, e) in enumerate(entries) if e and not e.trusted)
         assert entries[first][0] <= 2.5, mode  # within a health check (every 2 s)
-        assert not any(e and e["trusted"] for _, e in entries[first:]), mode
+        assert not any(e and e.trusted for _, e in entries[first:]), mode
         assert "/health" in log.paths, mode
         log.assert_nothing_usable(TOKEN)
-    assert all(r["prefill"] == "local" for r in replies)
+    assert all(r.prefill == "local" for r in replies)
     tls_entry = seen[1][-1][1]
-    assert tls_entry is not None and tls_entry["reason"] == "unauthorized"
-    assert tls_entry["cert_fingerprint"] == health["tls"]["cert_fingerprint"]  # pin kept
+    assert tls_entry is not None and tls_entry.reason == "unauthorized"
+    assert tls_entry.cert_fingerprint == health["tls"]["cert_fingerprint"]  # pin kept
 
 
 async def test_a_request_in_the_takeover_window_goes_only_to_who_proves_on_its_connection(
@@ -275,9 +278,7 @@ async def test_a_request_in_the_takeover_window_goes_only_to_who_proves_on_its_c
         tmp_path, model, "decode", "--remote-prefill", "always", "--peer", url, token=TOKEN
     )
     try:
-        await asyncio.to_thread(
-            poll, lambda: (e := entry(decode, url)) and e["prefill_floor_s"], 20.0
-        )
+        await asyncio.to_thread(poll, lambda: (e := entry(decode, url)) and e.prefill_floor_s, 20.0)
 
         def checks() -> int:  # health checks that ran to their end (plain HTTP: a hello)
             return honest.log.paths.count(CONFIRM_PATH)
@@ -293,10 +294,10 @@ async def test_a_request_in_the_takeover_window_goes_only_to_who_proves_on_its_c
     finally:
         decode.stop()
     assert took < 1.5, took  # inside the window: no health check could have seen the swap
-    assert reply["prefill"] == "local"
+    assert reply.prefill == "local"
     assert HELLO_PATH in log.paths  # the request's own connection asked it to prove itself
     log.assert_nothing_usable(TOKEN)  # and it got neither the request nor a signature
-    assert after is not None and not after["trusted"] and after["reason"] == "unauthorized"
+    assert after is not None and not after.trusted and after.reason == "unauthorized"
     assert "did not prove itself here" in decode.output()
 
 
@@ -351,22 +352,22 @@ async def test_a_restarted_peer_proves_itself_again_before_any_request(
         )
         try:
             await asyncio.to_thread(
-                poll, lambda: (e := entry(decode, url)) and e["prefill_floor_s"], 20.0
+                poll, lambda: (e := entry(decode, url)) and e.prefill_floor_s, 20.0
             )  # trusted, and its probe (a signed /v1/prefill) answered
             mark = len(honest.log.requests)
             honest.instance, honest.hold = "second", asyncio.Event()  # restarted, slow to hello
-            await asyncio.to_thread(poll, lambda: not entry(decode, url)["trusted"], 3.0)
+            await asyncio.to_thread(poll, lambda: not entry(decode, url).trusted, 3.0)
             held = await asyncio.to_thread(chat, decode)
             honest.hold.set()
-            await asyncio.to_thread(poll, lambda: entry(decode, url)["trusted"], 10.0)
+            await asyncio.to_thread(poll, lambda: entry(decode, url).trusted, 10.0)
             after = await asyncio.to_thread(chat, decode, "and now?")
         finally:
             decode.stop()
-    assert held["prefill"] == "local"
+    assert held.prefill == "local"
     since = honest.log.paths[mark:]
     first_prefill = since.index("/v1/prefill")
     assert "/v1/hello/confirm" in since[:first_prefill]  # proved again first
-    assert after["prefill"] == "local"  # its 409 made the decode node prefill locally
+    assert after.prefill == "local"  # its 409 made the decode node prefill locally
     prefills = [h for p, h in honest.log.requests if p == "/v1/prefill"]
     assert prefills and all(SIGNATURE in h and "Authorization" not in h for h in prefills)
 

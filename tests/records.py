@@ -1,0 +1,22 @@
+"""What the tests read from real nodes' replies, through the contract's records (the
+parsers the TUI and the nodes use): a completion's `tandem` stats, a `/v1/cluster` entry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.cluster import Cluster, Peer
+
+
+def stats_of(reply: Any) -> ReplyStats:
+    """The `tandem` stats of an OpenAI client's reply or chunk (`model_extra["tandem"]`) or
+    of a completion's JSON body (`["tandem"]`)."""
+    body = reply if isinstance(reply, dict) else reply.model_extra
+    return ReplyStats.from_json(body["tandem"])
+
+
+def peer_at(cluster: Cluster, address: str) -> Peer | None:
+    """`cluster`'s entry for `address`, if listed (a relay and the node it relays to share an
+    id; only their addresses tell them apart)."""
+    return next((p for p in cluster.peers if p.address == address), None)
