@@ -3,6 +3,7 @@ prefill node and a decode node that always prefills on it)."""
 
 from __future__ import annotations
 
+from tests.records import stats_of
 from tests.test_handoff import Cluster
 
 WORDS = "The quick brown fox jumps over the lazy dog by the river bank"
@@ -15,7 +16,7 @@ def assert_completion_is_mlx(cluster: Cluster, max_tokens: int) -> None:
     reply = cluster.client().completions.create(
         model="m", prompt=WORDS, max_tokens=max_tokens, temperature=0
     )
-    assert reply.model_extra["tandem"]["prefill"] == "remote"
+    assert stats_of(reply).prefill == "remote"
     assert reply.choices[0].text == generate(
         cluster.mlx_model, cluster.tokenizer, WORDS, max_tokens=max_tokens
     )

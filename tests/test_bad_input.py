@@ -60,7 +60,7 @@ class Pair:
 def pair(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """A real prefill node and a decode node that always prefills on it."""
     with remote_pair(tmp_path_factory.mktemp("pair"), llama, "64MiB", TOKEN) as (p, d):
-        yield Pair(p, d, p.get("/health", auth=False)["model"]["fingerprint"])
+        yield Pair(p, d, p.health().fingerprint)
 
 
 # --- 1, 2: bodies the JSON parser or the tokenizer chokes on ------------------------------

@@ -22,6 +22,7 @@ from tests.bad_input_support import (
     events_since,
     post,
 )
+from tests.records import stats_of
 
 FROZEN_LIMIT_S = 20.0  # a frozen peer must cost well under its 60 s read timeout
 
@@ -60,7 +61,7 @@ def test_bad_frames_fall_back_to_an_exact_local_prefill(
     records = [r for r in events_since(bad.decode, t0) if r["request_id"] == body["id"]]
     phases = [r["phase"] for r in records if r["kind"] == "request"]
     assert "failed" in phases, phases
-    assert body["tandem"]["prefill"] == "local", body["tandem"]
+    assert stats_of(body).prefill == "local", stats_of(body)
 
 
 def test_a_quantized_prefill_cut_off_falls_back_to_mlx_lms_own(tiny_model, tmp_path: Path) -> None:
@@ -72,8 +73,9 @@ def test_a_quantized_prefill_cut_off_falls_back_to_mlx_lms_own(tiny_model, tmp_p
     prompt = "The keeper counted the waves, the gulls and the ships that never came back."
     with bad_peer(model, tmp_path) as bad:
         got, served = _cut_off(bad, prompt)
-    assert got["id"] in served and got["tandem"]["prefill"] == "local", got["tandem"]
-    assert got["tandem"]["kv_dtype"] == "q4/g32"
+    stats = stats_of(got)
+    assert got["id"] in served and stats.prefill == "local", stats
+    assert stats.kv_dtype == "q4/g32"
     want = oracle.reference(prompt, kv_bits=4, kv_group_size=32)
     assert want != oracle.reference(prompt)  # the 4-bit cache shows in this text
     assert got["choices"][0]["message"]["content"] == want
@@ -122,7 +124,7 @@ async def test_retry_after_zero_or_nan_is_floored_and_capped(
             await asyncio.to_thread(bad.set_mode, "good")
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == oracle.reference(prompt)
-    assert body["tandem"]["prefill"] == "local"
+    assert stats_of(body).prefill == "local"
 
 
 # --- 9: a frozen prefill node -------------------------------------------------------------
@@ -152,4 +154,4 @@ async def test_frozen_peer_aborts_once_unreachable(bad: BadPeer, oracle: Oracle,
     assert status == 200, body
     assert elapsed < FROZEN_LIMIT_S
     assert body["choices"][0]["message"]["content"] == oracle.reference(prompt)
-    assert body["tandem"]["prefill"] == "local"
+    assert stats_of(body).prefill == "local"

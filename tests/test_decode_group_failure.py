@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import MakeTiny
 from tests.group_support import rank_pids, start_group, stop_ranks
 from tests.nodeproc import start_node, stop_all, wait_healthy, wait_trusted
+from tests.records import stats_of
 from tests.test_handoff import Cluster, _chat
 from tests.test_turns import TOKEN, _watch
 
@@ -46,7 +47,7 @@ async def test_prefill_killed_then_rank_1_killed(tiny_model: MakeTiny, tmp_path:
         prefill.proc.send_signal(signal.SIGKILL)
         reply = await asyncio.wait_for(reply_task, 90)
         watcher.cancel()
-        assert reply.model_extra["tandem"]["prefill"] == "local"
+        assert stats_of(reply).prefill == "local"
         assert reply.choices[0].message.content == group.reference(prompt)
         local = await asyncio.to_thread(_chat, group.client(TOKEN), "Why is the sky blue?")
         assert local.choices[0].message.content == group.reference("Why is the sky blue?")

@@ -15,6 +15,7 @@ from tandem.nodes.model.index import load_index
 from tests.conftest import MakeTiny
 from tests.group_support import start_group, stop_ranks
 from tests.nodeproc import start_node, stop_all, wait_healthy, wait_trusted
+from tests.records import stats_of
 from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
 from tests.test_qwen3_5_handoff import _complete, _ids, _text, assert_quantized_kv_exact
 
@@ -53,8 +54,8 @@ def group(
 def test_remote_chat_through_the_group_is_mlx_greedy(group: Cluster) -> None:
     for prompt in PROMPTS[:2]:
         reply = _chat(group.client(), prompt)
-        extra = reply.model_extra["tandem"]
-        assert extra["prefill"] == "remote", group.decode.output()
+        stats = stats_of(reply)
+        assert stats.prefill == "remote", group.decode.output()
         assert reply.choices[0].message.content == group.reference(prompt)
     chunks = list(_chat(group.client(), PROMPTS[3], stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -62,19 +63,19 @@ def test_remote_chat_through_the_group_is_mlx_greedy(group: Cluster) -> None:
 
 
 def test_health_shows_each_rank_holding_its_share(group: Cluster) -> None:
-    health = group.decode.get("/health", auth=False)
-    g = health["group"]
+    g = group.decode.health().group
+    assert g is not None
     index = load_index(group.model)
     n = index.spec.num_layers
-    assert (g["size"], g["backend"]) == (2, "ring")
-    spans = {r["rank"]: tuple(r["layers"]) for r in g["ranks"]}
+    assert (g.size, g.backend) == (2, "ring")
+    spans = {r.rank: r.layers for r in g.ranks}
     assert spans == {0: (n // 2, n), 1: (0, n // 2)}  # equal memory: equal halves
     shared = sum(e.nbytes for e in index.globals.values())
-    for r in g["ranks"]:
-        first, end = r["layers"]
+    for r in g.ranks:
+        first, end = r.layers
         own = sum(index.layer_bytes(i) for i in range(first, end))
-        assert abs(r["weight_bytes"] - (shared + own)) <= 1024 + 0.01 * own
-        assert r["mem_bytes"] > 0 and r["host"] == "127.0.0.1"
+        assert abs(r.weight_bytes - (shared + own)) <= 1024 + 0.01 * own
+        assert r.mem_bytes > 0 and r.host == "127.0.0.1"
 
 
 def test_three_turns_through_the_group_prefill_only_their_new_tokens(group: Cluster) -> None:
@@ -86,11 +87,11 @@ def test_three_turns_through_the_group_prefill_only_their_new_tokens(group: Clus
     held = 0
     for turn in range(3):
         prompt = prompt + [(13 * turn + 7 * i + 5) % vocab for i in range(9)]
-        text, extra = _complete(group, prompt)
+        text, stats = _complete(group, prompt)
         ids = _ids(group, prompt)
         assert text == _text(group, ids)
-        assert extra["cached_tokens"] == held and extra["prefill"] == "remote"
-        assert extra["prefill_tokens"] == len(prompt) - 1 - held
+        assert stats.cached_tokens == held and stats.prefill == "remote"
+        assert stats.prefill_tokens == len(prompt) - 1 - held
         held = len(prompt) + len(ids) - 1
         prompt = prompt + ids
 
@@ -117,4 +118,4 @@ def test_a_chat_of_two_turns_is_exact(group: Cluster) -> None:
     assert second.choices[0].message.content == generate(
         group.mlx_model, group.tokenizer, ids, max_tokens=12
     )
-    assert second.model_extra["tandem"]["cached_tokens"] > 0
+    assert stats_of(second).cached_tokens > 0

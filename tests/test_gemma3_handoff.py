@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
 from tests.handoff_checks import assert_completion_is_mlx
+from tests.records import stats_of
 from tests.test_handoff import PROMPTS, Cluster, _chat, _cluster
 
 WINDOW = 8
@@ -30,22 +32,22 @@ def test_remote_chat_past_the_window_is_exactly_mlx_greedy(cluster: Cluster) -> 
         n = len(cluster.chat_tokens(prompt))
         assert n > 2 * WINDOW
         reply = _chat(cluster.client(), prompt)
-        extra = reply.model_extra["tandem"]
-        assert extra["prefill"] == "remote", cluster.decode.output()
-        assert extra["prefill_tokens"] == n - 1  # a new conversation: no cached prefix
+        stats = stats_of(reply)
+        assert stats.prefill == "remote", cluster.decode.output()
+        assert stats.prefill_tokens == n - 1  # a new conversation: no cached prefix
         assert reply.choices[0].message.content == cluster.reference(prompt)
         # sliding layers send their window only: K and V in float32, plus each frame's header
         spec = load_index(cluster.model).spec
         per_position = 2 * spec.num_kv_heads * spec.head_dim * 4
         kept = [n - 1 if k.kind == "full" else WINDOW for k in spec.layer_kinds]
-        assert 0 < extra["kv_bytes"] - per_position * sum(kept) < 1024 * spec.num_layers
+        assert 0 < stats.kv_bytes - per_position * sum(kept) < 1024 * spec.num_layers
 
 
 def test_streamed_and_completions_equal_mlx(cluster: Cluster) -> None:
     prompt = PROMPTS[3]
     chunks = list(_chat(cluster.client(), prompt, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].model_extra["tandem"]["prefill"] == "remote"
+    assert stats_of(chunks[-1]).prefill == "remote"
     assert text == cluster.reference(prompt)
     assert_completion_is_mlx(cluster, 12)
 
@@ -60,12 +62,12 @@ def _ids(cluster: Cluster, prompt: list[int], bits: int = 0) -> list[int]:
     return list(reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, 6, kv_format=fmt))
 
 
-def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, dict]:
+def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, ReplyStats]:
     extra = {"tandem": {"kv_bits": bits}} if bits else None
     reply = cluster.client().completions.create(
         model="m", prompt=prompt, max_tokens=6, temperature=0, extra_body=extra
     )
-    return reply.choices[0].text, reply.model_extra["tandem"]
+    return reply.choices[0].text, stats_of(reply)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -77,14 +79,14 @@ def test_quantized_kv_on_global_layers_is_mlx_greedy_over_the_mixed_cache(
     spec = load_index(cluster.model).spec
     for seed in range(2):
         prompt = [(97 * seed + 31 * i) % spec.vocab_size for i in range(3 * WINDOW + seed)]
-        text, extra = _complete(cluster, prompt, bits)
-        assert extra["prefill"] == "remote" and extra["kv_dtype"] == f"q{bits}/g64"
+        text, stats = _complete(cluster, prompt, bits)
+        assert stats.prefill == "remote" and stats.kv_dtype == f"q{bits}/g64"
         assert text == cluster.tokenizer.decode(_ids(cluster, prompt, bits))
         n, d = len(prompt) - 1, spec.head_dim
         full = 2 * spec.num_kv_heads * n * (d * bits // 8 + 2 * 4 * d // 64)  # words, scales
         window = 2 * spec.num_kv_heads * WINDOW * d * 4  # float32
         want = sum(full if k.kind == "full" else window for k in spec.layer_kinds)
-        assert 0 < extra["kv_bytes"] - want < 1024 * spec.num_layers
+        assert 0 < stats.kv_bytes - want < 1024 * spec.num_layers
 
 
 def test_three_turns_past_the_window_reuse_the_cache_exactly(cluster: Cluster) -> None:
@@ -99,18 +101,18 @@ def test_three_turns_past_the_window_reuse_the_cache_exactly(cluster: Cluster) -
     points = []
     for turn in range(3):
         prompt = prompt + fresh[turn]
-        text, extra = _complete(cluster, prompt)
+        text, stats = _complete(cluster, prompt)
         ids = _ids(cluster, prompt)
         assert text == cluster.tokenizer.decode(ids)
-        assert (extra["cached_tokens"], extra["cache_fallback"]) == (held, False)
-        assert extra["prefill"] == "remote" and extra["prefill_tokens"] == len(prompt) - 1 - held
-        assert extra["decode_tokens"] == len(ids)
+        assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
+        assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
+        assert stats.decode_tokens == len(ids)
         held = len(prompt) + len(ids) - 1
         points.append(held)
         prompt = prompt + ids
     assert held > 4 * WINDOW
     edited = list(prompt)
     edited[points[1] - 2] = (edited[points[1] - 2] + 1) % vocab  # inside turn two
-    text, extra = _complete(cluster, edited)
+    text, stats = _complete(cluster, edited)
     assert text == cluster.tokenizer.decode(_ids(cluster, edited))
-    assert (extra["cached_tokens"], extra["cache_fallback"]) == (points[0], True)
+    assert (stats.cached_tokens, stats.cache_fallback) == (points[0], True)

@@ -20,6 +20,7 @@ from tandem.nodes.model import load_index
 from tests.fake_prefill import start_fake_prefill
 from tests.hide_modules import hidden_env
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_trusted
+from tests.records import stats_of
 
 TOKEN = "test-token-0123456789"
 PROMPTS = [
@@ -82,11 +83,11 @@ def _chat(client: openai.OpenAI, prompt: str, **kw):
 def test_remote_chat_is_exactly_mlx_greedy(cluster: Cluster) -> None:
     for prompt in PROMPTS[:2]:
         reply = _chat(cluster.client(), prompt)
-        extra = reply.model_extra["tandem"]
-        assert extra["prefill"] == "remote", cluster.decode.output()
-        assert extra["prefill_node"] == cluster.prefill.url
+        stats = stats_of(reply)
+        assert stats.prefill == "remote", cluster.decode.output()
+        assert stats.prefill_node == cluster.prefill.url
         # the decode node's prompt cache may already hold the chat template's first tokens
-        assert 0 < extra["prefill_tokens"] <= len(cluster.chat_tokens(prompt)) - 1
+        assert 0 < stats.prefill_tokens <= len(cluster.chat_tokens(prompt)) - 1
         assert reply.choices[0].message.content == cluster.reference(prompt)
         assert reply.usage.prompt_tokens == len(cluster.chat_tokens(prompt))
 
@@ -97,10 +98,10 @@ def test_streamed_equals_non_streamed(cluster: Cluster) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     last = chunks[-1]
     assert last.choices[0].finish_reason in ("stop", "length")
-    assert last.model_extra["tandem"]["prefill"] == "remote"
+    assert stats_of(last).prefill == "remote"
     # the same prompt again, not streamed: its whole prompt is now in the decode node's cache
     again = _chat(cluster.client(), prompt)
-    assert again.model_extra["tandem"]["prefill_tokens"] == 0
+    assert stats_of(again).prefill_tokens == 0
     assert text == again.choices[0].message.content == cluster.reference(prompt)
 
 
@@ -113,7 +114,7 @@ def test_completions_endpoint(cluster: Cluster) -> None:
     )
     want = generate(cluster.mlx_model, cluster.tokenizer, prompt, max_tokens=12)
     assert reply.choices[0].text == want
-    assert reply.model_extra["tandem"]["prefill"] == "remote"
+    assert stats_of(reply).prefill == "remote"
     models = cluster.client().models.list()
     assert [m.id for m in models.data] == [cluster.model.name]
 
@@ -138,10 +139,10 @@ async def _events(node: NodeProc, rid: str, until: str = "done") -> list[dict]:
 async def test_kv_really_travels(cluster: Cluster) -> None:
     prompt = PROMPTS[3]
     reply = _chat(cluster.client(), prompt)
-    extra = reply.model_extra["tandem"]
+    stats = stats_of(reply)
     spec = load_index(cluster.model).spec
     n = len(cluster.chat_tokens(prompt))
-    sent = extra["prefill_tokens"]  # n - 1 less what the decode node's prompt cache held
+    sent = stats.prefill_tokens  # n - 1 less what the decode node's prompt cache held
     assert 0 < sent <= n - 1
     kv = 2 * spec.num_layers * spec.num_kv_heads * sent * spec.head_dim * 4
     records = await asyncio.wait_for(_events(cluster.decode, reply.id), 10)
@@ -152,8 +153,8 @@ async def test_kv_really_travels(cluster: Cluster) -> None:
     assert len(net_in) == spec.num_layers
     overhead = total - kv  # per layer: the 9-byte frame prefix plus a small safetensors header
     assert 0 < overhead <= spec.num_layers * 512
-    assert extra["kv_bytes"] >= total
-    assert extra["kv_bytes"] - total < 1024  # plus only the header and done frames
+    assert stats.kv_bytes >= total
+    assert stats.kv_bytes - total < 1024  # plus only the header and done frames
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +174,7 @@ async def test_zeroed_kv_changes_the_output(llama: Path, tmp_path: Path) -> None
             model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
             max_tokens=MAX_TOKENS, temperature=0,
         )  # fmt: skip
-        assert reply.model_extra["tandem"]["prefill"] == "remote"
+        assert stats_of(reply).prefill == "remote"
         assert reply.id in fake.prefills
         from mlx_lm import generate, load
 
@@ -249,8 +250,8 @@ async def test_twenty_concurrent_requests_are_exact(cluster: Cluster) -> None:
     want = {p: cluster.reference(p, 12) for p in set(prompts)}
     for p, r in zip(prompts, replies, strict=True):
         assert r.choices[0].message.content == want[p]
-        extra = r.model_extra["tandem"]  # a repeated prompt may be wholly in the prompt cache
-        assert extra["prefill"] == "remote" or extra["prefill_tokens"] == 0
+        stats = stats_of(r)  # a repeated prompt may be wholly in the prompt cache
+        assert stats.prefill == "remote" or stats.prefill_tokens == 0
 
 
 def test_prefill_fingerprint_mismatch_is_409(cluster: Cluster) -> None:
@@ -294,7 +295,7 @@ def test_decode_without_torch_and_prefill_without_mlx(llama: Path, tmp_path: Pat
         wait_trusted(decode)
         client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN)
         reply = _chat(client, PROMPTS[0])
-        assert reply.model_extra["tandem"]["prefill"] == "remote"
+        assert stats_of(reply).prefill == "remote"
         assert reply.choices[0].message.content
     finally:
         decode.stop()

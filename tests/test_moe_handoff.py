@@ -12,6 +12,7 @@ from tandem.nodes.model.index import load_index
 from tests.conftest import MakeTiny
 from tests.handoff_checks import assert_completion_is_mlx
 from tests.nodeproc import remote_pair
+from tests.records import stats_of
 from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
 
 
@@ -31,7 +32,7 @@ def cluster(
 def test_remote_chat_is_exactly_mlx_greedy(cluster: Cluster) -> None:
     for prompt in PROMPTS[:2]:
         reply = _chat(cluster.client(), prompt)
-        assert reply.model_extra["tandem"]["prefill"] == "remote", cluster.decode.output()
+        assert stats_of(reply).prefill == "remote", cluster.decode.output()
         assert reply.choices[0].message.content == cluster.reference(prompt)
 
 

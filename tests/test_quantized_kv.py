@@ -21,6 +21,7 @@ from tandem.nodes.model import fingerprint, load_index
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import NodeProc, remote_pair, start_node
+from tests.records import stats_of
 from tests.test_wire import decode_all
 
 TOKEN = "quant-token-0123456789"
@@ -85,9 +86,9 @@ def test_remote_quantized_prefill_is_mlx_lms_quantized_greedy(
     for prompt in GREEDY_PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         reply = _chat(pair, messages, bits, group)
-        extra = reply.model_extra["tandem"]
-        assert extra["prefill"] == "remote", pair.decode.output()
-        assert extra["kv_dtype"] == f"q{bits}/g{group}"
+        stats = stats_of(reply)
+        assert stats.prefill == "remote", pair.decode.output()
+        assert stats.kv_dtype == f"q{bits}/g{group}"
         want = pair.reference(messages, bits, group)
         assert reply.choices[0].message.content == want, prompt
         changed.append(want != pair.reference(messages, None))
@@ -168,10 +169,10 @@ def test_a_second_turn_appends_to_the_quantized_cache(pair: Pair) -> None:
         {"role": "user", "content": "And three animals?"},
     ]
     second = _chat(pair, messages, 8)
-    extra = second.model_extra["tandem"]
-    assert extra["prefill"] == "remote"
-    assert extra["prefill_tokens"] < len(pair.tokens(messages)) - 1  # a prefix was reused
-    assert extra["kv_dtype"] == "q8/g64"
+    stats = stats_of(second)
+    assert stats.prefill == "remote"
+    assert stats.prefill_tokens < len(pair.tokens(messages)) - 1  # a prefix was reused
+    assert stats.kv_dtype == "q8/g64"
     again = _chat(pair, messages, 8)  # now from the cache stored after turn 2
     assert again.choices[0].message.content == second.choices[0].message.content
 
@@ -222,7 +223,7 @@ def test_a_local_quantized_prefill_is_mlx_lms_too(tiny_model: MakeTiny, tmp_path
         reply = client.chat.completions.create(
             model="m", messages=messages, max_tokens=MAX_TOKENS, temperature=0
         )
-        assert reply.model_extra["tandem"]["kv_dtype"] == "q4/g64"
+        assert stats_of(reply).kv_dtype == "q4/g64"
         net, tok = load(str(model))
         ids = list(tok.apply_chat_template(messages, add_generation_prompt=True))
         want = generate(net, tok, ids, max_tokens=MAX_TOKENS, kv_bits=4, kv_group_size=64,

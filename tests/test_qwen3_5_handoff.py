@@ -9,11 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.kv_bytes import kv_bytes
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import remote_pair
+from tests.records import stats_of
 from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
 
 LAYERS = 8  # linear but every 4th
@@ -48,12 +50,12 @@ def _text(cluster: Cluster, ids: list[int]) -> str:
     return detokenizer.text
 
 
-def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, dict]:
+def _complete(cluster: Cluster, prompt: list[int], bits: int = 0) -> tuple[str, ReplyStats]:
     extra = {"tandem": {"kv_bits": bits}} if bits else None
     reply = cluster.client().completions.create(
         model="m", prompt=prompt, max_tokens=6, temperature=0, extra_body=extra
     )
-    return reply.choices[0].text, reply.model_extra["tandem"]
+    return reply.choices[0].text, stats_of(reply)
 
 
 def assert_quantized_kv_exact(cluster: Cluster, prompt_tokens: int) -> None:
@@ -61,8 +63,8 @@ def assert_quantized_kv_exact(cluster: Cluster, prompt_tokens: int) -> None:
     q8/g64, and the reply is mlx-lm's greedy with its own `kv_bits`."""
     vocab = load_index(cluster.model).spec.vocab_size
     prompt = [(37 * i + 11) % vocab for i in range(prompt_tokens)]
-    text, extra = _complete(cluster, prompt, 8)
-    assert extra["prefill"] == "remote" and extra["kv_dtype"] == "q8/g64"
+    text, stats = _complete(cluster, prompt, 8)
+    assert stats.prefill == "remote" and stats.kv_dtype == "q8/g64"
     assert text == _text(cluster, _ids(cluster, prompt, 8))
 
 
@@ -72,22 +74,22 @@ def test_remote_chat_is_exactly_mlx_greedy_with_state_on_the_wire(cluster: Clust
     for prompt in PROMPTS[:2]:
         n = len(cluster.chat_tokens(prompt))
         reply = _chat(cluster.client(), prompt)
-        extra = reply.model_extra["tandem"]
-        assert extra["prefill"] == "remote", cluster.decode.output()
-        assert extra["prefill_tokens"] == n - 1
+        stats = stats_of(reply)
+        assert stats.prefill == "remote", cluster.decode.output()
+        assert stats.prefill_tokens == n - 1
         assert reply.choices[0].message.content == cluster.reference(prompt)
         # K/V of two full layers, six fixed-size states, and each frame's header
         want = kv_bytes(spec).at(n - 1)
         assert want == 2 * 2 * spec.num_kv_heads * spec.head_dim * 4 * (n - 1) + 6 * (
             3 * spec.linear.conv_dim * 4 + spec.linear.num_v_heads * 32 * 32 * 4  # type: ignore[union-attr]
         )
-        assert 0 < extra["kv_bytes"] - want < 1024 * LAYERS
+        assert 0 < stats.kv_bytes - want < 1024 * LAYERS
 
 
 def test_streamed_chat_equals_mlx(cluster: Cluster) -> None:
     chunks = list(_chat(cluster.client(), PROMPTS[3], stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert chunks[-1].model_extra["tandem"]["prefill"] == "remote"
+    assert stats_of(chunks[-1]).prefill == "remote"
     assert text == cluster.reference(PROMPTS[3])
 
 
@@ -106,17 +108,17 @@ def test_three_turns_prefill_only_their_new_tokens(cluster: Cluster) -> None:
     held = 0  # positions the decode node keeps after a turn: prompt and reply but its last
     for turn in range(3):
         prompt = prompt + fresh[turn]
-        text, extra = _complete(cluster, prompt)
+        text, stats = _complete(cluster, prompt)
         ids = _ids(cluster, prompt)
         assert text == _text(cluster, ids)
-        assert (extra["cached_tokens"], extra["cache_fallback"]) == (held, False)
-        assert extra["prefill"] == "remote" and extra["prefill_tokens"] == len(prompt) - 1 - held
+        assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
+        assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
         last_prompt = len(prompt)
         held = len(prompt) + len(ids) - 1
         prompt = prompt + ids
     edited = list(prompt)
     edited[-2] = (edited[-2] + 1) % vocab  # inside turn three's reply
-    text, extra = _complete(cluster, edited)
+    text, stats = _complete(cluster, edited)
     assert text == _text(cluster, _ids(cluster, edited))
-    assert (extra["cached_tokens"], extra["cache_fallback"]) == (last_prompt - 1, True)
-    assert extra["prefill_tokens"] == len(edited) - last_prompt
+    assert (stats.cached_tokens, stats.cache_fallback) == (last_prompt - 1, True)
+    assert stats.prefill_tokens == len(edited) - last_prompt

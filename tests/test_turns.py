@@ -19,6 +19,7 @@ from tandem.nodes.contract.prefix import common_prefix
 
 from tests.fake_prefill import start_fake_prefill
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_healthy, wait_trusted
+from tests.records import stats_of
 
 TOKEN = "turns-token-0123456789"
 
@@ -89,11 +90,11 @@ def test_turns_are_exact_and_prefill_only_new_tokens(
         want, ids = oracle.generate(messages, 16)
         tokens = oracle.tokens(messages)
         reply = _chat(decode, messages)
-        extra = reply.model_extra["tandem"]
+        stats = stats_of(reply)
         assert reply.choices[0].message.content == want, f"turn {turn}"
-        assert extra["prefill"] == "remote"
+        assert stats.prefill == "remote"
         k = min(common_prefix(tokens, held), len(tokens) - 1)
-        assert extra["prefill_tokens"] == len(tokens) - 1 - k, f"turn {turn}"
+        assert stats.prefill_tokens == len(tokens) - 1 - k, f"turn {turn}"
         if turn:
             assert k >= len(oracle.tokens(messages[:-2])), "the last turn's prompt was reused"
         held = tokens + ids
@@ -137,7 +138,7 @@ async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_p
         watcher.cancel()
         want, _ = oracle.generate(messages, 16)
         assert reply.choices[0].message.content == want
-        assert reply.model_extra["tandem"]["prefill"] == "local"
+        assert stats_of(reply).prefill == "local"
         failed = [r for r in seen if r["kind"] == "request" and r["phase"] == "failed"]
         assert failed and failed[0]["request_id"] == reply.id
 
@@ -158,7 +159,7 @@ async def test_fallback_on_every_kind_of_failure(
             reply = await asyncio.to_thread(_chat, decode, messages)
             want, _ = oracle.generate(messages, 16)
             assert reply.choices[0].message.content == want, mode
-            assert reply.model_extra["tandem"]["prefill"] == "local", mode
+            assert stats_of(reply).prefill == "local", mode
             assert reply.id in fake.prefills, mode
         events = await _request_events(decode)
         failed = {r["request_id"]: r["detail"] for r in events if r.get("phase") == "failed"}
@@ -202,7 +203,7 @@ async def test_full_queue_answers_503_and_the_decode_node_retries(
         replies = await asyncio.gather(*(asyncio.to_thread(_chat, decode, m) for m in asks))
         for messages, reply in zip(asks, replies, strict=True):
             assert reply.choices[0].message.content == oracle.generate(messages, 16)[0]
-            assert reply.model_extra["tandem"]["prefill"] == "remote"
+            assert stats_of(reply).prefill == "remote"
         refused = [r for r in await _request_events(prefill) if r["phase"] == "failed"]
         assert refused and all("503" in r["detail"] for r in refused)
         import urllib.error
@@ -255,19 +256,19 @@ def test_auto_router_end_to_end(mid_model: Path, tmp_path: Path) -> None:
     with _peered(tmp_path, mid_model) as (_, decode):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # the router's start-up probe of the peer
-            peers = decode.get("/v1/cluster")["peers"]
-            if peers and peers[0]["prefill_floor_s"] is not None:
+            peers = decode.cluster().peers
+            if peers and peers[0].prefill_floor_s is not None:
                 break
             time.sleep(0.2)
         client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN, timeout=300)
         long_prompt = " ".join(f"word{i % 97} and more text" for i in range(300))
         long = client.completions.create(model="m", prompt=long_prompt, max_tokens=2)
-        assert long.model_extra["tandem"]["prefill"] == "remote"
+        assert stats_of(long).prefill == "remote"
         short = client.completions.create(model="m", prompt="Hello! How are you", max_tokens=2)
         assert short.usage.prompt_tokens == 5
-        assert short.model_extra["tandem"]["prefill"] == "local"
-        cluster = decode.get("/v1/cluster")
-        assert cluster["peers"][0]["prefill_tok_s"] or cluster["peers"][0]["link_Bps"]
+        assert stats_of(short).prefill == "local"
+        cluster = decode.cluster()
+        assert cluster.peers[0].prefill_tok_s or cluster.peers[0].link_Bps
 
 
 def test_restarted_prefill_node_is_trusted_again(model: Path, tmp_path: Path) -> None:
@@ -275,11 +276,11 @@ def test_restarted_prefill_node_is_trusted_again(model: Path, tmp_path: Path) ->
         prefill.stop()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            peer = decode.get("/v1/cluster")["peers"][0]
-            if peer["reason"] == "unreachable":
+            peer = decode.cluster().peers[0]
+            if peer.reason == "unreachable":
                 break
             time.sleep(0.2)
-        assert peer["reason"] == "unreachable" and not peer["trusted"]
+        assert peer.reason == "unreachable" and not peer.trusted
         restarted = start_node(tmp_path, model, "prefill", token=TOKEN, port=prefill.port)
         try:
             wait_healthy(restarted)
