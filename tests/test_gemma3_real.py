@@ -30,6 +30,7 @@ from tandem.app.cli import real_gemma3 as rg
 from tandem.app.cli.real_model import RealModel, RealModelUnavailable
 
 from tests.nodeproc import ROOT, NodeProc, remote_pair
+from tests.records import stats_of
 
 TOKEN = "real-gemma3-token-0123456789"
 SHORT = "The capital of France is"
@@ -87,12 +88,12 @@ def _complete(decode: NodeProc, prompt: str) -> Any:
 
 def _assert_remote(reply: Any, prefill: NodeProc, prompt_tokens: int) -> int:
     """The reply's prompt went through the remote prefill; how many of its tokens did."""
-    extra = reply.model_extra["tandem"]
-    assert extra["prefill"] == "remote" and extra["prefill_node"] == prefill.url
+    stats = stats_of(reply)
+    assert stats.prefill == "remote" and stats.prefill_node == prefill.url
     # all but the last, less what the decode node's prompt cache held (the same first words)
-    assert 0 < extra["prefill_tokens"] <= prompt_tokens - 1
+    assert 0 < stats.prefill_tokens <= prompt_tokens - 1
     assert reply.usage.prompt_tokens == prompt_tokens
-    return extra["prefill_tokens"]
+    return stats.prefill_tokens
 
 
 def test_float32_completions_through_the_nodes_equal_mlx_lm(

@@ -23,6 +23,7 @@ from tandem.app.cli.real_model import RealModel
 
 from tests.handoff_quality import Quality
 from tests.nodeproc import ROOT, NodeProc, remote_pair
+from tests.records import stats_of
 
 TOKEN = "real-model-token-0123456789"
 QUESTION = "What is the capital of France?"
@@ -210,8 +211,8 @@ def test_float32_replies_through_the_nodes_equal_mlx_lm(
                 model="m", messages=[{"role": "user", "content": prompt}],
                 max_tokens=max_tokens, temperature=0,
             )  # fmt: skip
-            extra = reply.model_extra["tandem"]
-            assert extra["prefill"] == "remote" and extra["prefill_node"] == prefill.url
+            stats = stats_of(reply)
+            assert stats.prefill == "remote" and stats.prefill_node == prefill.url
             want, n = theirs.result()
             assert reply.choices[0].message.content == want, prompt[:40]
             assert reply.usage.prompt_tokens == n
@@ -264,12 +265,11 @@ def test_the_four_bit_model_through_the_nodes_answers_as_mlx_lm_does(
                 model="m", messages=[{"role": "user", "content": prompt}], max_tokens=12,
                 temperature=0,
             )  # fmt: skip
-            extra = reply.model_extra["tandem"]
-            assert extra["prefill"] == "remote" and extra["prefill_node"] == prefill.url
+            stats = stats_of(reply)
+            assert stats.prefill == "remote" and stats.prefill_node == prefill.url
             same += reply.choices[0].message.content == want.result()[0]
     assert same >= 3, f"{same} of {len(prompts)} greedy replies equal mlx-lm's"
-    health = prefill.get("/health", auth=False)
-    assert health["budget_bytes"] == 24_000_000
+    assert prefill.health().budget_bytes == 24_000_000
 
 
 def test_four_bit_handoff_reads_a_real_continuation_as_mlx_lm_does(
