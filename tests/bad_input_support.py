@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.nodes.contract.events import Event
+
 from tests.bad_prefill import MODES
 from tests.nodeproc import ROOT, NodeProc, free_port, start_node, wait_healthy, wait_trusted
+from tests.records import event_of
 
 TOKEN = "bad-input-token-0123456789"
 MAX_TOKENS = 12
@@ -91,17 +94,17 @@ def assert_error(reply: Reply, statuses: tuple[int, ...] = (400,)) -> None:
     assert problem is None, problem
 
 
-def events_since(node: NodeProc, since: float, idle_s: float = 1.0) -> list[dict[str, Any]]:
+def events_since(node: NodeProc, since: float, idle_s: float = 1.0) -> list[Event]:
     """The node's event records newer than `since`: its ring replayed, then whatever arrives
     until nothing has for `idle_s`."""
     req = urllib.request.Request(f"{node.url}/v1/events?since={since}")
     req.add_header("Authorization", f"Bearer {TOKEN}")
-    records: list[dict[str, Any]] = []
+    records: list[Event] = []
     try:
         with urllib.request.urlopen(req, timeout=idle_s) as r:
             for line in r:
-                if line.startswith(b"data: "):
-                    records.append(json.loads(line[6:]))
+                if (event := event_of(line)) is not None:
+                    records.append(event)
     except TimeoutError:
         pass
     return records

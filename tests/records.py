@@ -1,12 +1,15 @@
 """What the tests read from real nodes' replies, through the contract's records (the
-parsers the TUI and the nodes use): a completion's `tandem` stats, a `/v1/cluster` entry."""
+parsers the TUI and the nodes use): a completion's `tandem` stats, a `/v1/cluster` entry, a
+`/v1/events` record."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.contract.cluster import Cluster, Peer
+from tandem.nodes.contract.events import Event, event_from_json
 
 
 def stats_of(reply: Any) -> ReplyStats:
@@ -20,3 +23,10 @@ def peer_at(cluster: Cluster, address: str) -> Peer | None:
     """`cluster`'s entry for `address`, if listed (a relay and the node it relays to share an
     id; only their addresses tell them apart)."""
     return next((p for p in cluster.peers if p.address == address), None)
+
+
+def event_of(line: bytes) -> Event | None:
+    """The event of one `/v1/events` SSE line (`data: {...}`); None for any other line."""
+    if not line.startswith(b"data: "):
+        return None
+    return event_from_json(json.loads(line[6:]))

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from tandem.nodes.contract.events import RequestEvent
 from tandem.nodes.contract.http import PROTO
 
 from tests import bad_input_fixtures
@@ -152,13 +153,13 @@ def test_bad_seed_is_400_before_any_prefill(pair: Pair, seed: int, stream: bool)
     # the router's calibration probes (`probe-…`) may run at any time: they are not this request
     prefill_side = [
         r for r in events_since(pair.prefill, t0)
-        if r["kind"] == "request" and not r["request_id"].startswith("probe-")
+        if isinstance(r, RequestEvent) and not r.request_id.startswith("probe-")
     ]  # fmt: skip
     assert not prefill_side, f"the prefill node ran: {prefill_side}"
     started = [
         r for r in events_since(pair.decode, t0)
-        if r["kind"] == "request" and r["phase"] == "prefill_start"
-        and not r["request_id"].startswith("probe-")
+        if isinstance(r, RequestEvent) and r.phase == "prefill_start"
+        and not r.request_id.startswith("probe-")
     ]  # fmt: skip
     assert not started, started
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from tandem.nodes.contract.events import RequestEvent
 
 from tests import bad_input_fixtures
 from tests.bad_input_support import (
@@ -58,8 +59,8 @@ def test_bad_frames_fall_back_to_an_exact_local_prefill(
     body = reply.json()
     assert body["id"] in served, "the bad frames were never asked for"
     assert body["choices"][0]["message"]["content"] == oracle.reference(prompt)
-    records = [r for r in events_since(bad.decode, t0) if r["request_id"] == body["id"]]
-    phases = [r["phase"] for r in records if r["kind"] == "request"]
+    records = [r for r in events_since(bad.decode, t0) if r.request_id == body["id"]]
+    phases = [r.phase for r in records if isinstance(r, RequestEvent)]
     assert "failed" in phases, phases
     assert stats_of(body).prefill == "local", stats_of(body)
 

@@ -14,13 +14,14 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent, RequestEvent
 from tandem.nodes.contract.http import PROTO
 from tandem.nodes.model import load_index
 
 from tests.fake_prefill import start_fake_prefill
 from tests.hide_modules import hidden_env
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_trusted
-from tests.records import stats_of
+from tests.records import event_of, stats_of
 
 TOKEN = "test-token-0123456789"
 PROMPTS = [
@@ -119,19 +120,17 @@ def test_completions_endpoint(cluster: Cluster) -> None:
     assert [m.id for m in models.data] == [cluster.model.name]
 
 
-async def _events(node: NodeProc, rid: str, until: str = "done") -> list[dict]:
-    """The node's event records for one request, replayed from its ring."""
-    records: list[dict] = []
+async def _events(node: NodeProc, rid: str, until: str = "done") -> list[Event]:
+    """The node's events for one request, replayed from its ring."""
+    records: list[Event] = []
     headers = {"Authorization": f"Bearer {TOKEN}"}
     url = f"{node.url}/v1/events?since=0"
     async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
         async for line in r.content:
-            if not line.startswith(b"data: "):
-                continue
-            rec = json.loads(line[6:])
-            if rec["request_id"] == rid:
+            rec = event_of(line)
+            if rec is not None and rec.request_id == rid:
                 records.append(rec)
-                if rec["kind"] == "request" and rec["phase"] == until:
+                if isinstance(rec, RequestEvent) and rec.phase == until:
                     return records
     return records
 
@@ -146,10 +145,10 @@ async def test_kv_really_travels(cluster: Cluster) -> None:
     assert 0 < sent <= n - 1
     kv = 2 * spec.num_layers * spec.num_kv_heads * sent * spec.head_dim * 4
     records = await asyncio.wait_for(_events(cluster.decode, reply.id), 10)
-    net_in = [r for r in records if r["kind"] == "link" and r["name"] == "net_in"]
-    received = [r["layer"] for r in records if r["kind"] == "layer" and r["state"] == "received"]
+    net_in = [r for r in records if isinstance(r, LinkEvent) and r.name == "net_in"]
+    received = [r.layer for r in records if isinstance(r, LayerEvent) and r.state == "received"]
     assert received == list(range(spec.num_layers))
-    total = sum(r["bytes"] for r in net_in)
+    total = sum(r.bytes for r in net_in)
     assert len(net_in) == spec.num_layers
     overhead = total - kv  # per layer: the 9-byte frame prefix plus a small safetensors header
     assert 0 < overhead <= spec.num_layers * 512

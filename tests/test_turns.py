@@ -14,12 +14,13 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from tandem.nodes.contract.events import Event, LinkEvent, RequestEvent
 from tandem.nodes.contract.http import PROTO
 from tandem.nodes.contract.prefix import common_prefix
 
 from tests.fake_prefill import start_fake_prefill
 from tests.nodeproc import NodeProc, remote_pair, start_node, wait_healthy, wait_trusted
-from tests.records import stats_of
+from tests.records import event_of, stats_of
 
 TOKEN = "turns-token-0123456789"
 
@@ -102,13 +103,13 @@ def test_turns_are_exact_and_prefill_only_new_tokens(
     prefill.stop()
 
 
-def _net_in(rec: dict) -> bool:
-    return rec["kind"] == "link" and rec["name"] == "net_in"
+def _net_in(rec: Event) -> bool:
+    return isinstance(rec, LinkEvent) and rec.name == "net_in"
 
 
 async def _watch(
-    node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: list[dict],
-    when: Callable[[dict], bool] = _net_in,
+    node: NodeProc, rid_prefix: str, stop: asyncio.Event, seen: list[Event],
+    when: Callable[[Event], bool] = _net_in,
 ) -> None:  # fmt: skip
     """The node's events of requests `rid_prefix`... into `seen`; `stop` set at the first
     one `when` picks (the first KV bytes in, by default)."""
@@ -116,12 +117,11 @@ async def _watch(
     url = f"{node.url}/v1/events?since={time.time() - 1}"
     async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
         async for line in r.content:
-            if line.startswith(b"data: "):
-                rec = json.loads(line[6:])
-                if rec["request_id"].startswith(rid_prefix):
-                    seen.append(rec)
-                    if when(rec):
-                        stop.set()
+            rec = event_of(line)
+            if rec is not None and rec.request_id.startswith(rid_prefix):
+                seen.append(rec)
+                if when(rec):
+                    stop.set()
 
 
 async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_path: Path) -> None:
@@ -139,8 +139,8 @@ async def test_prefill_node_killed_mid_stream(model: Path, oracle: Oracle, tmp_p
         want, _ = oracle.generate(messages, 16)
         assert reply.choices[0].message.content == want
         assert stats_of(reply).prefill == "local"
-        failed = [r for r in seen if r["kind"] == "request" and r["phase"] == "failed"]
-        assert failed and failed[0]["request_id"] == reply.id
+        failed = [r for r in seen if isinstance(r, RequestEvent) and r.phase == "failed"]
+        assert failed and failed[0].request_id == reply.id
 
 
 async def test_fallback_on_every_kind_of_failure(
@@ -162,7 +162,7 @@ async def test_fallback_on_every_kind_of_failure(
             assert stats_of(reply).prefill == "local", mode
             assert reply.id in fake.prefills, mode
         events = await _request_events(decode)
-        failed = {r["request_id"]: r["detail"] for r in events if r.get("phase") == "failed"}
+        failed = {r.request_id: r.detail for r in events if r.phase == "failed"}
         assert len(failed) >= 6
         assert any("503" in d for d in failed.values())
         assert any("409" in d for d in failed.values())
@@ -172,18 +172,16 @@ async def test_fallback_on_every_kind_of_failure(
         await fake.close()
 
 
-async def _request_events(node: NodeProc) -> list[dict]:
-    records: list[dict] = []
+async def _request_events(node: NodeProc) -> list[RequestEvent]:
+    records: list[RequestEvent] = []
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def read() -> None:
         url = f"{node.url}/v1/events?since=0"
         async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
             async for line in r.content:
-                if line.startswith(b"data: "):
-                    rec = json.loads(line[6:])
-                    if rec["kind"] == "request":
-                        records.append(rec)
+                if isinstance(rec := event_of(line), RequestEvent):
+                    records.append(rec)
 
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(read(), 2)
@@ -204,8 +202,8 @@ async def test_full_queue_answers_503_and_the_decode_node_retries(
         for messages, reply in zip(asks, replies, strict=True):
             assert reply.choices[0].message.content == oracle.generate(messages, 16)[0]
             assert stats_of(reply).prefill == "remote"
-        refused = [r for r in await _request_events(prefill) if r["phase"] == "failed"]
-        assert refused and all("503" in r["detail"] for r in refused)
+        refused = [r for r in await _request_events(prefill) if r.phase == "failed"]
+        assert refused and all("503" in r.detail for r in refused)
         import urllib.error
         import urllib.request
 
