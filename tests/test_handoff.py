@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent, RequestEvent
 from tandem.nodes.contract.http import PROTO
 from tandem.nodes.model import load_index
@@ -257,7 +258,7 @@ def test_prefill_fingerprint_mismatch_is_409(cluster: Cluster) -> None:
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"proto": PROTO, "fingerprint": "0" * 64, "tokens": [1, 2], "start": 0})
+    body = json.dumps(PrefillBody("0" * 64, "mismatch", [1, 2]).to_json())
     req = urllib.request.Request(
         cluster.prefill.url + "/v1/prefill", data=body.encode(), method="POST",
         headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},

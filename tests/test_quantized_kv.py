@@ -15,8 +15,9 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
+from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.frames import Header, LayerFrame
-from tandem.nodes.contract.http import PROTO
+from tandem.nodes.contract.http import PROTO, KVFormat
 from tandem.nodes.model import fingerprint, load_index
 
 from tests.conftest import MakeTiny
@@ -95,10 +96,10 @@ def test_remote_quantized_prefill_is_mlx_lms_quantized_greedy(
     assert any(changed) or bits == 8
 
 
-def _prefill_frames(pair: Pair, tokens: list[int], fmt: dict[str, int]) -> tuple[Header, list]:
+def _prefill_frames(pair: Pair, tokens: list[int], fmt: KVFormat | None) -> tuple[Header, list]:
     """The prefill node's own frames for `tokens`, asked for directly (a client's Bearer)."""
-    body = {"proto": PROTO, "fingerprint": fingerprint(load_index(pair.model)),
-            "request_id": f"frames-{fmt}", "tokens": tokens, "start": 0, **fmt}  # fmt: skip
+    rid = f"frames-q{fmt.bits}" if fmt else "frames-float"
+    body = PrefillBody(fingerprint(load_index(pair.model)), rid, tokens, 0, fmt).to_json()
     req = urllib.request.Request(
         pair.prefill.url + "/v1/prefill", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
@@ -117,8 +118,8 @@ def test_the_wires_quantized_layers_are_mx_quantize_of_its_float_ones(
     from tandem.nodes.contract.frames import layer_parts_to_numpy
 
     tokens = pair.tokens([{"role": "user", "content": PROMPTS[0]}])
-    fh, floats = _prefill_frames(pair, tokens, {})
-    qh, quantized = _prefill_frames(pair, tokens, {"kv_bits": bits, "kv_group_size": group})
+    fh, floats = _prefill_frames(pair, tokens, None)
+    qh, quantized = _prefill_frames(pair, tokens, KVFormat(bits, group))
     assert (qh.kv_bits, qh.kv_group_size) == (bits, group) and len(floats) == len(quantized) == 4
     for f, q in zip(floats, quantized, strict=True):
         flt, got = layer_parts_to_numpy(f, fh), layer_parts_to_numpy(q, qh)
@@ -139,9 +140,9 @@ def test_the_prefill_nodes_prefix_cache_keeps_full_precision(pair: Pair) -> None
 
     head = pair.tokens([{"role": "user", "content": "Count the waves, keeper."}])
     longer = [*head, 7, 11, 13]
-    q8 = {"kv_bits": 8, "kv_group_size": 64}
+    q8 = KVFormat(8, 64)
     _prefill_frames(pair, head, q8)  # the prefix cache now holds `head`
-    fh, floats = _prefill_frames(pair, longer, {})
+    fh, floats = _prefill_frames(pair, longer, None)
     qh, quantized = _prefill_frames(pair, longer, q8)
     ref = make_prompt_cache(pair.mlx_model)
     pair.mlx_model(mx.array([longer]), cache=ref)

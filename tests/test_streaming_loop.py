@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.events import Event, LayerEvent
-from tandem.nodes.contract.http import PROTO
 from tandem.nodes.model import fingerprint
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
@@ -138,12 +138,12 @@ def test_prefill_node_answers_a_too_long_prompt_with_413(
     model = tiny_model(layers=2)
     node = start_node(tmp_path, model, "prefill", "--device", "cpu", "--max-prompt-tokens", "32")
     try:
-        body = {"proto": PROTO, "fingerprint": fingerprint(load_index(model)), "start": 0}
+        fp = fingerprint(load_index(model))
 
         def post(n: int) -> tuple[int, bytes]:
+            body = PrefillBody(fp, f"long-{n}", list(range(1, n + 1)))
             req = urllib.request.Request(
-                node.url + "/v1/prefill", method="POST",
-                data=json.dumps({**body, "tokens": list(range(1, n + 1))}).encode(),
+                node.url + "/v1/prefill", method="POST", data=json.dumps(body.to_json()).encode(),
                 headers={"Content-Type": "application/json"},
             )  # fmt: skip
             try:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from tandem.app.cli.pair import check, run_check
-from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.bodies import PrefillBody, ReplyStats
 from tandem.nodes.contract.cluster import Peer
 from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
 from tandem.nodes.trust.hello import HelloResponder
@@ -164,15 +164,8 @@ def test_replayed_and_tampered_signed_requests_are_refused_and_pair_pins(
     node = start_node(tmp_path, model, "prefill", "--tls", token=TOKEN)
     try:
         health = node.health()
-        body = json.dumps(
-            {
-                "proto": health.proto,
-                "fingerprint": health.fingerprint,
-                "request_id": "signed-1",
-                "tokens": [1, 2, 3, 4],
-                "start": 0,
-            }
-        ).encode()
+        body = json.dumps(PrefillBody(health.fingerprint, "signed-1", [1, 2, 3, 4]).to_json())
+        body = body.encode()
         headers = sign(TOKEN, "POST", "/v1/prefill", None, body, "test-caller", health.id)
         assert _post(node.url, "/v1/prefill", body, headers) == 200
         assert _post(node.url, "/v1/prefill", body, headers) == 401  # replayed
