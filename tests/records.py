@@ -5,11 +5,12 @@ parsers the TUI and the nodes use): a completion's `tandem` stats, a `/v1/cluste
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.contract.cluster import Cluster, Peer
-from tandem.nodes.contract.events import Event, event_from_json
+from tandem.nodes.contract.events import Event, EventBus, event_from_json
 
 
 def stats_of(reply: Any) -> ReplyStats:
@@ -30,3 +31,23 @@ def event_of(line: bytes) -> Event | None:
     if not line.startswith(b"data: "):
         return None
     return event_from_json(json.loads(line[6:]))
+
+
+def listen(bus: EventBus, listener: Callable[[Event], None]) -> Callable[[], None]:
+    """Call `listener` with each record `bus` publishes, stamped, on the publishing thread the
+    moment it is published (the nodes read a bus through `subscribe`; a test that times or
+    orders records as they are made wraps `publish`). Returns what stops it."""
+    publish = bus.publish
+
+    def publishing(event: Event) -> Event:
+        stamped = publish(event)
+        listener(stamped)
+        return stamped
+
+    bus.publish = publishing  # type: ignore[method-assign]
+
+    def stop() -> None:
+        if bus.__dict__.get("publish") is publishing:
+            bus.publish = publish  # type: ignore[method-assign]
+
+    return stop

@@ -10,6 +10,8 @@ from tandem.nodes.contract.events import LinkEvent
 from tandem.nodes.model import load_index
 from tandem.nodes.prefill.engine import PrefillEngine
 
+from tests.records import listen
+
 PREFILL_KEYS = {
     "wall_s", "load_s", "compute_s", "overlap_ratio", "sequential_ratio", "peak_weight_bytes",
     "peak_activation_bytes", "peak_rss_delta_bytes", "budget_bytes", "model_bytes",
@@ -94,8 +96,9 @@ def test_host_tier_reads_less_from_disk(tiny_model) -> None:
     total = sum(index.layer_bytes(i) for i in range(8))
     engine = PrefillEngine(index, budget=total // 4, device="cpu", host_budget=total // 2)
     disk: list[int] = []
-    engine.events.add_listener(
-        lambda e: disk.append(e.bytes) if isinstance(e, LinkEvent) and e.name == "disk" else None
+    listen(
+        engine.events,
+        lambda e: disk.append(e.bytes) if isinstance(e, LinkEvent) and e.name == "disk" else None,
     )
     tokens = list(range(40))
     try:

@@ -12,6 +12,8 @@ from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.prefill.budget import prompt_activations
 from tandem.nodes.prefill.engine import PrefillEngine
 
+from tests.records import listen
+
 pytestmark = pytest.mark.cuda
 
 
@@ -81,7 +83,7 @@ def test_cuda_overlap_and_memory(tiny_model) -> None:
         index, budget=budget, device="cuda", link_gbps=0.05, max_prompt_tokens=200
     )
     events: list[LayerEvent] = []
-    engine.events.add_listener(lambda e: events.append(e) if isinstance(e, LayerEvent) else None)
+    listen(engine.events, lambda e: events.append(e) if isinstance(e, LayerEvent) else None)
     try:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()

@@ -19,6 +19,8 @@ from tandem.nodes.contract.events import (
     sse,
 )
 
+from tests.records import listen
+
 COMMON_KEYS = {"t", "node", "kind", "request_id"}
 KIND_KEYS: dict[str, set[str]] = {
     "layer": {"layer", "state", "slot", "pinned", "bytes"},
@@ -63,7 +65,7 @@ def test_bus_keeps_given_time_and_node() -> None:
 def test_listener_gets_records_until_removed() -> None:
     bus = EventBus(node_id="n")
     got: list[Event] = []
-    remove = bus.add_listener(got.append)
+    remove = listen(bus, got.append)
     first = bus.publish(LinkEvent("r1", name="disk", bytes=10, seconds=1.0))
     remove()
     bus.publish(LinkEvent("r1", name="disk", bytes=20, seconds=1.0))

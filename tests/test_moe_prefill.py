@@ -15,6 +15,7 @@ from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.prefill.engine import PrefillEngine
 
 from tests.conftest import MakeTiny
+from tests.records import listen
 from tests.test_gemma3_prefill import mlx_prefill
 from tests.test_prefill_engine import greedy
 
@@ -177,7 +178,7 @@ def test_a_short_prompt_streams_exactly_the_routed_experts(
     assert not any(ld.resident for ld in engine.plan.loads)
     all_bytes = engine.stream_weights().bytes_streamed  # every expert
     seen: list[Any] = []
-    engine.events.add_listener(seen.append)
+    listen(engine.events, seen.append)
     kv = list(engine.prefill(tokens[:4]))
     assert_matches(kv, mlx_prefill(model, tokens[:4]))
     chosen = mlx_choices(model, tokens[:4])

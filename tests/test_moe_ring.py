@@ -24,6 +24,7 @@ from tandem.nodes.prefill.stream.routing import Routing
 from tandem.nodes.prefill.stream.streamer import _Run
 
 from tests.conftest import MakeTiny
+from tests.records import listen
 
 ARGS = {"arch": "qwen3_moe", "layers": 4, "experts": 8, "top_k": 2, "shards": 2}
 
@@ -60,11 +61,11 @@ def loading_order(engine: PrefillEngine, tokens: list[int]) -> tuple[list[Any], 
     """(K/V, the layer of each "loading" event in order) of one prefill."""
     seen: list[int] = []
 
-    def listen(event: object) -> None:
+    def loading(event: object) -> None:
         if isinstance(event, LayerEvent) and event.state == "loading":
             seen.append(event.layer)
 
-    stop = engine.events.add_listener(listen)
+    stop = listen(engine.events, loading)
     kv = list(engine.prefill(tokens))
     stop()
     return kv, seen
@@ -119,7 +120,7 @@ def test_a_long_prompt_reads_every_expert_without_waiting_for_routers(
     engine = PrefillEngine(moe, budget=budget(moe), device="cpu", chunk_tokens=64)
     try:
         seen: list[LayerEvent] = []
-        engine.events.add_listener(lambda e: seen.append(e) if isinstance(e, LayerEvent) else None)
+        listen(engine.events, lambda e: seen.append(e) if isinstance(e, LayerEvent) else None)
         list(engine.prefill(np.random.default_rng(5).integers(0, 512, 64).tolist()))
         assert engine.last_stats.route_wait_s == 0
         assert engine.last_stats.experts_streamed == {i: 8 for i in range(4)}

@@ -20,6 +20,7 @@ from tandem.nodes.prefill.plan import make_plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes
 
 from tests.conftest import MakeTiny
+from tests.records import listen
 from tests.test_prefill_engine import BUDGETS, LAYERS, half_layer, prompt, quarter, run
 from tests.test_prefill_engine import llama_dir as llama_dir  # a fixture
 from tests.test_prefill_engine import open_engine as open_engine  # a fixture
@@ -56,7 +57,7 @@ def test_resident_layers_are_streamed_once(
 
 def collect(engine: PrefillEngine) -> list[Event]:
     events: list[Event] = []
-    engine.events.add_listener(events.append)
+    listen(engine.events, events.append)
     return events
 
 

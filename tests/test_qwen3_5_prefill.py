@@ -25,6 +25,7 @@ from tandem.nodes.prefill.handover import Handed, LayerKV, LinearState
 from tandem.nodes.prefill.prefix_upload import Prefix
 
 from tests.conftest import MakeTiny
+from tests.records import listen
 from tests.test_gemma3_prefill import mlx_prefill
 from tests.test_moe_prefill import mlx_choices
 from tests.test_prefill_engine import greedy
@@ -221,7 +222,7 @@ def test_a_short_prompt_streams_only_the_routed_experts(
     loads = [ld for ld in engine.plan.loads if ld.layer == 0]
     assert len(loads) > 1 and not any(ld.resident for ld in engine.plan.loads)
     seen: list[Any] = []
-    engine.events.add_listener(seen.append)
+    listen(engine.events, seen.append)
     tokens = prompt(3)
     assert_matches(run(engine, tokens), mlx_prefill(model, tokens))
     chosen = mlx_choices(_MoeView(model, 2), tokens)

@@ -29,6 +29,7 @@ from tandem.nodes.prefill.plan import RING_LOADS, make_plan
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import start_node
+from tests.records import listen
 
 
 def model_bytes(index: ModelIndex) -> int:
@@ -120,7 +121,7 @@ def test_a_prompt_beyond_the_reserve_is_refused_before_streaming(index: ModelInd
         index, budget=model_bytes(index) // 2, device="cpu", max_prompt_tokens=64,
         chunk_tokens=32,
     )  # fmt: skip
-    engine.events.add_listener(events.append)
+    listen(engine.events, events.append)
     try:
         assert engine.plan.reserve_bytes == engine.activation_reserve > 0
         assert engine.plan.device_bytes + engine.activation_reserve <= engine.budget
@@ -170,8 +171,9 @@ def test_a_slot_is_released_as_soon_as_its_compute_is_queued(index: ModelIndex) 
     refills the slot that layer's compute used: the ring does not wait on the consumer."""
     engine = PrefillEngine(index, budget=model_bytes(index) // 3, device="cpu")
     stamps: list[tuple[float, LayerEvent]] = []
-    engine.events.add_listener(
-        lambda e: stamps.append((time.perf_counter(), e)) if isinstance(e, LayerEvent) else None
+    listen(
+        engine.events,
+        lambda e: stamps.append((time.perf_counter(), e)) if isinstance(e, LayerEvent) else None,
     )
     plan = engine.plan
     streamed = [ld for ld in plan.loads if not ld.resident]

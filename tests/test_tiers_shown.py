@@ -20,6 +20,7 @@ from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.stream.movers import FillTimes
 
 from tests.conftest import MakeTiny
+from tests.records import listen
 from tests.test_plan_cmd import write_headers_only
 
 GIB = 1 << 30
@@ -112,7 +113,7 @@ def cuda_node_events(tiny_model: MakeTiny) -> tuple[list[Event], int]:
     budget = sum(index.layer_bytes(i) for i in range(6)) // 4
     engine = PrefillEngine(model, budget=budget, device="cpu")
     events: list[Event] = []
-    engine.events.add_listener(events.append)
+    listen(engine.events, events.append)
     try:
         ready = engine._on_ready("r1")
         streamed = 0

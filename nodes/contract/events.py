@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -123,9 +123,6 @@ def _typed(value: object, kind: str) -> object:
     return value if value in _LITERALS[kind] else _BAD
 
 
-Listener = Callable[[Event], None]
-
-
 class EventBus:
     """Fan-out of one node's events, with a bounded ring for late subscribers."""
 
@@ -133,7 +130,6 @@ class EventBus:
         self.node_id = node_id
         self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
         self._lock = threading.Lock()
-        self._listeners: list[Listener] = []
         self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]]] = []
 
     def publish(self, event: Event) -> Event:
@@ -143,26 +139,11 @@ class EventBus:
         )
         with self._lock:
             self._ring.append(event)
-            listeners = list(self._listeners)
             queues = list(self._queues)
-        for listener in listeners:
-            listener(event)
         for loop, queue in queues:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_offer, queue, event)
         return event
-
-    def add_listener(self, listener: Listener) -> Callable[[], None]:
-        """Call `listener` synchronously for every record; returns a function that removes it."""
-        with self._lock:
-            self._listeners.append(listener)
-
-        def remove() -> None:
-            with self._lock:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
-
-        return remove
 
     def replay(self, since: float | None = None) -> list[Event]:
         """Records in the ring newer than `since` (all of them when None)."""
