@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from tandem.nodes.contract.events import LayerEvent
 
 from tests.conftest import MakeTiny
 from tests.group_support import rank_pids, start_group, stop_ranks
@@ -40,7 +41,7 @@ async def test_prefill_killed_then_rank_1_killed(tiny_model: MakeTiny, tmp_path:
         await asyncio.sleep(1.5)  # the router's probe of the slow node
         prompt = "A story about sunflowers and a fence."
         landed = asyncio.Event()
-        received = lambda rec: rec.get("state") == "received"  # noqa: E731 - a layer is in
+        received = lambda rec: isinstance(rec, LayerEvent) and rec.state == "received"  # noqa: E731
         watcher = asyncio.create_task(_watch(decode, "chatcmpl-", landed, [], received))
         reply_task = asyncio.create_task(asyncio.to_thread(_chat, group.client(TOKEN), prompt))
         await asyncio.wait_for(landed.wait(), 60)  # layer 0 is in: on rank 1, sent on
