@@ -9,7 +9,8 @@ from pathlib import Path
 
 from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
-from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS
+from tandem.nodes.contract import http
+from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
 
 log = logging.getLogger("tandem")
@@ -28,6 +29,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
     )
+    p.add_argument(
+        "--kv-bits", type=int, choices=[16, *http.KV_BITS], default=16,
+        help="full-attention layers' caches quantized to this many bits (mlx-lm's "
+        "QuantizedKVCache); 16: the model dtype",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-group-size", type=int, choices=list(http.KV_GROUP_SIZES),
+        default=http.DEFAULT_KV_GROUP_SIZE, help="values per quantization group (--kv-bits 8|4)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-kernel", choices=["cpu", "gpu"], default="cpu",
+        help="whose mx.quantize rounding to match: the mlx device that reads the file",
+    )  # fmt: skip
     p.add_argument("--stats-json", type=Path, default=None)
     p.set_defaults(func=run)
 
@@ -45,19 +59,27 @@ def read_tokens(path: Path) -> list[int]:
     return tokens
 
 
-def _checked_tokens(a: argparse.Namespace) -> list[int]:
+def _checked_tokens(a: argparse.Namespace, vocab: int) -> list[int]:
     """The prompt, checked against the model's vocabulary before the engine says anything."""
-    from tandem.nodes.model.spec import load_spec
-
     tokens = read_tokens(a.tokens_file)
     if a.chunk_tokens < 1:
         raise UsageError("--chunk-tokens must be at least 1")
-    vocab = load_spec(a.model).vocab_size
     if not tokens:
         raise UsageError(f"{a.tokens_file}: empty token list")
     if bad := [t for t in tokens if not 0 <= t < vocab]:
         raise UsageError(f"{a.tokens_file}: token id {bad[0]} outside the vocabulary [0, {vocab})")
     return tokens
+
+
+def _kv_format(a: argparse.Namespace, head_dim: int) -> KVFormat | None:
+    """The format full layers' caches are written in (--kv-bits), checked against the model."""
+    if a.kv_bits == 16:
+        return None
+    try:
+        http.check_group_size(a.kv_group_size, head_dim)
+    except ValueError as e:
+        raise UsageError(f"--kv-group-size: {e}") from None
+    return KVFormat(a.kv_bits, a.kv_group_size, a.kv_kernel)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -67,14 +89,9 @@ def run(a: argparse.Namespace) -> int:
     from tandem.nodes.prefill.engine import PrefillEngine
     from tandem.nodes.prefill.errors import PrefillError
 
-    tokens = _checked_tokens(a)
-    kinds = {k.kind for k in load_spec(a.model).layer_kinds}
-    if kinds != {"full"}:
-        raise UsageError(
-            f"tandem prefill writes mlx-lm prompt caches of full-attention layers only; this "
-            f"model also has {', '.join(sorted(kinds - {'full'}))} layers (serve it with "
-            "`tandem node`, whose decode node fills their caches)"
-        )
+    spec = load_spec(a.model)
+    tokens = _checked_tokens(a, spec.vocab_size)
+    kv_format = _kv_format(a, spec.head_dim)
     try:
         engine = PrefillEngine(
             a.model,
@@ -88,11 +105,13 @@ def run(a: argparse.Namespace) -> int:
     except RuntimeError as e:  # torch: a device that is not there
         raise UsageError(f"device {a.device}: {e}") from None
     try:
-        kv = []
-        for layer in engine.prefill(tokens):
-            kv.append((layer.k, layer.v))
-            log.info("layer %d/%d done", layer.layer + 1, engine.spec.num_layers)
-        write_prompt_cache(a.out, kv)
+        layers = []
+        for layer in engine.prefill(tokens, kv_format=kv_format):
+            layers.append(layer)
+            log.info("layer %d/%d done", layer.layer + 1, spec.num_layers)
+        # what `mlx_lm.generate --prompt-cache-file` reads beside the caches
+        about = {"model": str(a.model.resolve()), "tokenizer_config": "{}"}
+        write_prompt_cache(a.out, layers, spec.layer_kinds, len(tokens), kv_format, about)
     except PrefillError as e:
         raise UsageError(str(e)) from None
     finally:
