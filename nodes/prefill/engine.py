@@ -87,6 +87,7 @@ class PrefillEngine:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
         self.spec = self.index.spec
         self.device = _indexed(torch.device(device) if device is not None else default_device())
+        exact_reductions(self.device)
         self.dtype = TORCH_DTYPES[self.index.dtype]  # compute dtype
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
@@ -381,6 +382,15 @@ class PrefillEngine:
             publish(self._layer_event(rid, load, "ready", t.nbytes))
 
         return hook
+
+
+def exact_reductions(device: torch.device) -> None:
+    """On CUDA, half-precision matmuls reduce in float32 as mlx's do: cuBLAS may otherwise
+    round split-K partial sums to bf16/fp16 (torch's default allows it), which moves a bf16
+    prompt's K/V further from mlx-lm's own than rounding alone does."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
 
 def _indexed(device: torch.device) -> torch.device:
