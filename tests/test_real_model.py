@@ -40,6 +40,11 @@ PROMPTS = [
 CHUNK = 64  # the float cluster's --chunk-tokens
 # handoffs: a 160-token prompt, then 96 tokens of the same text read teacher-forced
 SPLIT = (160, 256)
+# bf16 against float32 (issue 45): a 128-token prompt, then 304 tokens read teacher-forced
+BF16_SPLIT = (128, 432)
+# a bf16 handoff's mean KL from the float32 run, over mlx-lm's own bf16's: at most this. Over
+# 320 tokens on an Intel Xeon with AMX: 1.02x (KL 1.42e-3 vs 1.40e-3)
+KL_RATIO = 1.25
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # a minute each here, alone; `make test` runs a second worker beside them
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -243,12 +248,30 @@ def _handoff_quality(model_dir: Path, split: tuple[int, int], budget: str, tmp: 
     return quality
 
 
-def test_bfloat16_handoff_reads_a_real_continuation_as_mlx_lm_does(
+def test_bfloat16_handoff_diverges_from_float32_as_mlx_lms_own_bf16_does(
     real_model: RealModel, tmp_path: Path
 ) -> None:
-    quality = _handoff_quality(real_model.path("bfloat16"), SPLIT, "48MiB", tmp_path)
-    assert quality.top1_agreement >= 0.95
-    assert abs(quality.perplexity_ratio - 1) <= 0.01
+    """Issue 45: bf16 is judged as mlx-lm's own bf16 is, against the float32 run of the same
+    text over 300+ tokens: the handoff's mean KL at most KL_RATIO times mlx-lm's own, its
+    perplexity within 1% of float32's."""
+    from tests.handoff_quality import bf16_divergence
+
+    bf16_dir = real_model.path("bfloat16")
+    float_model, tokenizer = _mlx_load(real_model.path("float32"))
+    bf16_model, _ = _mlx_load(bf16_dir)
+    text = tokenizer.encode(CORPUS)
+    prompt, continuation = text[: BF16_SPLIT[0]], text[BF16_SPLIT[0] : BF16_SPLIT[1]]
+    divergence = bf16_divergence(
+        float_model,
+        bf16_model,
+        lambda: _prefill_cache(bf16_dir, prompt[:-1], tmp_path, "48MiB"),
+        prompt,
+        continuation,
+    )
+    print(f"\nSmolLM2 bf16 handoff after a {len(prompt)}-token prompt {divergence}")
+    assert divergence.tokens >= 300
+    assert divergence.kl <= KL_RATIO * divergence.reference_kl, divergence
+    assert abs(divergence.perplexity_ratio - 1) <= 0.01, divergence
 
 
 def test_the_four_bit_model_through_the_nodes_answers_as_mlx_lm_does(
