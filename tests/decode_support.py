@@ -1,36 +1,32 @@
-"""Decode-node helpers only tests use: a whole generation on the mlx thread, run to its end."""
+"""Decode-node helpers only tests use: replies through the node's scheduler, in-process."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
-from tandem.nodes.decode.families.base import LayerStepper
-from tandem.nodes.decode.generate import Generation, texts
+from tandem.nodes.decode.batching import Batcher, Join
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Sampling
+from tandem.nodes.decode.reply import Generation
 
 
-def generate(
-    host: ModelHost,
+async def reply(
+    batcher: Batcher,
     prompt: Sequence[int],
-    cache: lm.Caches | None,
     params: Sampling,
-    cancel: threading.Event,
-    on_text: Callable[[str], None] | None = None,
-    on_token: Callable[[int], None] | None = None,
-    kv_format: KVFormat | None = None,
-    first: LayerStepper | None = None,
-) -> Generation:
-    """On the mlx thread: `generate.texts` to its end, each piece to `on_text`."""
-    pieces = texts(host.model, host.tokenizer, prompt, cache, params, cancel, on_token, kv_format,
-                   first)  # fmt: skip
-    while True:
-        try:
-            text = next(pieces)
-        except StopIteration as done:
-            return done.value
-        if on_text is not None:
-            on_text(text)
+    caches: lm.Caches | None = None,
+    **join: Any,
+) -> tuple[Generation, str, lm.Caches]:
+    """One reply through `batcher` from `caches` (new ones where None): its `Generation`, the
+    text its pieces made, and the caches it ended with."""
+    host: ModelHost = batcher.host
+    if caches is None:
+        caches = await host.thread.call(host.new_cache)
+    text = ""
+    async with batcher.reply(Join(list(prompt), caches, params, **join)) as r:
+        async for piece in r:
+            text += piece
+    assert r.result is not None and r.caches is not None
+    return r.result, text, r.caches

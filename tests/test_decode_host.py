@@ -1,20 +1,22 @@
-"""The decode node's token loop against mlx-lm itself, in-process: every length from one token
-up, the first token handed out before the second is computed, and the steady-state rate."""
+"""The decode node's token loop against mlx-lm itself, in-process: a reply through the node's
+scheduler at every length from one token up, the first token handed out before the second is
+computed, and the steady-state rate."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
-from tandem.nodes.decode.generate import Generation, steps
+from tandem.nodes.decode.batching import Batcher
+from tandem.nodes.decode.generate import steps
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Sampling
+from tandem.nodes.decode.reply import Generation
 
-from tests.decode_support import generate
+from tests.decode_support import reply
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,7 @@ def _mlx_tokens(h: ModelHost, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7])
 def test_tokens_equal_mlx_lm_greedy_at_every_length(host: ModelHost, max_tokens: int) -> None:
     prompt = host.encode("The lighthouse keeper counted the waves and")
-    done = host.thread.submit(
-        generate, host, prompt, None, Sampling(max_tokens, 0.0), threading.Event()
-    ).result()
+    done, _, _ = asyncio.run(reply(Batcher(host), prompt, Sampling(max_tokens, 0.0)))
     want = _mlx_tokens(host, prompt, max_tokens)
     eos = set(host.tokenizer.eos_token_ids)
     if eos & set(want):  # mlx-lm stops before its eos; tandem reports it and stops too

@@ -97,7 +97,8 @@ def test_three_turns_past_the_window_reuse_the_cache_exactly(cluster: Cluster) -
     vocab = load_index(cluster.model).spec.vocab_size
     fresh = [[(13 * turn + 7 * i + 5) % vocab for i in range(WINDOW + 3)] for turn in range(3)]
     prompt: list[int] = []
-    held = 0  # positions the decode node keeps after a turn: prompt and reply but its last
+    held = 0  # positions the decode node keeps after a turn: prompt and reply (the batch feeds
+    # every token it hands out)
     points = []
     for turn in range(3):
         prompt = prompt + fresh[turn]
@@ -107,7 +108,7 @@ def test_three_turns_past_the_window_reuse_the_cache_exactly(cluster: Cluster) -
         assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
         assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
         assert stats.decode_tokens == len(ids)
-        held = len(prompt) + len(ids) - 1
+        held = len(prompt) + len(ids)
         points.append(held)
         prompt = prompt + ids
     assert held > 4 * WINDOW

@@ -105,7 +105,8 @@ def test_three_turns_prefill_only_their_new_tokens(cluster: Cluster) -> None:
     vocab = load_index(cluster.model).spec.vocab_size
     fresh = [[(13 * turn + 7 * i + 5) % vocab for i in range(11)] for turn in range(3)]
     prompt: list[int] = []
-    held = 0  # positions the decode node keeps after a turn: prompt and reply but its last
+    held = 0  # positions the decode node keeps after a turn: prompt and reply (the batch feeds
+    # every token it hands out)
     for turn in range(3):
         prompt = prompt + fresh[turn]
         text, stats = _complete(cluster, prompt)
@@ -114,7 +115,7 @@ def test_three_turns_prefill_only_their_new_tokens(cluster: Cluster) -> None:
         assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
         assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
         last_prompt = len(prompt)
-        held = len(prompt) + len(ids) - 1
+        held = len(prompt) + len(ids)
         prompt = prompt + ids
     edited = list(prompt)
     edited[-2] = (edited[-2] + 1) % vocab  # inside turn three's reply

@@ -1,8 +1,8 @@
 """The decode node's model: mlx-lm weights and tokenizer, owned by one device thread.
 
 Everything that touches mlx runs on `ModelHost.thread` (a `DeviceThread`); async code reaches
-it with `await host.thread.call(fn, ...)`, and a generation through
-`generate.generation(host, ...)`.
+it with `await host.thread.call(fn, ...)`; the replies run there as ticks of the
+`batching.Batcher`.
 """
 
 from __future__ import annotations

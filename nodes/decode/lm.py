@@ -16,14 +16,14 @@ state: `ArraysCache`). Decode families (`families/`) fill each kind from a layer
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
 from mlx_lm import load as _load
-from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.generate import BatchGenerator, generation_stream, wired_limit
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -334,20 +334,45 @@ def evaluate(caches: Caches) -> None:
 # ---------------------------------------------------------------- generation
 
 
+def prefill_chunks(
+    model: Any, prompt: Sequence[int], caches: Caches, kv_format: KVFormat | None = None
+) -> Iterator[list[int]]:
+    """`generate_step`'s prompt loop a chunk at a time: all but the last token into `caches`,
+    in PREFILL_STEP-token steps, yielding what is left after each (the last token at the end;
+    nothing for a prompt of one token)."""
+    rest = list(prompt)
+    while len(rest) > 1:
+        n = min(PREFILL_STEP, len(rest) - 1)
+        with mx.stream(STREAM):
+            model(mx.array(rest[:n])[None], cache=caches)
+            quantize_when_due(caches, kv_format)
+            evaluate(caches)
+        rest = rest[n:]
+        mx.clear_cache()
+        yield rest
+
+
 def prefill(
     model: Any, prompt: mx.array, caches: Caches, kv_format: KVFormat | None = None
 ) -> mx.array:
-    """`generate_step`'s prompt loop: all but the last token into `caches`, in
-    PREFILL_STEP-token steps; returns what is left (the last token)."""
-    with mx.stream(STREAM):
-        while prompt.size > 1:
-            n = min(PREFILL_STEP, prompt.size - 1)
-            model(prompt[:n][None], cache=caches)
-            quantize_when_due(caches, kv_format)
-            evaluate(caches)
-            prompt = prompt[n:]
-            mx.clear_cache()
-    return prompt
+    """`generate_step`'s prompt loop whole; returns what is left (the last token)."""
+    rest = prompt.tolist()
+    for left in prefill_chunks(model, rest, caches, kv_format):
+        rest = left
+    return mx.array(rest)
+
+
+def new_batch(model: Any) -> Any:
+    """mlx-lm's continuous batching (`BatchGenerator`) on its own stream: sequences enter with
+    their caches, their sampler and processors, each `next_generated()` steps them all."""
+    return BatchGenerator(model, stream=STREAM, prefill_step_size=PREFILL_STEP)
+
+
+def can_batch(caches: Caches) -> bool:
+    """Whether mlx-lm can merge these caches into a batch: every layer's cache class has
+    `merge` (KVCache, RotatingKVCache, ArraysCache in mlx-lm 0.32; a QuantizedKVCache has
+    none), and they are one process's (a decode group's other ranks hold theirs)."""
+    return _mirror(caches) is None and all(hasattr(type(c), "merge") for c in caches)
 
 
 def prefill_seconds(model: Any, count: int) -> float:

@@ -5,7 +5,8 @@
 3. the route: local (mlx) or a trusted prefill node (`router.choose`);
 4. the prefill: remote through `RemotePrefill` (retried while the node is busy, abandoned the
    moment the peer table marks it unreachable), else — or on any remote failure — local;
-5. the generation: text pieces from the mlx thread as they come, then `Finished`.
+5. the generation: the reply joins every other running one on the mlx thread (`Batcher`: one
+   batch steps them all); text pieces as they come, then `Finished`.
 
 Every exit publishes one final `request` event: `done`, `cancelled` or `failed`.
 """
@@ -35,13 +36,14 @@ from tandem.nodes.contract.http import (
     KVFormat,
 )
 from tandem.nodes.decode import lm
+from tandem.nodes.decode.batching import Batcher, Cancelled, Join
 from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import KVShape, LayerStepper
-from tandem.nodes.decode.generate import Cancelled, Generation, generation
 from tandem.nodes.decode.host import ModelHost
 from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
+from tandem.nodes.decode.reply import Generation
 from tandem.nodes.decode.router import LocalRate, Mode, choose
 from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
@@ -116,6 +118,7 @@ class DecodeService:
                                     kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
+        self.batcher = Batcher(host)  # every running reply steps in one batch
         self.model_name = spec.name
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -193,13 +196,13 @@ class DecodeService:
             # a state cannot be cut back: a snapshot at the end of the prompt, for a turn
             # whose history differs from this reply (as a chat template may render it)
             snapshot = partial(self._snapshot, req.tokens) if lm.has_state(caches) else None
-            gen = generation(self.host, req.tokens[held:], caches, req.sampling, ticker.tick,
-                             req.kv_format, info.first, snapshot)  # fmt: skip
-            async with gen:
+            join = Join(req.tokens[held:], caches, req.sampling, ticker.tick, req.kv_format,
+                        info.first, snapshot)  # fmt: skip
+            async with self.batcher.reply(join) as gen:
                 async for text in gen:
                     yield text
-            result = gen.result
-            assert result is not None
+            result, caches = gen.result, gen.caches
+            assert result is not None and caches is not None
             ticker.flush(result.tokens)
             await self.host.thread.call(self._remember, req.tokens + result.token_ids, caches)
         except (asyncio.CancelledError, GeneratorExit, ConnectionResetError, Cancelled):
