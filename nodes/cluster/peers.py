@@ -66,6 +66,7 @@ class PeerTable:
         self._wake = asyncio.Event()  # check now rather than at the next 2 s tick
         self._gone: set[str] = set()  # trusted mDNS peers whose records said goodbye
         self._late: dict[str, int] = {}  # trusted peers' health checks timed out in a row
+        self._refused: dict[str, str] = {}  # why each address's last hello failed (said once)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
@@ -317,9 +318,13 @@ class PeerTable:
         try:
             proven = await prove(self._session, peer.address, self.token, self.own_id)
         except HelloError as e:
-            if peer.trusted or peer.reason != e.reason:
+            # each new refusal is said once, whatever untrusted the peer before (a changed
+            # certificate, an unreachable spell)
+            if peer.trusted or self._refused.get(peer.address) != str(e):
+                self._refused[peer.address] = str(e)
                 log.warning("peer %s not trusted: %s", peer.address, e)
             return replace(peer, trusted=False, reason=e.reason)
+        self._refused.pop(peer.address, None)
         if proven.id != peer.id:
             log.warning("peer %s proved id %s, not %s: untrusted", peer.address, proven.id, peer.id)
             return replace(peer, trusted=False, reason="unauthorized")
