@@ -3,13 +3,14 @@ body reader, SSE, the /health record, event records — plus the pure OpenAI par
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tandem.nodes.contract.cluster import Health
+from tandem.nodes.contract.cluster import Batching, Health
 from tandem.nodes.contract.events import (
     LayerEvent,
     LinkEvent,
@@ -88,6 +89,11 @@ def test_error_body_shape() -> None:
 def test_health_round_trip_and_bad_health() -> None:
     h = Health("id1", "n", ("prefill",), 1, "0.1", "cpu", 10, 5, "m", "f" * 64, 4)
     assert Health.from_json(json.loads(json.dumps(h.to_json()))) == h
+    batching = Batching("continuous", 3, 1, 8, 3, "quantized KV steps beside the batch")
+    decode = dataclasses.replace(h, roles=("decode",), batching=batching)
+    assert Health.from_json(json.loads(json.dumps(decode.to_json()))) == decode
+    with pytest.raises(ValueError, match="batching"):
+        Health.from_json({**decode.to_json(), "batching": {"mode": "continuous"}})
     for bad in ([], {"model": []}, {"roles": "prefill"}, {"proto": "x"}, {"mem_bytes": [1]}):
         with pytest.raises(ValueError):
             Health.from_json(bad)

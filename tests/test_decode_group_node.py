@@ -63,8 +63,11 @@ def test_remote_chat_through_the_group_is_mlx_greedy(group: Cluster) -> None:
 
 
 def test_health_shows_each_rank_holding_its_share(group: Cluster) -> None:
-    g = group.decode.health().group
+    health = group.decode.health()
+    g = health.group
     assert g is not None
+    # its ranks run one sequence a call: each reply takes a step in turn
+    assert health.batching is not None and health.batching.mode == "interleaved"
     index = load_index(group.model)
     n = index.spec.num_layers
     assert (g.size, g.backend) == (2, "ring")

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,10 +22,11 @@ import openai
 import pytest
 from safetensors.numpy import load_file
 from tandem.app.cli.real_model import RealModel
+from tandem.nodes.contract.events import Event, RequestEvent
 
 from tests.handoff_quality import Quality
 from tests.nodeproc import ROOT, NodeProc, remote_pair
-from tests.records import stats_of
+from tests.records import event_of, stats_of
 
 TOKEN = "real-model-token-0123456789"
 QUESTION = "What is the capital of France?"
@@ -203,19 +206,42 @@ def _prefill_cache(model_dir: Path, tokens: list[int], tmp: Path, budget: str) -
     return load_prompt_cache(str(out))
 
 
-def test_float32_replies_through_the_nodes_equal_mlx_lm(
+def _events_since(node: NodeProc, since: float, idle_s: float = 1.0) -> list[Event]:
+    """The node's event records newer than `since` (its ring replayed, then whatever arrives
+    until nothing has for `idle_s`)."""
+    req = urllib.request.Request(f"{node.url}/v1/events?since={since}")
+    req.add_header("Authorization", f"Bearer {TOKEN}")
+    records = []
+    try:
+        with urllib.request.urlopen(req, timeout=idle_s) as r:
+            records = [e for line in r if (e := event_of(line)) is not None]
+    except TimeoutError:
+        pass
+    return records
+
+
+def test_float32_replies_at_once_through_the_nodes_equal_mlx_lm(
     real_model: RealModel, float_cluster: tuple[NodeProc, NodeProc]
 ) -> None:
+    """Four chats sent at once, each prefilled remotely: each reply equals mlx-lm's greedy
+    generation (issue 46: they step together in the decode node's batch; a later one's
+    first token comes while an earlier one is still generating)."""
     prefill, decode = float_cluster
     client = openai.OpenAI(base_url=decode.url + "/v1", api_key=TOKEN, timeout=600)
-    lengths = []
     budgets = [12 if prompt is PROMPTS[-1] else 16 for prompt in PROMPTS]
+
+    def chat(prompt: str, max_tokens: int) -> Any:
+        return client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens, temperature=0,
+        )  # fmt: skip
+
+    since = time.time()
     with mlx_lm_replies(real_model.path("float32"), PROMPTS, budgets) as wants:
-        for prompt, max_tokens, theirs in zip(PROMPTS, budgets, wants, strict=True):
-            reply = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": prompt}],
-                max_tokens=max_tokens, temperature=0,
-            )  # fmt: skip
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            replies = list(pool.map(chat, PROMPTS, budgets))
+        lengths = []
+        for prompt, reply, theirs in zip(PROMPTS, replies, wants, strict=True):
             stats = stats_of(reply)
             assert stats.prefill == "remote" and stats.prefill_node == prefill.url
             want, n = theirs.result()
@@ -224,6 +250,19 @@ def test_float32_replies_through_the_nodes_equal_mlx_lm(
             lengths.append(n)
     assert PROMPTS[0] is QUESTION and wants[0].result()[0] == ANSWER
     assert max(lengths) > 2 * CHUNK
+    phases = {
+        (e.request_id, e.phase): e.t
+        for e in _events_since(decode, since)
+        if isinstance(e, RequestEvent) and e.phase in ("first_token", "done")
+    }
+    ids = [r.id for r in replies]
+    assert all((rid, "done") in phases for rid in ids)
+    assert any(
+        phases[(a, "first_token")] < phases[(b, "first_token")] < phases[(a, "done")]
+        for a in ids
+        for b in ids
+        if a != b
+    ), "no reply started while another was generating"
 
 
 def _handoff_quality(model_dir: Path, split: tuple[int, int], budget: str, tmp: Path) -> Quality:

@@ -1,4 +1,4 @@
-"""`tandem bench prefill|e2e|verify|group ...`: the benchmarks, each with its own arguments."""
+"""`tandem bench prefill|e2e|verify|group|serve ...`: the benchmarks, each its own arguments."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: `bench prefill ...`, `bench e2e ...`, `bench verify MODEL`, "
-        "`bench group MODEL` (under mlx.launch)",
+        "`bench group MODEL` (under mlx.launch), `bench serve ...` (many chats at once)",
     )
-    p.add_argument("which", choices=["prefill", "e2e", "verify", "group"])
+    p.add_argument("which", choices=["prefill", "e2e", "verify", "group", "serve"])
     p.add_argument("args", nargs=argparse.REMAINDER, help="see `tandem bench WHICH --help`")
     p.set_defaults(func=run)
 
@@ -26,6 +26,10 @@ def run(a: argparse.Namespace) -> int:
         from tandem.app.cli.bench_verify import main as bench_verify
 
         return bench_verify(a.args)
+    if a.which == "serve":
+        from tandem.app.cli.bench_serve import main as bench_serve
+
+        return bench_serve(a.args)
     if a.which == "group":
         from tandem.app.cli.bench_group import main as bench_group
 

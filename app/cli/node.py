@@ -68,6 +68,11 @@ _LIMITS: tuple[tuple[str, type, float, str], ...] = (
         "--remote-timeout", float, http.DEFAULT_REMOTE_TIMEOUT_S,
         "seconds before a remote prefill counts as failed and the decode node prefills locally",
     ),
+    (
+        "--stall-timeout", float, http.DEFAULT_STALL_TIMEOUT_S,
+        "prefill: seconds a reader may take none of a KV frame before its stream is dropped "
+        "(the next request goes on)",
+    ),
 )  # fmt: skip
 
 
@@ -112,6 +117,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         kv_bits=None if a.kv_bits == 16 else a.kv_bits,
         kv_group_size=a.kv_group_size,
         remote_timeout_s=a.remote_timeout,
+        stall_timeout_s=a.stall_timeout,
         tls=a.tls,
         tls_dir=config_dir() / "nodes" / str(a.port),  # one identity per node, as its id
     )

@@ -147,6 +147,37 @@ class DecodeGroup:
                 "ranks": [r.to_json() for r in self.ranks]}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a decode node runs its replies at once (issue 46): `continuous`, every reply whose
+    caches mlx-lm can merge steps in one batch (mlx-lm's `BatchGenerator`); `interleaved`,
+    each reply takes one step in turn (a decode group). `unbatched` says what steps beside the
+    batch, a step a tick, and why."""
+
+    mode: str  # "continuous" | "interleaved"
+    running: int  # replies generating now
+    waiting: int  # replies queued for a slot
+    limit: int  # replies at once (--max-concurrent)
+    batch: int  # replies in the last batch step
+    unbatched: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "running": self.running, "waiting": self.waiting,
+                "limit": self.limit, "batch": self.batch, "unbatched": self.unbatched}  # fmt: skip
+
+
+def _batching(obj: dict[str, Any], what: str) -> Batching | None:
+    """`batching`: None from a node without the decode role (or an older one)."""
+    if obj.get("batching") is None:
+        return None
+    b = _object(obj, "batching", what)
+    w = f"{what} batching"
+    return Batching(
+        _str(b, "mode", w), _int(b, "running", w), _int(b, "waiting", w), _int(b, "limit", w),
+        _int(b, "batch", w), _str(b, "unbatched", w),
+    )  # fmt: skip
+
+
 def _has(obj: dict[str, Any], keys: tuple[str, ...], what: str) -> None:
     """A group is newer than every node that lacks one of its keys: none takes a default."""
     missing = [k for k in keys if obj.get(k) is None]
@@ -196,6 +227,7 @@ class Health:
     layer_kinds: tuple[ModelLayer, ...] = ()  # one per layer; () from an older node: unknown
     tiers: WeightTiers | None = None  # a prefill node's weights by tier; None: not said
     group: DecodeGroup | None = None  # a decode node run as a group of ranks
+    batching: Batching | None = None  # a decode node's replies at once; None: not said
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -208,6 +240,7 @@ class Health:
             "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
             "tiers": self.tiers.to_json() if self.tiers is not None else None,
             "group": self.group.to_json() if self.group is not None else None,
+            "batching": self.batching.to_json() if self.batching is not None else None,
         }  # fmt: skip
 
     @classmethod
@@ -224,6 +257,7 @@ class Health:
             fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
             instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
             layer_kinds=_layers(model, w), tiers=_tiers(obj, w), group=_group(obj, w),
+            batching=_batching(obj, w),
         )  # fmt: skip
 
 

@@ -19,6 +19,8 @@ DEFAULT_PORT: Final = 8470
 DEFAULT_CHUNK_TOKENS: Final = 512  # prefill activations are bounded by chunks of this
 DEFAULT_PREFILL_QUEUE: Final = 32  # prefills waiting on a prefill node before 503
 DEFAULT_REMOTE_TIMEOUT_S: Final = 300.0  # a remote prefill, before the local fallback
+# a prefill whose reader takes none of a frame's bytes for this long loses its stream (s)
+DEFAULT_STALL_TIMEOUT_S: Final = 30.0
 DEFAULT_MAX_CONCURRENT: Final = 8  # generations a decode node runs at once
 DEFAULT_MAX_QUEUE: Final = 128  # generations waiting for a slot before 503
 MAX_BODY_BYTES: Final = 2**20  # a request body: a 128k-token prompt is ~1 MB of ids

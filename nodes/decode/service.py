@@ -26,6 +26,7 @@ from typing import Any
 
 from tandem.nodes.cluster.peers import PeerTable
 from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.contract.cluster import Batching
 from tandem.nodes.contract.events import EventBus, RequestEvent, TokenEvent
 from tandem.nodes.contract.http import (
     DEFAULT_KV_GROUP_SIZE,
@@ -50,6 +51,13 @@ from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
+# what steps beside the batch, a step a tick, in each batching mode (`/health`)
+UNBATCHED = {
+    "continuous": "replies with a quantized KV cache (mlx-lm 0.32's QuantizedKVCache has no "
+    "merge): each steps beside the batch",
+    "interleaved": "every reply: a decode group's ranks run one sequence a call, each reply "
+    "takes a step in turn",
+}
 MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most
 
 
@@ -222,6 +230,14 @@ class DecodeService:
         publish(RequestEvent(rid, phase="done", tokens=result.tokens, where=info.where))
         ttft = (result.first_token_at or time.perf_counter()) - t0
         yield Finished(result, self._tandem(req, info, result, ttft))
+
+    def batching(self) -> Batching:
+        """How replies run at once, for `/health`."""
+        b = self.batcher
+        return Batching(
+            b.mode, b.running, self._waiting, self.max_concurrent,
+            b.batch_sizes[-1] if b.batch_sizes else 0, UNBATCHED[b.mode],
+        )  # fmt: skip
 
     @property
     def supports_tools(self) -> bool:

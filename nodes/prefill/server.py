@@ -6,6 +6,8 @@ at most two ahead of the writer (back-pressure: a slow network pauses compute ra
 piling K/V up in memory), each written as a KV frame at once. One prefill at a
 time per device; up to `queue_limit` more wait; beyond that the answer is 503 + Retry-After.
 A client that goes away cancels the prefill: the device thread stops after its current layer.
+So does one that stops reading (a Mac asleep mid-transfer): a frame none of whose bytes it
+takes within `stall_s` drops its stream, and the next request goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent, Reques
 from tandem.nodes.contract.frames import FrameWriter, Header
 from tandem.nodes.contract.http import (
     DEFAULT_PREFILL_QUEUE,
+    DEFAULT_STALL_TIMEOUT_S,
     PROTO,
     ApiError,
     check_group_size,
@@ -42,6 +45,10 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/x-tandem-kv"
 
 
+class ReaderStalled(Exception):
+    """The prefill's reader took nothing of a frame within the stall timeout."""
+
+
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """Row-major bytes of a host tensor; bf16 as its raw bits."""
     t = t.contiguous()
@@ -60,8 +67,10 @@ class PrefillService:
         events: EventBus,
         queue_limit: int = DEFAULT_PREFILL_QUEUE,
         net_gbps: float | None = None,
+        stall_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         self._build = build
+        self.stall_s = stall_s
         self._engine: PrefillEngine | None = None
         self.fingerprint = fingerprint
         self.events = events
@@ -206,6 +215,12 @@ class PrefillService:
         except (ConnectionResetError, asyncio.CancelledError):
             publish(RequestEvent(req.request_id, phase="cancelled", detail="client went away"))
             raise
+        except ReaderStalled as e:
+            log.warning("prefill %s: %s; its stream is dropped", req.request_id, e)
+            publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
+            if request.transport is not None:
+                request.transport.abort()  # what it has not read is never sent
+            raise ConnectionResetError(str(e)) from None
         except PrefillError as e:
             await response.write(writer.error("bad_tokens", str(e)))
             publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
@@ -228,7 +243,13 @@ class PrefillService:
         else:
             frame = writer.layer(item.layer, raw_bytes(item.k), raw_bytes(item.v))
         t_send = time.perf_counter()
-        await self._throttle.send(response, frame)
+        paced_s = len(frame) / self._throttle.rate if self._throttle.rate else 0.0
+        try:
+            await asyncio.wait_for(self._throttle.send(response, frame), self.stall_s + paced_s)
+        except TimeoutError:
+            raise ReaderStalled(
+                f"the reader took none of layer {item.layer}'s frame for {self.stall_s:.0f} s"
+            ) from None
         sent_s = time.perf_counter() - t_send
         publish = self.events.publish
         publish(LinkEvent(rid, name="net_out", bytes=len(frame), seconds=sent_s))

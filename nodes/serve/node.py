@@ -44,6 +44,7 @@ from tandem.nodes.contract.http import (
     DEFAULT_PORT,
     DEFAULT_PREFILL_QUEUE,
     DEFAULT_REMOTE_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
     MAX_BODY_BYTES,
     PROTO,
     KVFormat,
@@ -94,6 +95,7 @@ class NodeConfig:
     remote_prefill: Literal["auto", "always", "never"] = "auto"
     queue_limit: int = DEFAULT_PREFILL_QUEUE
     remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # prefill: a reader that takes nothing
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # decode: generations at once
     max_queue: int = DEFAULT_MAX_QUEUE  # decode: generations waiting, then 503
     kv_bits: int | None = None  # decode: KV quantized on the wire by default (8 or 4)
@@ -158,6 +160,7 @@ class Node:
             layers=spec.num_layers, instance=self.instance, cert_fingerprint=self.cert_fingerprint,
             layer_kinds=tuple(ModelLayer(k.kind, k.window) for k in spec.layer_kinds),
             tiers=self.tiers, group=self.group,
+            batching=self.decode.batching() if self.decode is not None else None,
         )  # fmt: skip
 
     @property
@@ -285,7 +288,8 @@ def _prefill_service(node: Node) -> PrefillService:
             events=node.events,
         )
 
-    return PrefillService(build, node.fingerprint, node.events, c.queue_limit, c.net_gbps)
+    return PrefillService(build, node.fingerprint, node.events, c.queue_limit, c.net_gbps,
+                          c.stall_timeout_s)  # fmt: skip
 
 
 async def _start_prefill(node: Node) -> None:

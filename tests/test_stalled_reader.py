@@ -1,0 +1,97 @@
+"""A prefill node whose reader stops reading (issue 46: a Mac asleep mid-transfer froze the
+prefill node for every other client): the stalled stream is dropped once it has taken none of
+a frame for `--stall-timeout`, and the request queued behind it is served."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tandem.nodes.contract.bodies import PrefillBody
+from tandem.nodes.contract.events import RequestEvent
+from tandem.nodes.contract.frames import LayerFrame
+from tandem.nodes.model import fingerprint, load_index
+
+from tests.conftest import MakeTiny
+from tests.nodeproc import NodeProc, start_node, stop_all
+from tests.records import event_of
+from tests.test_wire import decode_all
+
+TOKEN = "stalled-reader-token-0123456789"
+STALL_S = 2.0
+# 4 layers of K and V for 1500 tokens, 8 KV heads of 64, float32: 6 MB a layer, far more
+# than loopback's socket buffers hold for a reader that takes nothing
+MODEL = {"arch": "llama", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 8}
+LONG = 1500
+
+
+@pytest.fixture(scope="module")
+def node(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
+    tmp = tmp_path_factory.mktemp("stall")
+    n = start_node(tmp, tiny_model(**MODEL), "prefill", "--stall-timeout", str(STALL_S),
+                   token=TOKEN)  # fmt: skip
+    yield n
+    stop_all([n])
+
+
+def _body(model: Path, rid: str, count: int) -> bytes:
+    tokens = [(7 * i + 3) % 500 for i in range(count)]
+    return json.dumps(PrefillBody(fingerprint(load_index(model)), rid, tokens).to_json()).encode()
+
+
+def _frames(node: NodeProc, body: bytes) -> list[LayerFrame]:
+    req = urllib.request.Request(
+        node.url + "/v1/prefill", data=body, method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return [f for f in decode_all(r.read()) if isinstance(f, LayerFrame)]
+
+
+def test_a_reader_that_stops_reading_loses_its_stream_and_the_next_is_served(
+    node: NodeProc, tiny_model: MakeTiny
+) -> None:
+    model = tiny_model(**MODEL)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting
+    stalled.connect(("127.0.0.1", node.port))
+    body = _body(model, "asleep", LONG)
+    stalled.sendall(
+        b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )  # and then reads nothing
+    try:
+        time.sleep(0.5)  # it holds the device when the next one arrives
+        t0 = time.monotonic()
+        frames = _frames(node, _body(model, "awake", 40))
+        waited = time.monotonic() - t0
+        assert [f.layer for f in frames] == list(range(MODEL["layers"]))
+        assert waited < STALL_S + 20, f"the next request waited {waited:.1f} s"
+        stalled.settimeout(10)
+        got = 0
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            while chunk := stalled.recv(1 << 20):
+                got += len(chunk)
+        whole = MODEL["layers"] * 2 * MODEL["kv_heads"] * LONG * 64 * 4
+        assert got < whole, "the stalled stream was finished, not dropped"
+    finally:
+        stalled.close()
+    req = urllib.request.Request(f"{node.url}/v1/events?since=0")
+    req.add_header("Authorization", f"Bearer {TOKEN}")
+    failed = []
+    try:
+        with urllib.request.urlopen(req, timeout=1.0) as r:
+            for line in r:
+                e = event_of(line)
+                if isinstance(e, RequestEvent) and e.request_id == "asleep" and e.phase == "failed":
+                    failed.append(e.detail)
+    except TimeoutError:
+        pass
+    assert failed and "took none of layer" in failed[0], failed
