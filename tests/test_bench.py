@@ -178,3 +178,23 @@ def test_a_bare_stream_whose_frames_each_come_in_one_read_still_has_a_finite_rat
     with paced_server([bytes(n) for n in sizes], None, 0.01) as url:
         rates = asyncio.run(_frame_rates(url, sizes))
     assert rates and all(math.isfinite(r) and r > 0 for r in rates)
+
+
+def test_bench_serve_runs_both_servers_side_by_side(
+    tiny_model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tandem bench serve`: a decode node and mlx_lm.server on the same model, one chat alone
+    then a wave at once on each; every reply runs to its token limit (eos biased away)."""
+    from tandem.app.cli.bench_serve import main
+
+    model = tiny_model(arch="llama", layers=2)
+    args = ["--model", str(model), "--concurrency", "3", "--max-tokens", "5", "--repeat", "1"]
+    assert main([*args, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for name in ("tandem", "mlx_lm_server"):
+        s = r[name]
+        assert len(s["first_tokens_s"]) == 3 and s["first_tokens_s"] == sorted(s["first_tokens_s"])
+        assert s["last_first_token_s"] == s["first_tokens_s"][-1] > 0
+        assert s["aggregate_tok_s"] > 0 and s["lone_tok_s"] > 0 and s["lone_ttft_s"] > 0
+    assert r["last_first_token_ratio"] > 0 and r["aggregate_ratio"] > 0
+    assert isinstance(r["within_wave_bound"], bool) and r["wave_bound_s"] > 0
