@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tandem.nodes.contract.cluster import Batching, Health
+from tandem.nodes.contract.cluster import Batching, Health, PrefillQueue
 from tandem.nodes.contract.events import (
     LayerEvent,
     LinkEvent,
@@ -93,7 +93,12 @@ def test_health_round_trip_and_bad_health() -> None:
     decode = dataclasses.replace(h, roles=("decode",), batching=batching)
     assert Health.from_json(json.loads(json.dumps(decode.to_json()))) == decode
     with pytest.raises(ValueError, match="batching"):
-        Health.from_json({**decode.to_json(), "batching": {"mode": "continuous"}})
+        Health.from_json({**decode.to_json(), "batching": {"mode": "continuous", "running": "3"}})
+    prefill = dataclasses.replace(h, queue=PrefillQueue(2, 300, 100))
+    assert Health.from_json(json.loads(json.dumps(prefill.to_json()))) == prefill
+    assert prefill.queue is not None and prefill.queue.tokens == 400
+    with pytest.raises(ValueError, match="queue"):
+        Health.from_json({**prefill.to_json(), "queue": {"waiting": "2"}})
     for bad in ([], {"model": []}, {"roles": "prefill"}, {"proto": "x"}, {"mem_bytes": [1]}):
         with pytest.raises(ValueError):
             Health.from_json(bad)

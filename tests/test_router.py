@@ -70,3 +70,23 @@ def test_the_rate_learned_is_the_computes_not_the_links() -> None:
     slow_link = RemoteResult("http://gpu", 4000, 10**8, 5.2, 5.0)
     assert slow_link.compute_tok_s(16) is None
     assert RemoteResult("http://gpu", 0, 0, 1.0, 0.0).compute_tok_s(16) is None
+
+
+def test_a_queued_prefill_node_counts_the_wait_it_would_join() -> None:
+    """Issue 46: 8000 tokens go remote to an idle GPU (4 s there, 16 s here), but not behind
+    four queued 16k-token prompts (a floor and 4 s each); nor behind the same in flight from
+    this node before the node's `/health` says so."""
+    from dataclasses import replace
+
+    from tandem.nodes.contract.cluster import PrefillQueue
+    from tandem.nodes.decode.router import Ahead
+
+    assert choose("auto", 8000, KV, MAC, [GPU]).where == "remote"
+    busy = replace(GPU, queue=PrefillQueue(waiting=3, tokens_waiting=48000, running_tokens=16000))
+    d = choose("auto", 8000, KV, MAC, [busy])
+    assert d.where == "local" and d.remote_s is not None and d.remote_s > 4 * 6.0
+    mine = {GPU.address: Ahead(requests=4, tokens=64000)}
+    assert choose("auto", 8000, KV, MAC, [GPU], mine).where == "local"
+    # two nodes: the idle one wins
+    other = replace(GPU, address="http://gpu2:8470")
+    assert choose("auto", 8000, KV, MAC, [busy, other]).peer == other

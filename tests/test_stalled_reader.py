@@ -1,6 +1,7 @@
 """A prefill node whose reader stops reading (issue 46: a Mac asleep mid-transfer froze the
 prefill node for every other client): the stalled stream is dropped once it has taken none of
-a frame for `--stall-timeout`, and the request queued behind it is served."""
+a frame for `--stall-timeout`, and the request queued behind it is served; meanwhile the
+node's `/health` shows its queue (what a decode node's router counts)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from tandem.nodes.contract.bodies import PrefillBody
+from tandem.nodes.contract.cluster import PrefillQueue
 from tandem.nodes.contract.events import RequestEvent
 from tandem.nodes.contract.frames import LayerFrame
 from tandem.nodes.model import fingerprint, load_index
@@ -70,7 +73,17 @@ def test_a_reader_that_stops_reading_loses_its_stream_and_the_next_is_served(
     try:
         time.sleep(0.5)  # it holds the device when the next one arrives
         t0 = time.monotonic()
-        frames = _frames(node, _body(model, "awake", 40))
+        with ThreadPoolExecutor(1) as pool:
+            awake = pool.submit(_frames, node, _body(model, "awake", 40))
+            # meanwhile the node's /health shows the one it serves and the one waiting
+            queue = None
+            while time.monotonic() - t0 < STALL_S and not awake.done():
+                queue = node.health().queue
+                if queue is not None and queue.waiting:
+                    break
+                time.sleep(0.05)
+            assert queue == PrefillQueue(waiting=1, tokens_waiting=40, running_tokens=LONG)
+            frames = awake.result()
         waited = time.monotonic() - t0
         assert [f.layer for f in frames] == list(range(MODEL["layers"]))
         assert waited < STALL_S + 20, f"the next request waited {waited:.1f} s"

@@ -299,6 +299,7 @@ class PeerTable:
             proto=health.proto,
             instance=health.instance,
             group=health.group,
+            queue=health.queue,
             last_seen=time.time(),
         )
         tls = peer.address.startswith("https://")

@@ -166,6 +166,35 @@ class Batching:
                 "limit": self.limit, "batch": self.batch, "unbatched": self.unbatched}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class PrefillQueue:
+    """A prefill node's queue (issue 46): prefills waiting for the device and their tokens,
+    and the tokens of the one running (0: none). A decode node's router counts the wait."""
+
+    waiting: int = 0
+    tokens_waiting: int = 0
+    running_tokens: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {"waiting": self.waiting, "tokens_waiting": self.tokens_waiting,
+                "running_tokens": self.running_tokens}  # fmt: skip
+
+    @property
+    def tokens(self) -> int:
+        """Tokens ahead of a request that joins now."""
+        return self.tokens_waiting + self.running_tokens
+
+
+def _queue(obj: dict[str, Any], what: str) -> PrefillQueue | None:
+    """`queue`: None from a node without the prefill role (or an older one)."""
+    if obj.get("queue") is None:
+        return None
+    q = _object(obj, "queue", what)
+    w = f"{what} queue"
+    return PrefillQueue(_int(q, "waiting", w), _int(q, "tokens_waiting", w),
+                        _int(q, "running_tokens", w))  # fmt: skip
+
+
 def _batching(obj: dict[str, Any], what: str) -> Batching | None:
     """`batching`: None from a node without the decode role (or an older one)."""
     if obj.get("batching") is None:
@@ -228,6 +257,7 @@ class Health:
     tiers: WeightTiers | None = None  # a prefill node's weights by tier; None: not said
     group: DecodeGroup | None = None  # a decode node run as a group of ranks
     batching: Batching | None = None  # a decode node's replies at once; None: not said
+    queue: PrefillQueue | None = None  # a prefill node's queue; None: not said
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -241,6 +271,7 @@ class Health:
             "tiers": self.tiers.to_json() if self.tiers is not None else None,
             "group": self.group.to_json() if self.group is not None else None,
             "batching": self.batching.to_json() if self.batching is not None else None,
+            "queue": self.queue.to_json() if self.queue is not None else None,
         }  # fmt: skip
 
     @classmethod
@@ -257,7 +288,7 @@ class Health:
             fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
             instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
             layer_kinds=_layers(model, w), tiers=_tiers(obj, w), group=_group(obj, w),
-            batching=_batching(obj, w),
+            batching=_batching(obj, w), queue=_queue(obj, w),
         )  # fmt: skip
 
 
@@ -284,6 +315,7 @@ class Peer:
     prefill_floor_s: float | None = None  # the cheapest remote pass seen (weights + HTTP)
     source: Source = "static"
     group: DecodeGroup | None = None  # a decode node run as ranks, as its `/health` says
+    queue: PrefillQueue | None = None  # a prefill node's queue at its last health check
     # not on the wire: the peer process's `/health` instance, which the peer table keeps to
     # see a restart
     instance: str = ""
@@ -309,6 +341,7 @@ class Peer:
             "source": self.source,
             "cert_fingerprint": self.cert_fingerprint,
             "group": self.group.to_json() if self.group is not None else None,
+            "queue": self.queue.to_json() if self.queue is not None else None,
         }
 
     @classmethod
@@ -331,6 +364,7 @@ class Peer:
             prefill_floor_s=_rate(obj, "prefill_floor_s", w),
             source="mdns" if obj.get("source") == "mdns" else "static",
             cert_fingerprint=_str(obj, "cert_fingerprint", w), group=_group(obj, w),
+            queue=_queue(obj, w),
         )  # fmt: skip
 
 

@@ -8,14 +8,17 @@ cache assembly) remotely — and a rate beyond it:
     remote = latency + max(remote_floor, n / remote_rate, kv_bytes / link) + kv_bytes / link / L
 
 (layers stream while the next computes, so compute and transfer overlap; the last layer's
-transfer does not). `kv_bytes` counts a sliding layer's window, not the whole prompt, and a
-linear layer's state, the same for any prompt (`nodes/model/kv_bytes.py`, as `tandem plan`
-does). Rates and floors come from a start-up
+transfer does not), plus the wait it would join: the prefills ahead of it on that node (its
+`/health` queue at the last check, or what this node has in flight there, the larger), each a
+floor and its tokens at the node's rate. `kv_bytes` counts a sliding layer's window, not the
+whole prompt, and a linear layer's state, the same for any prompt (`nodes/model/kv_bytes.py`,
+as `tandem plan` does). Rates and floors come from a start-up
 calibration and past requests; an unmeasured remote rate counts as promising (a GPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,12 +50,28 @@ class LocalRate:
         return max(self.floor_s, n / self.tok_s) if self.tok_s else None
 
 
-def predict_remote_s(n: int, kv_bytes: int, layers: int, peer: Peer) -> float:
+@dataclass(frozen=True)
+class Ahead:
+    """Prefills ahead on a node: how many, and their tokens."""
+
+    requests: int = 0
+    tokens: int = 0
+
+
+def predict_remote_s(
+    n: int, kv_bytes: int, layers: int, peer: Peer, mine: Ahead | None = None
+) -> float:
+    """Seconds to a remote prefill of `n` tokens on `peer`, from asking to its last frame,
+    behind what its queue holds (`mine`: what this node has in flight there)."""
     rate = peer.prefill_tok_s or OPTIMISTIC_REMOTE_TOK_S
     link = peer.link_Bps or OPTIMISTIC_LINK_BPS
     transfer = kv_bytes / link
     floor = peer.prefill_floor_s or 0.0
-    return DEFAULT_LATENCY_S + max(floor, n / rate, transfer) + transfer / max(layers, 1)
+    queue = peer.queue
+    said = Ahead(queue.waiting + (queue.running_tokens > 0), queue.tokens) if queue else Ahead()
+    ahead = max(said, mine or Ahead(), key=lambda a: a.tokens)
+    wait = ahead.requests * floor + ahead.tokens / rate
+    return wait + DEFAULT_LATENCY_S + max(floor, n / rate, transfer) + transfer / max(layers, 1)
 
 
 def choose(
@@ -61,10 +80,12 @@ def choose(
     kv: KVBytes,
     local: LocalRate,
     peers: list[Peer],
+    in_flight: Mapping[str, Ahead] | None = None,
 ) -> Decision:
     """Pick local or remote prefill for `n_tokens` prompt positions, whose K/V a remote
     prefill sends as `kv` says (full layers per position, sliding ones their window at most,
-    linear ones their state whatever the prompt)."""
+    linear ones their state whatever the prompt); `in_flight`: by address, the prefills this
+    node has asked of each peer and not yet had back."""
     if n_tokens < 1:
         return Decision("local", None, "nothing to prefill")
     if mode == "never":
@@ -73,9 +94,13 @@ def choose(
         return Decision("local", None, "no trusted prefill node")
     if mode == "always":
         return Decision("remote", peers[0], "remote prefill forced")
-    nbytes, layers = kv.at(n_tokens), kv.layers
-    best = min(peers, key=lambda p: predict_remote_s(n_tokens, nbytes, layers, p))
-    remote_s = predict_remote_s(n_tokens, nbytes, layers, best)
+    nbytes, layers, mine = kv.at(n_tokens), kv.layers, in_flight or {}
+
+    def remote(p: Peer) -> float:
+        return predict_remote_s(n_tokens, nbytes, layers, p, mine.get(p.address))
+
+    best = min(peers, key=remote)
+    remote_s = remote(best)
     local_s = local.predict_s(n_tokens)
     if local_s is None:
         return Decision("remote", best, "local rate unknown", None, remote_s)

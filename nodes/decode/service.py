@@ -19,7 +19,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -45,7 +45,7 @@ from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
 from tandem.nodes.decode.reply import Generation
-from tandem.nodes.decode.router import LocalRate, Mode, choose
+from tandem.nodes.decode.router import Ahead, LocalRate, Mode, choose
 from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
@@ -131,6 +131,7 @@ class DecodeService:
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self._slots = asyncio.Semaphore(max_concurrent)
         self._waiting = 0
+        self._in_flight: dict[str, Ahead] = {}  # remote prefills asked of each node, not back
 
     # ------------------------------------------------------------ calibration
 
@@ -298,7 +299,8 @@ class DecodeService:
         reuse = {"cached": k, "cache_fallback": fell_back}
         new = n - k  # positions that need a prefill
         wire = kv_bytes(self.spec, fmt, ITEMSIZE[self.expect.dtype])
-        decision = choose(self.mode, new, wire, self.local, self.peers.trusted("prefill"))
+        decision = choose(self.mode, new, wire, self.local, self.peers.trusted("prefill"),
+                          self._in_flight)  # fmt: skip
         publish = self.events.publish
         if decision.where == "local":
             if self.mode == "always" and new > 0:
@@ -317,7 +319,9 @@ class DecodeService:
         call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
         before = list(caches)  # a quantized stream swaps layers' caches for quantized ones
         try:
-            result, first = await self._remote(peer.address, call, caches, first, req.tokens[-1])
+            with self._asked(peer.address, new):
+                result, first = await self._remote(peer.address, call, caches, first,
+                                                   req.tokens[-1])  # fmt: skip
         except RemotePrefillError as e:
             await self.host.thread.call(self._restore, caches, before, k, req.tokens[-1])
             log.warning("remote prefill failed, prefilling locally: %s", e)
@@ -337,6 +341,21 @@ class DecodeService:
         elif first is not None:  # not every layer ran: the last token goes through whole
             await self.host.thread.call(lm.trim_to, caches, n)
         return caches, info
+
+    @contextlib.contextmanager
+    def _asked(self, address: str, tokens: int) -> Iterator[None]:
+        """A remote prefill of `tokens` in flight to `address`, counted for the router."""
+        held = self._in_flight.get(address, Ahead())
+        self._in_flight[address] = Ahead(held.requests + 1, held.tokens + tokens)
+        try:
+            yield
+        finally:
+            held = self._in_flight[address]
+            left = Ahead(held.requests - 1, held.tokens - tokens)
+            if left.requests:
+                self._in_flight[address] = left
+            else:
+                del self._in_flight[address]
 
     async def _remote(
         self,

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from aiohttp import web
 from tandem.nodes.contract.bodies import PrefillBody
+from tandem.nodes.contract.cluster import PrefillQueue
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent, RequestEvent
 from tandem.nodes.contract.frames import FrameWriter, Header
 from tandem.nodes.contract.http import (
@@ -79,6 +80,8 @@ class PrefillService:
         self.device_thread = DeviceThread("tandem-device", self._device_thread_started)
         self._busy = asyncio.Semaphore(1)
         self._waiting = 0
+        self._tokens_waiting = 0  # positions the waiting prefills ask for
+        self._running_tokens = 0  # positions the running one asks for
         self._throttle = PacedSender(net_gbps)
         self.prefix_cache = PrefixCache()
         self.served_tokens = 0
@@ -162,14 +165,22 @@ class PrefillService:
             raise ApiError(503, "prefill queue is full", "busy", {"Retry-After": "1"})
         publish(RequestEvent(req.request_id, phase="queued", tokens=len(req.tokens)))
         self._waiting += 1
+        self._tokens_waiting += req.count
         try:
             await self._busy.acquire()
         finally:
             self._waiting -= 1
+            self._tokens_waiting -= req.count
+        self._running_tokens = req.count
         try:
             return await self._serve(request, req)
         finally:
+            self._running_tokens = 0
             self._busy.release()
+
+    def queue(self) -> PrefillQueue:
+        """What a prefill that arrives now would wait behind (`/health`)."""
+        return PrefillQueue(self._waiting, self._tokens_waiting, self._running_tokens)
 
     async def _serve(self, request: web.Request, req: PrefillBody) -> web.StreamResponse:
         spec = self.engine.spec

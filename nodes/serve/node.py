@@ -161,6 +161,7 @@ class Node:
             layer_kinds=tuple(ModelLayer(k.kind, k.window) for k in spec.layer_kinds),
             tiers=self.tiers, group=self.group,
             batching=self.decode.batching() if self.decode is not None else None,
+            queue=self.prefill.queue() if self.prefill is not None else None,
         )  # fmt: skip
 
     @property
