@@ -120,7 +120,8 @@ def test_a_partial_tier_is_fixed_and_the_rest_comes_from_disk(
 ) -> None:
     model = tiny_model(arch="llama", layers=LAYERS)
     budget, layers = quarter_budget(model)
-    plenty(monkeypatch, spare=budget + layers // 2)  # on a CPU the budget is RAM too
+    held = 2 * load_index(model).spec.kv_bytes_per_token * 4096  # what a request holds
+    plenty(monkeypatch, spare=budget + held + layers // 2)  # on a CPU the budget is RAM too
     engine = PrefillEngine(model, budget=budget, device="cpu", host_budget="auto")
     try:
         plan = engine.plan
@@ -245,3 +246,42 @@ def test_auto_runs_from_disk_where_the_tier_cannot_be_pinned(
     assert host.host_tier(plan, "auto", 0, pin=True) == (plan, None)
     with pytest.raises(host.PinError):
         host.host_tier(plan, GIB, 0, pin=True)
+
+
+def test_the_prefix_cache_is_sized_with_the_tier_and_requests_are_deducted(
+    tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 46 item 4: `--prefix-cache auto` takes a quarter of the spare RAM (at least 1 GiB
+    where RAM has it), a size as asked, 0 none; the RAM tier's `auto` then leaves room for it
+    and for what a request holds (its prompt's K/V twice: handover copies and upload)."""
+    meminfo = (256 * GIB, 40 * GIB + int(0.1 * 256 * GIB))  # 40 GiB over the OS's room
+    assert ram.prefix_cache_bytes("auto", 0, meminfo) == 10 * GIB
+    assert ram.prefix_cache_bytes("auto", 36 * GIB, meminfo) == GIB  # at least 1 GiB
+    assert ram.prefix_cache_bytes("auto", 40 * GIB - 100, meminfo) == 100  # what there is
+    assert ram.prefix_cache_bytes(3 * GIB) == 3 * GIB and ram.prefix_cache_bytes(0) == 0
+    assert ram.parse_host_budget("8GiB", "--prefix-cache") == 8 * GIB
+    with pytest.raises(ValueError, match="--prefix-cache takes"):
+        ram.parse_host_budget("some", "--prefix-cache")
+
+    model = tiny_model(arch="llama", layers=LAYERS)
+    budget, layers = quarter_budget(model)
+    spec = load_index(model).spec
+    # a request's K/V, twice, at the longest prompt: nothing bounds it on a CPU, so the
+    # model's context (4096) up to REQUEST_TOKENS
+    held = 2 * spec.kv_bytes_per_token * 4096
+    # RAM for the budget, the requests, a 1 GiB cache, and half the streamed layers
+    plenty(monkeypatch, spare=budget + held + GIB + layers // 2)
+    engine = PrefillEngine(model, budget=budget, device="cpu", host_budget="auto",
+                           prefix_cache="auto")  # fmt: skip
+    try:
+        assert engine.request_tokens == 4096
+        assert engine.prefix_cache_bytes == GIB
+        sized = engine.plan.host_bytes  # what is left after the cache: half the layers
+    finally:
+        engine.close()
+    plain = PrefillEngine(model, budget=budget, device="cpu", host_budget="auto")
+    try:
+        assert plain.prefix_cache_bytes is None  # its caller sizes the cache
+        assert 0 < sized <= layers // 2 < plain.plan.host_bytes
+    finally:
+        plain.close()

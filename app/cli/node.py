@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract import http
-from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
+from tandem.nodes.prefill.ram import (
+    DEFAULT_HOST_BUDGET,
+    HOST_BUDGET_HELP,
+    PREFIX_CACHE_HELP,
+    host_budget_arg,
+    prefix_cache_arg,
+)
 
 if TYPE_CHECKING:
     from tandem.nodes.model.verify import Verified
@@ -31,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
     )
+    p.add_argument("--prefix-cache", type=prefix_cache_arg, default="auto", help=PREFIX_CACHE_HELP)
     p.add_argument("--chunk-tokens", type=int, default=http.DEFAULT_CHUNK_TOKENS)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--peer", action="append", default=[], metavar="URL")
@@ -103,6 +110,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         token=token,
         budget=a.budget,
         host_budget=a.host_budget,
+        prefix_cache=a.prefix_cache,
         max_prompt_tokens=a.max_prompt_tokens,
         chunk_tokens=a.chunk_tokens,
         device=a.device,

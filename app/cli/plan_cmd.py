@@ -218,6 +218,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     from tandem.nodes.model.safetensors_format import ITEMSIZE
     from tandem.nodes.prefill import cost
     from tandem.nodes.prefill.budget import longest_prompt
+    from tandem.nodes.prefill.ram import request_tokens
 
     spec = index.spec
     device, here = _device(a)
@@ -225,7 +226,8 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     whole_ops = cost.whole_ops_reserve(spec, longest, ITEMSIZE[index.dtype], device)
     budget = budget if budget is not None else _default_budget(index, device, here, whole_ops)
     plan = cost.node_plan(index, budget, longest, device)  # before measuring: fails fast
-    plan, tiers = with_tiers(plan, a.host_budget, device, here)
+    held = (spec.kv_bytes_per_token, request_tokens(longest, spec.max_position_embeddings))
+    plan, tiers = with_tiers(plan, a.host_budget, device, here, held)
     reserve = plan.reserve_bytes
     hw, source = _hardware(index, a, device, here)
     main = cost.predict(plan, index, a.tokens, hw)

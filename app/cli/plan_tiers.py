@@ -36,9 +36,13 @@ class Tiers:
     host_budget_source: str  # "given", "measured" (this machine's spare RAM) or "assumed"
 
 
-def with_tiers(plan: Plan, host_budget: int | str, device: str, here: bool) -> tuple[Plan, Tiers]:
-    """The plan with its RAM tier as a node would size it, and its three tiers."""
-    from tandem.nodes.prefill.ram import tier_bytes
+def with_tiers(
+    plan: Plan, host_budget: int | str, device: str, here: bool, held: tuple[int, int] = (0, 0)
+) -> tuple[Plan, Tiers]:
+    """The plan with its RAM tier as a node would size it, and its three tiers. `held`: a
+    request's K/V bytes per token and its longest prompt (what it holds in RAM beside the
+    tier, with the node's default prefix cache)."""
+    from tandem.nodes.prefill.ram import beside_tier, tier_bytes
     from tandem.nodes.prefill.stream.movers import N_STAGING
 
     streamed = sum(ld.nbytes for ld in plan.loads if not ld.resident)
@@ -47,7 +51,8 @@ def with_tiers(plan: Plan, host_budget: int | str, device: str, here: bool) -> t
     elif not here:
         size, source = streamed, "assumed"
     else:  # as engine.py: what the node takes from RAM beside the tier
-        beside = N_STAGING * plan.slot_bytes if device == "cuda" else plan.budget_bytes
+        base = N_STAGING * plan.slot_bytes if device == "cuda" else plan.budget_bytes
+        beside, _ = beside_tier(base, *held, "auto")
         size, source = tier_bytes("auto", streamed, beside), "measured"
     plan = plan.with_host(size) if size else plan
     tiers = Tiers(plan.resident_bytes, plan.ram_bytes, plan.disk_bytes, size, source)

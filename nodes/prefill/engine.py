@@ -44,7 +44,7 @@ from tandem.nodes.prefill.handover import (
 from tandem.nodes.prefill.loads import ALIGN, Load
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, PrefixUpload, State
-from tandem.nodes.prefill.ram import HostBudget
+from tandem.nodes.prefill.ram import HostBudget, beside_tier, request_tokens
 from tandem.nodes.prefill.resident import ResidentFloats
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
@@ -83,6 +83,7 @@ class PrefillEngine:
         host_budget: HostBudget | None = None,  # the RAM tier: None or 0 off (the commands: auto)
         max_prompt_tokens: int | None = None,
         mover: Callable[[list[str], torch.device, float | None], Mover] = make_mover,
+        prefix_cache: HostBudget | None = None,  # the node's prefix cache (None: not sized here)
     ) -> None:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
         self.spec = self.index.spec
@@ -105,9 +106,16 @@ class PrefillEngine:
         self.activation_reserve = self.plan.reserve_bytes
         files = [str(f) for f in self.index.files]
         moving = mover(files, self.device, link_gbps)
-        # RAM taken beside the tier: the staging, or the whole budget where the device is RAM
+        # RAM taken beside the tier: the staging, or the whole budget where the device is RAM;
+        # then what requests hold: the prefix cache, a prompt's handover copies and upload
         cuda = self.device.type == "cuda"
-        beside = N_STAGING * self.plan.slot_bytes if cuda else self.budget
+        base = N_STAGING * self.plan.slot_bytes if cuda else self.budget
+        self.request_tokens = request_tokens(
+            self.max_prompt_tokens, self.spec.max_position_embeddings
+        )
+        beside, self.prefix_cache_bytes = beside_tier(  # None: the caller sizes its cache
+            base, self.spec.kv_bytes_per_token, self.request_tokens, prefix_cache
+        )
         self.plan, moving.tier = host_tier(self.plan, host_budget, beside, pin=cuda)
         self.streamer = LayerStreamer(self.plan, moving)
         # a part's quantized matrices are dequantized here, one part at a time, from a

@@ -116,6 +116,9 @@ class PrefillService:
         """Build the engine on its device thread, off the event loop."""
         self._building = True
         self._engine = await self.device_thread.call(self._build_here)
+        if self._engine.prefix_cache_bytes is not None:  # sized with the RAM tier
+            self.prefix_cache.max_bytes = self._engine.prefix_cache_bytes
+        log.info("prefix cache: %d B", self.prefix_cache.max_bytes)
         return self._engine
 
     @property

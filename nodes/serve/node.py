@@ -85,6 +85,7 @@ class NodeConfig:
     token: str | None = None
     budget: int | None = None
     host_budget: HostBudget | None = DEFAULT_HOST_BUDGET  # the RAM tier (prefill/ram.py)
+    prefix_cache: HostBudget = "auto"  # the prefill node's prefix cache (prefill/ram.py)
     max_prompt_tokens: int | None = None  # activations reserved in the budget (cuda: 8192)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     device: str | None = None
@@ -285,6 +286,7 @@ def _prefill_service(node: Node) -> PrefillService:
             chunk_tokens=c.chunk_tokens,
             link_gbps=c.link_gbps,
             host_budget=c.host_budget,
+            prefix_cache=c.prefix_cache,
             max_prompt_tokens=c.max_prompt_tokens,
             events=node.events,
         )
