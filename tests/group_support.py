@@ -4,8 +4,10 @@ is mlx.launch's: stopping it stops the group)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,12 +21,18 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
 
 def ring_port() -> int:
-    """A free port to start the ring's from (rank r listens on it + r)."""
+    """A free port to start the ring's from (rank r listens on it + r), below the kernel's
+    ephemeral range: a port from that range can be taken by any connection another test
+    opens between this check and the ranks' bind (mlx's ring: "Couldn't bind socket")."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     while True:
+        port = rng.randrange(max(1024, low - 12000), low - 2)
         with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = int(a.getsockname()[1])
             try:
+                a.bind(("127.0.0.1", port))
                 b.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue

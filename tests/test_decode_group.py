@@ -6,7 +6,6 @@ exits takes the group down (what `mlx.launch` does)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,8 +16,7 @@ from tandem.nodes.decode.group.split import ranges, split_layers
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
-
-LAUNCH = Path(sys.executable).parent / "mlx.launch"
+from tests.group_support import LAUNCH, ring_port
 
 
 def test_layers_split_by_memory_contiguously_rank_0_last() -> None:
@@ -33,15 +31,9 @@ def test_layers_split_by_memory_contiguously_rank_0_last() -> None:
         split_layers(4, [1, 0])
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(*command: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     """`mlx.launch -n 2 --backend ring` on loopback, from a free port."""
-    args = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_port()),
+    args = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(ring_port()),
             "--", sys.executable, *command]  # fmt: skip
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
 
