@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent, RequestEvent
+from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent, RequestEvent, TokenEvent
 
 PIPE_STATES = ("queued", "loading", "ready", "computing", "sent", "received")
 _DONE = {"sent": 4, "received": 5}  # a finished layer never goes back in the display
@@ -117,6 +117,15 @@ class RequestTrack:
     prefill_node: str = ""
     kv_dtype: str = ""  # how its KV was held, from prefill_start's "kv …" detail: "F32", "q8/g64"
     pending_send_s: float = 0.0  # from the net_out record that precedes each `sent`
+    tokens: int = 0  # decoded so far (`token` records)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.phase not in ("done", "failed", "cancelled")
+
+    @property
+    def layers_sent(self) -> int:
+        return sum(layer.state in ("sent", "received") for layer in self.layers.values())
 
     def layer(self, i: int) -> LayerTrack:
         if i not in self.layers:
@@ -162,6 +171,11 @@ class PipelineModel:
     def current(self) -> RequestTrack | None:
         return self.requests.get(self.current_id) if self.current_id else None
 
+    def others_in_flight(self) -> list[RequestTrack]:
+        """Requests besides the current one still prefilling or decoding, newest first."""
+        return [r for rid, r in reversed(self.requests.items())
+                if rid != self.current_id and r.in_flight and r.phase]  # fmt: skip
+
     def track(self, request_id: str) -> RequestTrack:
         if request_id not in self.requests:
             self.requests[request_id] = RequestTrack(request_id)
@@ -178,6 +192,10 @@ class PipelineModel:
             return self._layer(event, time.monotonic() if seen is None else seen)
         if isinstance(event, LinkEvent) and event.name == "net_out":
             self.track(event.request_id).pending_send_s = event.seconds
+        elif isinstance(event, TokenEvent):
+            req = self.track(event.request_id)
+            changed, req.tokens = req.tokens != event.count, max(req.tokens, event.count)
+            return changed
         elif isinstance(event, RequestEvent):
             return self._request(event)
         return False

@@ -1,5 +1,5 @@
-"""The Nodes panel: one row per node, trusted or rejected and why; a decode group's ranks on
-rows under its node."""
+"""The Nodes panel: one row per node, trusted or rejected and why, and its load (a decode
+node's batch, a prefill node's queue); a decode group's ranks on rows under its node."""
 
 from __future__ import annotations
 
@@ -28,7 +28,28 @@ def status_text(row: NodeRow) -> Text:
     label, style = STATUS_STYLE[row.status]
     if row.status == "rejected" and row.reason:
         label = f"✗ {SHORT_REASON.get(row.reason, row.reason)}"
-    return Text(label, style=style)
+    text = Text(label, style=style)
+    if row.status == "trusted" and (load := load_text(row)):
+        text.append(f" · {load}", style="dim")
+    return text
+
+
+def load_text(row: NodeRow) -> str:
+    """What a node is doing now, where its `/health` says: a decode node's replies in its
+    batch (and waiting), a prefill node's prefills queued (and their tokens); '' when idle."""
+    health = row.health
+    parts = []
+    if health is not None and (b := health.batching) is not None and (b.running or b.waiting):
+        parts.append(
+            f"batch {b.batch}/{b.running}" + (f" +{b.waiting} waiting" if b.waiting else "")
+        )
+    if health is not None and (q := health.queue) is not None and (q.waiting or q.running_tokens):
+        parts.append(f"queue {q.waiting} ({format_tokens(q.tokens)} tok)")
+    return " · ".join(parts)
+
+
+def format_tokens(n: int) -> str:
+    return f"{n / 1000:.1f}k" if n >= 1000 else str(n)
 
 
 def tiers_text(t: WeightTiers) -> str:

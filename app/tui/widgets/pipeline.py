@@ -1,7 +1,8 @@
 """The Pipeline panel: one cell per layer of the request in flight, coloured by state (on a
 model that mixes layer kinds, lettered G global, S sliding window or L linear), the bytes each
 layer's frame carried (K/V, or a linear layer's state), and the timeline of that request as
-three busy strips (copy, compute, send).
+three busy strips (copy, compute, send); under its headline, a line for each other request in
+flight (its layers sent, its tokens so far: several at once batch on the decode node).
 
 The widget owns a `PipelineModel`; tests read `view.model` rather than pixels.
 """
@@ -73,7 +74,7 @@ class PipelineView(Widget):
                 "layer's weights stream in, compute, and travel to the decode node.",
                 style="dim",
             )
-        parts: list[RenderableType] = [_headline(req)]
+        parts: list[RenderableType] = [_headline(req), *_others(self.model)]
         if req.where == "local" and not req.layers:
             parts.append(Text("prefill ran on the decode node (mlx): no layers streamed", "dim"))
         else:
@@ -96,10 +97,29 @@ def _headline(req: RequestTrack) -> Text:
         text.append(f" · KV {req.kv_dtype}", style="dim")
     if req.phase:
         text.append(f" · {req.phase.replace('_', ' ')}", style="dim")
-    done = sum(layer.state in ("sent", "received") for layer in req.layers.values())
     if req.layers:
-        text.append(f" · {done}/{req.n_layers} layers sent", style="dim")
+        text.append(f" · {req.layers_sent}/{req.n_layers} layers sent", style="dim")
     return text
+
+
+MAX_OTHERS = 4  # lines for the other requests in flight; the rest counted
+
+
+def _others(model: PipelineModel) -> list[Text]:
+    """A line per other request in flight: its prefill's layers sent, its tokens so far."""
+    others = model.others_in_flight()
+    lines = []
+    for req in others[:MAX_OTHERS]:
+        text = Text("  ▸ ", style="bold").append(req.request_id[-12:], style="bold")
+        text.append(f" · {req.where or 'queued'}", style="dim")
+        if req.layers:
+            text.append(f" · {req.layers_sent}/{req.n_layers} layers", style="dim")
+        if req.tokens:
+            text.append(f" · {req.tokens} tokens", style="dim")
+        lines.append(text.append(f" · {req.phase.replace('_', ' ')}", style="dim"))
+    if len(others) > MAX_OTHERS:
+        lines.append(Text(f"  and {len(others) - MAX_OTHERS} more in flight", style="dim"))
+    return lines
 
 
 def _lettered(kinds: tuple[ModelLayer, ...]) -> bool:
