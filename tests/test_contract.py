@@ -94,7 +94,7 @@ def test_health_round_trip_and_bad_health() -> None:
     assert Health.from_json(json.loads(json.dumps(decode.to_json()))) == decode
     with pytest.raises(ValueError, match="batching"):
         Health.from_json({**decode.to_json(), "batching": {"mode": "continuous", "running": "3"}})
-    prefill = dataclasses.replace(h, queue=PrefillQueue(2, 300, 100))
+    prefill = dataclasses.replace(h, queue=PrefillQueue(2, 300, 100, 1))
     assert Health.from_json(json.loads(json.dumps(prefill.to_json()))) == prefill
     assert prefill.queue is not None and prefill.queue.tokens == 400
     with pytest.raises(ValueError, match="queue"):

@@ -214,7 +214,9 @@ def _events_since(node: NodeProc, since: float, idle_s: float = 1.0) -> list[Eve
     records = []
     try:
         with urllib.request.urlopen(req, timeout=idle_s) as r:
-            records = [e for line in r if (e := event_of(line)) is not None]
+            for line in r:
+                if (e := event_of(line)) is not None:
+                    records.append(e)
     except TimeoutError:
         pass
     return records

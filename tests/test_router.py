@@ -82,7 +82,9 @@ def test_a_queued_prefill_node_counts_the_wait_it_would_join() -> None:
     from tandem.nodes.decode.router import Ahead
 
     assert choose("auto", 8000, KV, MAC, [GPU]).where == "remote"
-    busy = replace(GPU, queue=PrefillQueue(waiting=3, tokens_waiting=48000, running_tokens=16000))
+    busy = replace(
+        GPU, queue=PrefillQueue(3, tokens_waiting=48000, running_tokens=16000, running=1)
+    )
     d = choose("auto", 8000, KV, MAC, [busy])
     assert d.where == "local" and d.remote_s is not None and d.remote_s > 4 * 6.0
     mine = {GPU.address: Ahead(requests=4, tokens=64000)}

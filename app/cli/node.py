@@ -38,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--host-budget", type=host_budget_arg, default=DEFAULT_HOST_BUDGET, help=HOST_BUDGET_HELP
     )
     p.add_argument("--prefix-cache", type=prefix_cache_arg, default="auto", help=PREFIX_CACHE_HELP)
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=None,
+        help="prefill: prompt tokens one weight pass serves in all (default: the longest "
+        "prompt the activation reserve holds; elsewhere the context, up to 8192)",
+    )  # fmt: skip
     p.add_argument("--chunk-tokens", type=int, default=http.DEFAULT_CHUNK_TOKENS)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
     p.add_argument("--peer", action="append", default=[], metavar="URL")
@@ -100,6 +105,8 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
     except AuthError as e:
         raise UsageError(str(e)) from None
     roles = ("prefill", "decode") if a.role == "both" else (a.role,)
+    if a.max_batch_tokens is not None and a.max_batch_tokens < 1:
+        raise UsageError("--max-batch-tokens must be at least 1")
     return NodeConfig(
         model=a.model,
         roles=roles,
@@ -126,6 +133,7 @@ def node_config(a: argparse.Namespace) -> NodeConfig:
         kv_group_size=a.kv_group_size,
         remote_timeout_s=a.remote_timeout,
         stall_timeout_s=a.stall_timeout,
+        max_batch_tokens=a.max_batch_tokens,
         tls=a.tls,
         tls_dir=config_dir() / "nodes" / str(a.port),  # one identity per node, as its id
     )

@@ -168,16 +168,18 @@ class Batching:
 
 @dataclass(frozen=True)
 class PrefillQueue:
-    """A prefill node's queue (issue 46): prefills waiting for the device and their tokens,
-    and the tokens of the one running (0: none). A decode node's router counts the wait."""
+    """A prefill node's queue (issue 46): prefills waiting for the next pass and their
+    tokens, and the pass in progress (its requests and tokens; 0: none). A decode node's
+    router counts the wait."""
 
     waiting: int = 0
     tokens_waiting: int = 0
     running_tokens: int = 0
+    running: int = 0
 
     def to_json(self) -> dict[str, int]:
         return {"waiting": self.waiting, "tokens_waiting": self.tokens_waiting,
-                "running_tokens": self.running_tokens}  # fmt: skip
+                "running_tokens": self.running_tokens, "running": self.running}  # fmt: skip
 
     @property
     def tokens(self) -> int:
@@ -192,7 +194,7 @@ def _queue(obj: dict[str, Any], what: str) -> PrefillQueue | None:
     q = _object(obj, "queue", what)
     w = f"{what} queue"
     return PrefillQueue(_int(q, "waiting", w), _int(q, "tokens_waiting", w),
-                        _int(q, "running_tokens", w))  # fmt: skip
+                        _int(q, "running_tokens", w), _int(q, "running", w))  # fmt: skip
 
 
 def _batching(obj: dict[str, Any], what: str) -> Batching | None:

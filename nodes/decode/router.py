@@ -68,7 +68,7 @@ def predict_remote_s(
     transfer = kv_bytes / link
     floor = peer.prefill_floor_s or 0.0
     queue = peer.queue
-    said = Ahead(queue.waiting + (queue.running_tokens > 0), queue.tokens) if queue else Ahead()
+    said = Ahead(queue.waiting + (queue.running > 0), queue.tokens) if queue else Ahead()
     ahead = max(said, mine or Ahead(), key=lambda a: a.tokens)
     wait = ahead.requests * floor + ahead.tokens / rate
     return wait + DEFAULT_LATENCY_S + max(floor, n / rate, transfer) + transfer / max(layers, 1)

@@ -22,7 +22,7 @@ from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.safetensors_format import ITEMSIZE
-from tandem.nodes.prefill.blocks import LayerState
+from tandem.nodes.prefill.batch import Ask, Member
 from tandem.nodes.prefill.budget import (
     DEFAULT_MAX_PROMPT_TOKENS,
     default_budget,
@@ -34,14 +34,16 @@ from tandem.nodes.prefill.budget import (
 from tandem.nodes.prefill.dequant import dequantize
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.families import Pass, family_for
+from tandem.nodes.prefill.families.base import Weights
 from tandem.nodes.prefill.handover import (
     Handed,
+    Handover,
     LayerKV,
     LinearState,
     make_handover,
     quantized_parts,
 )
-from tandem.nodes.prefill.loads import ALIGN, Load
+from tandem.nodes.prefill.loads import ALIGN, Load, Part
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, PrefixUpload, State
 from tandem.nodes.prefill.ram import HostBudget, beside_tier, request_tokens
@@ -132,7 +134,7 @@ class PrefillEngine:
         dequantized = self.plan.resident_form == "dequantized"
         floats = ResidentFloats(self.index, self.dtype, self._scratch) if dequantized else None
         self._floats = floats
-        self._handover = make_handover(self.device)
+        self._handovers: list[Handover] = []  # one per place in a pass, kept across passes
         self.last_stats = PrefillStats()
         self._log_plan(moving.pinned_bytes)
 
@@ -170,7 +172,8 @@ class PrefillEngine:
 
     def close(self) -> None:
         self.streamer.close()
-        self._handover.close()
+        for handover in self._handovers:
+            handover.close()
         os.close(self._embed_fd)
 
     def check_tokens(self, tokens: Sequence[int]) -> None:
@@ -228,89 +231,140 @@ class PrefillEngine:
         kv_format: KVFormat | None = None,
         synchronous: bool = False,
     ) -> Iterator[Handed]:
-        """Yield each layer's handover for `tokens` at positions start.. as soon as it is done.
+        """Yield each layer's handover for `tokens` at positions start.. as soon as it is done
+        (a pass of one: `prefill_pass`).
 
         `prefix[i]` holds layer i's K/V for positions 0..start-1 (a linear layer's: its state
         at position start, `State`). `synchronous=True` has the
         streamer load each load only when compute asks for it (bench `compute_s`).
         """
-        self.check_tokens(tokens)
-        if start and (prefix is None or len(prefix) != self.spec.num_layers):
-            raise PrefillError("start > 0 needs the prefix K/V of every layer")
-        self.check_fits(len(tokens), start)
-        rid = request_id or uuid.uuid4().hex[:12]
-        stats, t_start = self._begin(rid, len(tokens), start)
+        ask = Ask(tokens, start, prefix, request_id or uuid.uuid4().hex[:12], kv_format)
+        for _, item in self.prefill_pass([ask], synchronous):
+            yield item
+
+    def prefill_pass(
+        self, asks: Sequence[Ask], synchronous: bool = False
+    ) -> Iterator[tuple[int, Handed]]:
+        """One pass of the weights for every ask (batch.py): (the ask's place, one of its
+        layers' handover) as soon as that layer is done for it. Each ask computes a load while
+        it sits in its slot; an ask that is `dropped` is skipped from its next load on, and
+        the pass ends once none is left. `last_stats`: the last ask's (the pass's bytes)."""
+        for ask in asks:
+            self.check_tokens(ask.tokens)
+            if ask.start and (ask.prefix is None or len(ask.prefix) != self.spec.num_layers):
+                raise PrefillError("start > 0 needs the prefix K/V of every layer")
+            self.check_fits(ask.count, ask.start)
+        members = [self._member(i, ask) for i, ask in enumerate(asks)]
         clock = ComputeClock(self.device)
-        self._handover.reset(kv_format)
         kinds, family = self.spec.layer_kinds, self.family
-        uploads = PrefixUpload(prefix, self.device, self.dtype) if start and prefix else None
-        with torch.inference_mode(), self._stream(rid, len(tokens), synchronous) as run:
-            # the loader is already filling the ring while the prompt's rows are read
-            h = self.embed(tokens)
-            rope = rope_tables(self._freqs, start, len(tokens), self.device)
-            p = Pass(self.index, start, self.chunk_tokens, rope, self._scratch, self.dtype)
-            p = family.begin(p, h)  # its embedding scale, its other layer kinds' RoPE
-            state: LayerState | None = None
+        count = sum(ask.count for ask in asks)
+        with torch.inference_mode(), self._stream(members, count, synchronous) as run:
+            # the loader is already filling the ring while the prompts' rows are read
+            for m in members:
+                m.h = self.embed(m.ask.tokens)
+                rope = rope_tables(self._freqs, m.ask.start, m.ask.count, self.device)
+                p = Pass(self.index, m.ask.start, self.chunk_tokens, rope, self._scratch,
+                         self.dtype)  # fmt: skip
+                m.p = family.begin(p, m.h)  # its embedding scale, its other kinds' RoPE
             for load, views in run:
+                live = [m for m in members if m.live]
+                if not live:
+                    break
                 i = load.layer
                 if load.resident and self._floats is not None:
                     views = self._floats.views(load, views)
                 if load.first_of_layer:
-                    self.events.publish(self._layer_event(rid, load, "computing"))
-                    before = uploads.layer(i) if uploads is not None else None
-                    state = family.new_state(p, kinds[i], i, len(tokens), before)
-                assert state is not None
+                    for m in live:
+                        assert m.p is not None
+                        self.events.publish(self._layer_event(m.ask.request_id, load, "computing"))
+                        m.state = family.new_state(m.p, kinds[i], i, m.ask.count, m.prefix_of(i))
                 with clock.timing(i):
                     for part in load.parts:
-                        weights = part_weights(views, part.op, part.lo)
-                        if family.compute(p, part, weights, h, state):
-                            self._hand_over(family.handover(p, kinds[i], i, state), i)
-                        if (used := family.routing(part, state)) is not None:
-                            self._routed(rid, run, i, used)
-                self._released(rid, run, load)
+                        self._compute(live, part, part_weights(views, part.op, part.lo), run)
+                self._released(live, run, load)
                 if load.last_of_layer:
-                    yield from self._handover.take()
-            yield from self._handover.take(last=True)
-        stats.layer_compute_s = clock.per_layer(self.spec.num_layers)
-        stats.compute_busy_s = sum(stats.layer_compute_s)
-        stats.quantize_s = self._handover.quantize_seconds()
-        self._finish(rid, stats, t_start)
+                    for m in live:
+                        yield from ((m.index, item) for item in m.handover.take())
+            for m in members:
+                if m.live:
+                    yield from ((m.index, item) for item in m.handover.take(last=True))
+        per_layer = clock.per_layer(self.spec.num_layers)
+        for m in members:
+            m.stats.layer_compute_s = per_layer
+            m.stats.compute_busy_s = sum(per_layer)
+            m.stats.quantize_s = m.handover.quantize_seconds()
+            self._finish(m.ask.request_id, m.stats, m.t_start)
 
-    def _stream(self, rid: str, count: int, synchronous: bool) -> AbstractContextManager[Any]:
-        """The streamer's pass. MoE: the routers' counts decide which experts are read
-        (`Routing`); before the first, the share of experts `count` tokens are expected to
-        choose (the plan's curve)."""
+    def _member(self, index: int, ask: Ask) -> Member:
+        """An ask's share of a pass: its stats begun, a handover of its own (the engine keeps
+        one per place in a pass), its prefix's upload."""
+        while len(self._handovers) <= index:
+            self._handovers.append(make_handover(self.device))
+        handover = self._handovers[index]
+        handover.reset(ask.kv_format)
+        stats, t_start = self._begin(ask.request_id, ask.count, ask.start)
+        uploads = None
+        if ask.start and ask.prefix:
+            uploads = PrefixUpload(ask.prefix, self.device, self.dtype)
+        return Member(ask, index, handover, stats, t_start, uploads)
+
+    def _compute(self, live: list[Member], part: Part, weights: Weights, run: Any) -> None:
+        """`part` over every live member; their layer's handover where its attention is done;
+        a router's choices, all members' at once, to the loader."""
+        used: set[int] | None = None
+        kinds, family = self.spec.layer_kinds, self.family
+        for m in live:
+            assert m.p is not None and m.h is not None and m.state is not None
+            if family.compute(m.p, part, weights, m.h, m.state):
+                out = family.handover(m.p, kinds[part.layer], part.layer, m.state)
+                self._hand_over(m.handover, out, part.layer)
+            if (chosen := family.routing(part, m.state)) is not None:
+                used = (used or set()) | chosen
+        if used is not None:  # the union of the pass's choices crosses the link once
+            self._routed(live, run, part.layer, frozenset(used))
+
+    def _stream(
+        self, members: list[Member], count: int, synchronous: bool
+    ) -> AbstractContextManager[Any]:
+        """The streamer's pass, its loads told to every member. MoE: the routers' counts
+        decide which experts are read (`Routing`); before the first, the share of experts
+        `count` tokens are expected to choose (the plan's curve)."""
         moe = self.spec.moe
         many = moe is not None and moe.expected_share(count) >= ALL_EXPERTS
-        return self.streamer.stream(self._hooks(rid), synchronous, self.route_experts, many)
+        hooks = self._hooks([m.ask.request_id for m in members])
+        return self.streamer.stream(hooks, synchronous, self.route_experts, many)
 
-    def _hand_over(self, out: KV | State, i: int) -> None:
+    def _hand_over(self, handover: Handover, out: KV | State, i: int) -> None:
         """Layer i's handover: K/V (a full layer's quantized where asked; the others cross
         in float), or a linear layer's state."""
         if isinstance(out, dict):
-            self._handover.state_done(i, out)
+            handover.state_done(i, out)
         else:
-            self._handover.kv_done(i, *out, self.spec.layer_kinds[i].kind == "full")
+            handover.kv_done(i, *out, self.spec.layer_kinds[i].kind == "full")
 
-    def _routed(self, rid: str, run: Any, layer: int, used: frozenset[int]) -> None:
+    def _routed(self, live: list[Member], run: Any, layer: int, used: frozenset[int]) -> None:
         """Layer `layer`'s router chose `used`: the loader reads only those experts."""
         total = self.spec.moe.num_experts if self.spec.moe else len(used)
         run.route(layer, used, total)
         streamed = [p for ld in self.plan.loads if ld.layer == layer and ld.routed
                     and not ld.resident for p in ld.parts if p.lo in used]  # fmt: skip
         nbytes = sum(piece.nbytes for part in streamed for piece in part.pieces)
-        self.events.publish(LayerEvent(rid, layer=layer, state="routed", bytes=nbytes,
-                                       experts=len(used), experts_total=total))  # fmt: skip
+        for m in live:
+            self.events.publish(LayerEvent(m.ask.request_id, layer=layer, state="routed",
+                                           bytes=nbytes, experts=len(used),
+                                           experts_total=total))  # fmt: skip
 
     def stream_weights(self, request_id: str | None = None) -> PrefillStats:
         """Every load streamed through the ring once, nothing computed (bench `load_s`)."""
         rid = request_id or uuid.uuid4().hex[:12]
         stats, t_start = self._begin(rid, 0, 0)
-        with self.streamer.stream(self._hooks(rid), False, route=False) as run:
+        with self.streamer.stream(self._hooks([rid]), False, route=False) as run:
             for load, _ in run:
                 if load.first_of_layer:
                     self.events.publish(self._layer_event(rid, load, "computing"))
-                self._released(rid, run, load)
+                run.release(load)
+                if not load.resident:
+                    self.events.publish(self._layer_event(rid, load, "evicted"))
         self._finish(rid, stats, t_start)
         return stats
 
@@ -337,10 +391,11 @@ class PrefillEngine:
             torch.cuda.reset_peak_memory_stats(dev)
         return stats, time.perf_counter()
 
-    def _released(self, rid: str, run: Any, load: Load) -> None:
+    def _released(self, live: list[Member], run: Any, load: Load) -> None:
         run.release(load)  # its kernels are queued: the loader may refill the slot
         if not load.resident:
-            self.events.publish(self._layer_event(rid, load, "evicted"))
+            for m in live:
+                self.events.publish(self._layer_event(m.ask.request_id, load, "evicted"))
 
     def _finish(self, rid: str, stats: PrefillStats, t_start: float) -> None:
         """The streamer's side of a finished request's stats (and on CUDA its copy events)."""
@@ -372,22 +427,25 @@ class PrefillEngine:
             bytes=nbytes or load.nbytes,
         )
 
-    def _hooks(self, rid: str) -> LoaderHooks:
-        return LoaderHooks(on_loading=self._on_loading(rid), on_ready=self._on_ready(rid))
+    def _hooks(self, rids: list[str]) -> LoaderHooks:
+        """A pass's loads told to each of its requests; the bytes moved once (the first's)."""
+        return LoaderHooks(on_loading=self._on_loading(rids), on_ready=self._on_ready(rids))
 
-    def _on_loading(self, rid: str) -> Callable[[Load, int | None], None]:
+    def _on_loading(self, rids: list[str]) -> Callable[[Load, int | None], None]:
         def hook(load: Load, slot: int | None) -> None:
-            self.events.publish(self._layer_event(rid, load, "loading"))
+            for rid in rids:
+                self.events.publish(self._layer_event(rid, load, "loading"))
 
         return hook
 
-    def _on_ready(self, rid: str) -> Callable[[Load, int | None, FillTimes], None]:
+    def _on_ready(self, rids: list[str]) -> Callable[[Load, int | None, FillTimes], None]:
         def hook(load: Load, slot: int | None, t: FillTimes) -> None:
             publish = self.events.publish
             if t.disk_bytes:
-                publish(LinkEvent(rid, name="disk", bytes=t.disk_bytes, seconds=t.disk_s))
-            publish(LinkEvent(rid, name="h2d", bytes=t.nbytes, seconds=t.h2d_s))
-            publish(self._layer_event(rid, load, "ready", t.nbytes))
+                publish(LinkEvent(rids[0], name="disk", bytes=t.disk_bytes, seconds=t.disk_s))
+            publish(LinkEvent(rids[0], name="h2d", bytes=t.nbytes, seconds=t.h2d_s))
+            for rid in rids:
+                publish(self._layer_event(rid, load, "ready", t.nbytes))
 
         return hook
 

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.contract.prefix import best_prefix, common_prefix
+from tandem.nodes.prefill.batch import Ask
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.handover import Handed, LayerKV, LinearState, quantized_parts
 from tandem.nodes.prefill.prefix_upload import Prefix
@@ -94,41 +95,71 @@ def _has_state(kv: KV) -> bool:
 def reusing(
     engine: PrefillEngine, cache: PrefixCache, req: PrefillBody
 ) -> Generator[Handed, None, int]:
-    """On the device thread: each layer's positions req.start.. as the engine finishes it,
-    the cache's longest hit 0..j-1 reused and spliced in front of what the engine computes
-    (j..n-1); the whole K/V stored for the next turn once every layer is done. Returns the
-    positions computed (not reused)."""
-    j, prefix = cache.lookup(req.tokens)
-    layers = engine.prefill(
-        req.tokens[j:], start=j, prefix=prefix, request_id=req.request_id,
-        kv_format=req.kv_format,
-    )  # fmt: skip
-    full: KV = []
-    kinds = engine.spec.layer_kinds
+    """On the device thread: each layer's positions req.start.. as the engine finishes it
+    (`reusing_pass` for one request). Returns the positions computed (not reused)."""
+    one = reusing_pass(engine, cache, [req])
     try:
-        for layer in layers:
-            if isinstance(layer, LinearState):  # its state after the prompt, whatever j
-                full.append(layer.tensors)
-                yield layer
-                continue
-            k, v = layer.k, layer.v  # positions j..n-1
-            if prefix is not None:
-                pk, pv = prefix[layer.layer]  # type: ignore[misc]  # a full layer's
-                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
-            full.append((k, v))  # the cache keeps full precision
-            window = kinds[layer.layer].window
-            if window is not None:  # a sliding layer: the positions its window keeps, float
-                first = max(req.start, len(req.tokens) - window)
-                yield LayerKV(layer.layer, k[:, :, first:], v[:, :, first:])
-                continue
-            sent = LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :])
-            if req.kv_format is not None:
-                sent = replace(sent, quantized=_sent_quantized(layer, prefix, j, req))
-            yield sent
-        cache.store(req.tokens, full)
+        while True:
+            _, item = next(one)
+            yield item
+    except StopIteration as done:
+        return done.value[0]
+    finally:
+        one.close()
+
+
+def reusing_pass(
+    engine: PrefillEngine,
+    cache: PrefixCache,
+    reqs: Sequence[PrefillBody],
+    dropped: Sequence[threading.Event] | None = None,
+) -> Generator[tuple[int, Handed], None, list[int]]:
+    """On the device thread: one pass of the weights for every request (`prefill_pass`),
+    yielding (the request's place, one layer of its positions req.start..) as the engine
+    finishes it: the cache's longest hit 0..j-1 for each reused and spliced in front of what
+    the engine computes (j..n-1), each request's whole K/V stored for its next turn once its
+    every layer is done. `dropped[i]`: request i's reader is gone (the pass skips it).
+    Returns the positions computed (not reused) per request."""
+    hits = [cache.lookup(req.tokens) for req in reqs]
+    asks = [
+        Ask(req.tokens[j:], j, prefix, req.request_id, req.kv_format)
+        for req, (j, prefix) in zip(reqs, hits, strict=True)
+    ]
+    for ask, gone in zip(asks, dropped or (), strict=False):
+        ask.dropped = gone
+    layers = engine.prefill_pass(asks)
+    full: list[KV] = [[] for _ in reqs]
+    try:
+        for i, layer in layers:
+            entry, sent = _spliced(engine, layer, hits[i], reqs[i])
+            full[i].append(entry)  # the cache keeps full precision
+            if len(full[i]) == engine.spec.num_layers:
+                cache.store(reqs[i].tokens, full[i])
+            yield i, sent
     finally:
         layers.close()
-    return len(req.tokens) - j
+    return [len(req.tokens) - j for req, (j, _) in zip(reqs, hits, strict=True)]
+
+
+def _spliced(
+    engine: PrefillEngine, layer: Handed, hit: tuple[int, KV | None], req: PrefillBody
+) -> tuple[Prefix, Handed]:
+    """(what the cache keeps of the layer: positions 0..n-1, what crosses the wire)."""
+    if isinstance(layer, LinearState):  # its state after the prompt, whatever j
+        return layer.tensors, layer
+    j, prefix = hit
+    k, v = layer.k, layer.v  # positions j..n-1
+    if prefix is not None:
+        pk, pv = prefix[layer.layer]  # type: ignore[misc]  # a full layer's
+        k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+    window = engine.spec.layer_kinds[layer.layer].window
+    if window is not None:  # a sliding layer: the positions its window keeps, float
+        first = max(req.start, len(req.tokens) - window)
+        return (k, v), LayerKV(layer.layer, k[:, :, first:], v[:, :, first:])
+    sent = LayerKV(layer.layer, k[:, :, req.start :], v[:, :, req.start :])
+    if req.kv_format is not None:
+        sent = replace(sent, quantized=_sent_quantized(layer, prefix, j, req))
+    return (k, v), sent
 
 
 def _sent_quantized(

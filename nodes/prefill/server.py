@@ -1,13 +1,13 @@
 """`POST /v1/prefill`: the prefill node's HTTP route (DESIGN.md).
 
 The engine is built, used and closed on the node's single device thread (`DeviceThread`); a
-streamed prefill runs there as a `DeviceStream` whose finished layers cross to the event loop
-at most two ahead of the writer (back-pressure: a slow network pauses compute rather than
-piling K/V up in memory), each written as a KV frame at once. One prefill at a
-time per device; up to `queue_limit` more wait; beyond that the answer is 503 + Retry-After.
-A client that goes away cancels the prefill: the device thread stops after its current layer.
-So does one that stops reading (a Mac asleep mid-transfer): a frame none of whose bytes it
-takes within `stall_s` drops its stream, and the next request goes on.
+pass runs there as a `DeviceStream` whose finished layers cross to the event loop, each
+written as a KV frame at once by its request's own handler. One
+pass at a time per device, serving every request waiting when it starts (`passes.py`); up
+to `queue_limit` more wait; beyond that the answer is 503 + Retry-After. Each request's frames
+are its own: a client that goes away leaves its pass (the others go on; a pass nobody reads
+stops after its current layer), and so does one that stops reading (a Mac asleep
+mid-transfer): a frame none of whose bytes it takes within `stall_s` drops its stream.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from aiohttp import web
@@ -35,7 +36,8 @@ from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.handover import Handed, LinearState
-from tandem.nodes.prefill.prefix_cache import PrefixCache, reusing
+from tandem.nodes.prefill.passes import Passes, Waiter
+from tandem.nodes.prefill.prefix_cache import PrefixCache, reusing_pass
 from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
 from tandem.nodes.serve.device import DeviceThread
 from tandem.nodes.serve.errors import read_json_body
@@ -69,6 +71,7 @@ class PrefillService:
         queue_limit: int = DEFAULT_PREFILL_QUEUE,
         net_gbps: float | None = None,
         stall_s: float = DEFAULT_STALL_TIMEOUT_S,
+        max_batch_tokens: int | None = None,
     ) -> None:
         self._build = build
         self.stall_s = stall_s
@@ -78,20 +81,21 @@ class PrefillService:
         self.queue_limit = queue_limit
         self._building = False  # `start` sets the thread's priority once the device is known
         self.device_thread = DeviceThread("tandem-device", self._device_thread_started)
-        self._busy = asyncio.Semaphore(1)
-        self._waiting = 0
-        self._tokens_waiting = 0  # positions the waiting prefills ask for
-        self._running_tokens = 0  # positions the running one asks for
+        self.passes = Passes(self.device_thread, events, queue_limit)
+        self.max_batch_tokens = max_batch_tokens  # None: the engine's longest prompt
         self._throttle = PacedSender(net_gbps)
         self.prefix_cache = PrefixCache()
-        self.served_tokens = 0
-        self.last_reused = 0  # positions the last request took from the prefix cache
-        self.served_s = 0.0
 
     @property
     def prefill_tok_s(self) -> float | None:
-        """Measured prefill rate over the requests served so far (tokens/s)."""
-        return self.served_tokens / self.served_s if self.served_s > 0 else None
+        """Measured prefill rate over the passes served so far (tokens/s)."""
+        p = self.passes
+        return p.served_tokens / p.served_s if p.served_s > 0 else None
+
+    @property
+    def last_reused(self) -> int:
+        """Positions the last request took from the prefix cache."""
+        return self.passes.last_reused
 
     def _device_thread_started(self) -> None:
         """On a CPU, compute (and the threads it starts) yields the CPU to this event loop:
@@ -116,10 +120,19 @@ class PrefillService:
         """Build the engine on its device thread, off the event loop."""
         self._building = True
         self._engine = await self.device_thread.call(self._build_here)
-        if self._engine.prefix_cache_bytes is not None:  # sized with the RAM tier
-            self.prefix_cache.max_bytes = self._engine.prefix_cache_bytes
-        log.info("prefix cache: %d B", self.prefix_cache.max_bytes)
-        return self._engine
+        engine = self._engine
+        if engine.prefix_cache_bytes is not None:  # sized with the RAM tier
+            self.prefix_cache.max_bytes = engine.prefix_cache_bytes
+        self.passes.work = partial(reusing_pass, engine, self.prefix_cache)
+        # a pass's prompts share the activation reserve: together, one longest prompt
+        self.passes.max_batch_tokens = self.max_batch_tokens or engine.request_tokens
+        log.info("prefix cache: %d B; a pass takes prompts of %d tokens in all",
+                 self.prefix_cache.max_bytes, self.passes.max_batch_tokens)  # fmt: skip
+        return engine
+
+    async def stop(self) -> None:
+        """Cancel the pass in flight (the node is stopping; `close` then ends the thread)."""
+        await self.passes.stop()
 
     @property
     def engine(self) -> PrefillEngine:
@@ -162,31 +175,18 @@ class PrefillService:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         req = self.parse(await read_json_body(request))  # ApiError: the node's middleware answers
-        publish = self.events.publish
-        if self._waiting >= self.queue_limit:
-            publish(RequestEvent(req.request_id, phase="failed", detail="queue full (503)"))
-            raise ApiError(503, "prefill queue is full", "busy", {"Retry-After": "1"})
-        publish(RequestEvent(req.request_id, phase="queued", tokens=len(req.tokens)))
-        self._waiting += 1
-        self._tokens_waiting += req.count
+        waiter = self.passes.join(req)
         try:
-            await self._busy.acquire()
+            return await self._serve(request, waiter)
         finally:
-            self._waiting -= 1
-            self._tokens_waiting -= req.count
-        self._running_tokens = req.count
-        try:
-            return await self._serve(request, req)
-        finally:
-            self._running_tokens = 0
-            self._busy.release()
+            self.passes.leave(waiter)  # done, or gone: its pass skips it from now on
 
     def queue(self) -> PrefillQueue:
         """What a prefill that arrives now would wait behind (`/health`)."""
-        return PrefillQueue(self._waiting, self._tokens_waiting, self._running_tokens)
+        return self.passes.queue()
 
-    async def _serve(self, request: web.Request, req: PrefillBody) -> web.StreamResponse:
-        spec = self.engine.spec
+    async def _serve(self, request: web.Request, waiter: Waiter) -> web.StreamResponse:
+        req, spec = waiter.req, self.engine.spec
         count = len(req.tokens) - req.start
         header = Header(
             proto=PROTO,
@@ -211,19 +211,12 @@ class PrefillService:
         await response.prepare(request)
         await response.write(writer.start())
         publish = self.events.publish
-        publish(RequestEvent(req.request_id, phase="prefill_start", tokens=count, where="remote"))
-        t0 = time.perf_counter()
         try:
-            stream = self.device_thread.stream  # the layers over the prefix cache (`reusing`)
-            async with stream(reusing, self.engine, self.prefix_cache, req, buffer=2) as layers:
-                async for item in layers:
-                    await self._send(response, writer, req.request_id, item)
-            self.served_tokens += layers.result  # positions computed, not reused
-            self.last_reused = len(req.tokens) - layers.result
+            while (item := await waiter.next()) is not None:  # its layers, as its pass does them
+                await self._send(response, writer, req.request_id, item)
             await response.write(writer.done())
             await response.write_eof()
-            self.served_s += time.perf_counter() - t0
-            reused = f"{self.last_reused} positions from the prefix cache"
+            reused = f"{len(req.tokens) - waiter.computed} positions from the prefix cache"
             publish(RequestEvent(req.request_id, phase="prefill_done", tokens=count,
                                  where="remote", detail=reused))  # fmt: skip
         except (ConnectionResetError, asyncio.CancelledError):

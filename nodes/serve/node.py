@@ -97,6 +97,7 @@ class NodeConfig:
     queue_limit: int = DEFAULT_PREFILL_QUEUE
     remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # prefill: a reader that takes nothing
+    max_batch_tokens: int | None = None  # prefill: a pass's prompt tokens (None: the reserve's)
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # decode: generations at once
     max_queue: int = DEFAULT_MAX_QUEUE  # decode: generations waiting, then 503
     kv_bits: int | None = None  # decode: KV quantized on the wire by default (8 or 4)
@@ -268,6 +269,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if node.decode is not None:
             node.decode.host.close()
         if node.prefill is not None:
+            await node.prefill.stop()
             await asyncio.get_running_loop().run_in_executor(None, node.prefill.close)
         await node.session.close()
 
@@ -292,7 +294,7 @@ def _prefill_service(node: Node) -> PrefillService:
         )
 
     return PrefillService(build, node.fingerprint, node.events, c.queue_limit, c.net_gbps,
-                          c.stall_timeout_s)  # fmt: skip
+                          c.stall_timeout_s, c.max_batch_tokens)  # fmt: skip
 
 
 async def _start_prefill(node: Node) -> None:

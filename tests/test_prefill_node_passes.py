@@ -1,7 +1,8 @@
-"""A prefill node whose reader stops reading (issue 46: a Mac asleep mid-transfer froze the
-prefill node for every other client): the stalled stream is dropped once it has taken none of
-a frame for `--stall-timeout`, and the request queued behind it is served; meanwhile the
-node's `/health` shows its queue (what a decode node's router counts)."""
+"""A prefill node serving many at once (issue 46): a reader that stops reading (a Mac asleep
+mid-transfer froze the prefill node for every other client) is dropped once it has taken none
+of a frame for `--stall-timeout`, and the request queued behind it is served, the node's
+`/health` showing its queue meanwhile (what a decode node's router counts); prompts queued
+during a pass share the next one, each as its lone run."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tandem.nodes.contract.bodies import PrefillBody
@@ -82,7 +84,7 @@ def test_a_reader_that_stops_reading_loses_its_stream_and_the_next_is_served(
                 if queue is not None and queue.waiting:
                     break
                 time.sleep(0.05)
-            assert queue == PrefillQueue(waiting=1, tokens_waiting=40, running_tokens=LONG)
+            assert queue == PrefillQueue(1, tokens_waiting=40, running_tokens=LONG, running=1)
             frames = awake.result()
         waited = time.monotonic() - t0
         assert [f.layer for f in frames] == list(range(MODEL["layers"]))
@@ -108,3 +110,62 @@ def test_a_reader_that_stops_reading_loses_its_stream_and_the_next_is_served(
     except TimeoutError:
         pass
     assert failed and "took none of layer" in failed[0], failed
+
+
+@pytest.fixture(scope="module")
+def slow_node(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
+    """A prefill node whose weights stream through a quarter of them at 10 MB/s (a pass takes
+    about a second and a half), without a prefix cache (each run computes its own)."""
+    model = tiny_model(**MODEL)
+    index = load_index(model)
+    budget = sum(index.layer_bytes(i) for i in range(MODEL["layers"])) // 4
+    tmp = tmp_path_factory.mktemp("passes")
+    n = start_node(tmp, model, "prefill", "--budget", str(budget), "--link-gbps", "0.08",
+                   "--host-budget", "0", "--prefix-cache", "0", token=TOKEN)  # fmt: skip
+    yield n
+    stop_all([n])
+
+
+def test_prompts_queued_during_a_pass_share_the_next_one_each_as_its_lone_run(
+    slow_node: NodeProc, tiny_model: MakeTiny
+) -> None:
+    """Issue 46: four prefills that arrive while a pass runs wait for the next, which serves
+    all four with one stream of the weights; each one's frames are its lone run's."""
+    model = tiny_model(**MODEL)
+    lengths = (30, 7, 52, 18)
+    bodies = [_body(model, f"four-{i}", n) for i, n in enumerate(lengths)]
+    since = time.time()
+    with ThreadPoolExecutor(5) as pool:
+        blocker = pool.submit(_frames, slow_node, _body(model, "blocker", 20))
+        t0 = time.monotonic()
+        while slow_node.health().queue.running == 0:  # type: ignore[union-attr]
+            assert time.monotonic() - t0 < 10
+            time.sleep(0.02)
+        together = list(pool.map(lambda b: _frames(slow_node, b), bodies))
+        blocker.result()
+    starts = {
+        e.request_id: e.detail
+        for e in _events(slow_node, since)
+        if isinstance(e, RequestEvent) and e.phase == "prefill_start"
+    }
+    assert starts.get("blocker") == "pass of 1", starts
+    assert all(starts[f"four-{i}"] == "pass of 4" for i in range(4)), starts
+    for body, frames in zip(bodies, together, strict=True):
+        lone = _frames(slow_node, body.replace(b'"four-', b'"lone-'))
+        assert len(frames) == len(lone) == MODEL["layers"]
+        for a, b in zip(frames, lone, strict=True):
+            assert a.payload == b.payload, a.layer
+
+
+def _events(node: NodeProc, since: float) -> list[Any]:
+    req = urllib.request.Request(f"{node.url}/v1/events?since={since}")
+    req.add_header("Authorization", f"Bearer {TOKEN}")
+    out = []
+    try:
+        with urllib.request.urlopen(req, timeout=1.0) as r:
+            for line in r:  # the ring replayed, then whatever comes until a second passes
+                if (e := event_of(line)) is not None:
+                    out.append(e)
+    except TimeoutError:
+        pass
+    return out
