@@ -198,3 +198,23 @@ def test_bench_serve_runs_both_servers_side_by_side(
         assert s["aggregate_tok_s"] > 0 and s["lone_tok_s"] > 0 and s["lone_ttft_s"] > 0
     assert r["last_first_token_ratio"] > 0 and r["aggregate_ratio"] > 0
     assert isinstance(r["within_wave_bound"], bool) and r["wave_bound_s"] > 0
+
+
+def test_bench_prefill_batch_streams_the_weights_once_for_n_prompts(
+    tiny_model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--batch N`: N prompts in one pass against N lone passes; the pass's bytes are one
+    pass's (its time is the note's, not an assert: this machine is shared)."""
+    from tandem.nodes.prefill.bench import main
+
+    model = tiny_model(arch="llama", layers=8)
+    index = load_index(model)
+    budget = sum(index.layer_bytes(i) for i in range(8)) // 4
+    args = ["--model", str(model), "--tokens", "32", "--budget", str(budget), "--repeat", "1"]
+    assert main([*args, "--batch", "3", "--host-budget", "0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["batch"] == 3 and r["batch_bytes"] == r["bytes_streamed"]
+    assert r["lone_bytes"] == 3 * r["batch_bytes"]
+    assert r["batch_wall_s"] > 0 and r["lone_wall_s"] > 0 and r["batch_ratio"] > 0
+    assert main([*args, "--batch", "3"]) == 0
+    assert "prompts in one pass" in capsys.readouterr().out

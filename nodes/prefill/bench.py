@@ -9,7 +9,8 @@ In one run, on one prompt, after a warm-up pass (which loads the resident set):
 - `wall_s`: the real, overlapped prefill; `disk_bytes` and `ram_bytes`: where its last run's
   streamed bytes came from (the RAM tier, `--host-budget auto` by default, holds what it can
   once the warm-up has read it); with `--vs resident`, `vs_resident_ratio`: streamed /
-  all-resident wall, the two engines run in turns in this one process.
+  all-resident wall, the two engines run in turns in this one process; with `--batch N`,
+  `batch_ratio`: N prompts in one weight pass / N lone passes (bench_batch.py).
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
 `sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
 the denominators on purpose: on a small CPU the loader thread slows compute, and a ratio
@@ -43,6 +44,7 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.prefill import ram
+from tandem.nodes.prefill.bench_batch import vs_lone
 from tandem.nodes.prefill.bench_table import table
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 
@@ -125,6 +127,7 @@ def bench(
     vs_resident: bool = False,
     experts: str = "routed",
     vs_all_experts: bool = False,
+    batch: int = 0,
 ) -> dict[str, object]:
     index = load_index(model)
     fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
@@ -141,6 +144,8 @@ def bench(
         phases = _phases(engine, ids, repeat, before, auto, fixed, kv_bits, vs_resident)
         if vs_all_experts:
             phases.side_by_side.update(_vs_all_experts(engine, ids, repeat, before))
+        if batch > 1:
+            phases.side_by_side.update(vs_lone(engine, batch, tokens, repeat, before))
     finally:
         engine.close()
     last = phases.last  # MoE: experts read in the last run, and the link's wait for routers
@@ -347,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time quantizing K/V for the wire")  # fmt: skip
     p.add_argument("--experts", choices=["routed", "all"], default="routed",
                    help="MoE: read only the chosen experts (default), or all of them")  # fmt: skip
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N prompts in one pass against N lone passes (batch_ratio)",
+    )
     p.add_argument("--json", action="store_true")
     return p
 
@@ -366,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
                 a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident", a.experts,
-                vs_all_experts=a.vs == "all-experts",
+                vs_all_experts=a.vs == "all-experts", batch=a.batch,
             )  # fmt: skip
             if a.vs == "accelerate":
                 other = vs_accelerate(model, a.tokens, a.budget, a.device)

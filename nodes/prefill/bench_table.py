@@ -43,6 +43,12 @@ def table(r: dict[str, object]) -> str:
             f"  resident    {r['resident_wall_s']:.3f} s all resident; streamed / resident"
             f" {r['vs_resident_ratio']:.3f} (turn by turn, median)"
         )
+    if "batch_ratio" in r:
+        lines.append(
+            f"  batch       {r['batch']} prompts in one pass {r['batch_wall_s']:.3f} s,"
+            f" {_fmt(r['batch_bytes'])}; {r['batch']} lone {r['lone_wall_s']:.3f} s,"
+            f" {_fmt(r['lone_bytes'])}; one / lone {r['batch_ratio']:.3f} (turn by turn, median)"
+        )
     if r.get("experts_streamed"):
         lines.append(
             f"  experts     {r['experts_streamed']} read ({r['experts']}); the link waited"
