@@ -142,8 +142,6 @@ class Batcher:
 
     def __init__(self, host: ModelHost, flush_s: float = TEXT_FLUSH_S) -> None:
         self.host, self.flush_s = host, flush_s
-        # a decode group's model runs one sequence a call on every rank: its replies interleave
-        self.mode: BatchingMode = "continuous" if host.group is None else "interleaved"
         self._members: list[_Member] = []
         self._batch: Any = None  # mlx-lm's BatchGenerator, made when a reply first joins one
         self._in_batch: dict[int, _Member] = {}  # by uid
@@ -155,6 +153,12 @@ class Batcher:
 
     def reply(self, join: Join) -> ReplyStream:
         return ReplyStream(self, join)
+
+    @property
+    def mode(self) -> BatchingMode:
+        """A decode group's model runs one sequence a call on every rank: its replies
+        interleave (the group is known once the host has loaded it)."""
+        return "continuous" if self.host.group is None else "interleaved"
 
     @property
     def running(self) -> int:
