@@ -349,3 +349,25 @@ def test_70b_reserves_a_cut_ops_output_only_on_a_budget_that_cuts(l70b: Path) ->
     assert roomy.device_bytes + whole <= 24 * GIB
     assert tight.cuts_ops and tight.reserve_bytes == cut
     assert tight.device_bytes + cut <= 6 * GIB
+
+
+def test_plan_says_what_a_pass_of_n_prompts_costs(
+    tiny_model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 46: a pass serving N prompts streams the weights once: where the link binds it
+    costs about one lone pass, not N; where compute binds, about N."""
+    model = tiny_model(arch="llama", layers=8)
+    budget = sum(load_index(model).layer_bytes(i) for i in range(8)) // 4
+    rates = ["--device", "cpu", "--disk-gbps", "100", "--budget", str(budget)]
+    slow_link = plan_json(capsys, "--model", model, "--tokens", "64", "--pcie-gbps",
+                          "0.01", "--tflops", "100", "--batch", "3", *rates)  # fmt: skip
+    b = slow_link["batch"]
+    assert (b["requests"], b["tokens"]) == (3, 64) and b["bound"] == "pcie"
+    assert b["lone_s"] == pytest.approx(3 * slow_link["predicted_wall_s"])
+    assert b["pass_s"] < 0.4 * b["lone_s"]
+    busy = plan_json(capsys, "--model", model, "--tokens", "64", "--pcie-gbps", "1000",
+                     "--tflops", "0.001", *rates)  # fmt: skip
+    assert busy["batch"]["requests"] == 4 and busy["batch"]["bound"] == "compute"
+    assert busy["batch"]["pass_s"] == pytest.approx(busy["batch"]["lone_s"], rel=0.1)
+    main(["plan", "--model", str(model), *rates])
+    assert "a pass of 4 prompts" in capsys.readouterr().out

@@ -32,7 +32,7 @@ DEFAULT_NET_GBPS = 10.0  # assumed: a 10 GbE LAN (Gbit/s, as --link-gbps)
 DEFAULT_MAC_FLOPS = 13.5e12
 Seconds = Callable[[int], float]  # prompt tokens → seconds
 POSITIVE = ("tokens", "max_prompt_tokens", "pcie_gbps", "disk_gbps", "tflops", "net_gbps",
-            "mac_tok_s")  # fmt: skip
+            "mac_tok_s", "batch")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +47,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--budget", default=None, help="device memory, weights and activations, e.g. 24GiB"
     )
     p.add_argument("--tokens", type=int, default=4096, help="prompt length to predict")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        metavar="N",
+        help="also predict one pass serving N such prompts at once (default 4)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="as the node's: activations of a prompt this long are kept free in "
@@ -116,6 +123,19 @@ class Report:
     break_even_tokens: int | None  # the shortest prompt remote prefill is faster for
     break_even_limit: int  # searched up to this many tokens
     kv_wire: list[KVWire]  # the prompt's KV over the network at 16, 8 and 4 bits
+    batch: BatchCost | None = None  # one pass serving `batch` such prompts (issue 46)
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """One weight pass serving `requests` prompts of `tokens` each, against as many lone
+    passes (the node batches the prompts waiting when a pass starts)."""
+
+    requests: int
+    tokens: int  # each
+    pass_s: float
+    lone_s: float  # `requests` lone passes, one after another
+    bound: str  # the pass's
 
 
 class PlanUsageError(UsageError):
@@ -256,7 +276,17 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         break_even_tokens=cost.break_even_tokens(remote_s, local_s, limit),
         break_even_limit=limit,
         kv_wire=kv_wire(index, a.tokens, hw.net_Bps),
+        batch=_batch_cost(plan, index, a.batch, a.tokens, hw, main.wall_s),
     )
+
+
+def _batch_cost(
+    plan: Plan, index: ModelIndex, n: int, tokens: int, hw: Hardware, lone_s: float
+) -> BatchCost:
+    from tandem.nodes.prefill import cost
+
+    one_pass = cost.predict_pass(plan, index, n, tokens, hw)
+    return BatchCost(n, tokens, one_pass.wall_s, n * lone_s, one_pass.bound)
 
 
 def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Seconds]:
@@ -360,6 +390,12 @@ def render(r: Report) -> str:
             f" 1 - (1 - {k}/{e})^tokens of them (routing taken as uniform; a skewed router"
             " reads fewer)\n              resident layers keep all their experts: a fixed set,"
             " chosen before any prompt (which experts a prompt uses changes with each one)"
+        )
+    if (b := r.batch) is not None and b.requests > 1:
+        lines.append(
+            f"  a pass of {b.requests} prompts of {b.tokens} tokens: {b.pass_s:.3g} s, "
+            f"{b.bound}-bound, against {b.lone_s:.3g} s for {b.requests} lone passes "
+            f"({b.pass_s / b.lone_s:.2f}x): the prompts waiting when a pass starts share it"
         )
     lines += render_kv(r.tokens, r.kv_wire, m)
     n = r.break_even_tokens

@@ -24,6 +24,7 @@ Rates are bytes/s and FLOP/s; times seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -188,7 +189,26 @@ def predict(
     chunk: int = DEFAULT_CHUNK_TOKENS,
 ) -> Prediction:  # fmt: skip
     """Predicted warm pass of `tokens` new positions after `start` through `plan` on `hw`."""
-    run = steps(plan, index, tokens, hw, start, chunk)
+    return _predicted(plan, steps(plan, index, tokens, hw, start, chunk), tokens, start, hw)
+
+
+def predict_pass(
+    plan: Plan, index: ModelIndex, requests: int, tokens: int, hw: Hardware,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+) -> Prediction:  # fmt: skip
+    """Predicted warm pass serving `requests` prompts of `tokens` each (issue 46): the weights
+    streamed once (a mixture of experts: those all their tokens are expected to choose), each
+    load computed once per prompt while it sits in its slot."""
+    one = steps(plan, index, tokens, hw, 0, chunk)
+    union = steps(plan, index, requests * tokens, hw, 0, chunk)  # the experts' bytes
+    run = [
+        dataclasses.replace(u, compute_s=requests * o.compute_s)
+        for o, u in zip(one, union, strict=True)
+    ]
+    return _predicted(plan, run, requests * tokens, 0, hw)
+
+
+def _predicted(plan: Plan, run: list[Step], tokens: int, start: int, hw: Hardware) -> Prediction:
     nbytes = sum(s.nbytes for s in run if s.streamed)
     from_disk = round(plan.disk_bytes * nbytes / plan.streamed_bytes) if plan.streamed_bytes else 0
     wall = simulate(run, plan.n_slots, N_STAGING if hw.device == "cuda" else 0)
