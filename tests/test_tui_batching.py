@@ -23,8 +23,8 @@ def _row(**health: object) -> NodeRow:
 def test_the_nodes_panel_says_each_nodes_load() -> None:
     busy = _row(batching=Batching("continuous", running=4, waiting=1, limit=8, batch=3))
     assert status_text(busy).plain == "● trusted · batch 3/4 +1 waiting"
-    queued = _row(queue=PrefillQueue(2, tokens_waiting=1200, running_tokens=300, running=1))
-    assert status_text(queued).plain == "● trusted · queue 2 (1.5k tok)"
+    queued = _row(queue=PrefillQueue(2, tokens_waiting=1200, running_tokens=300, running=3))
+    assert status_text(queued).plain == "● trusted · pass of 3 · queue 2 (1.2k tok)"
     idle = _row(batching=Batching("continuous", 0, 0, 8, 0), queue=PrefillQueue())
     assert status_text(idle).plain == "● trusted"
 

@@ -36,7 +36,8 @@ def status_text(row: NodeRow) -> Text:
 
 def load_text(row: NodeRow) -> str:
     """What a node is doing now, where its `/health` says: a decode node's replies in its
-    batch (and waiting), a prefill node's prefills queued (and their tokens); '' when idle."""
+    batch (and waiting), a prefill node's pass in progress (its requests) and its prefills
+    queued for the next (their tokens); '' when idle."""
     health = row.health
     parts = []
     if health is not None and (b := health.batching) is not None and (b.running or b.waiting):
