@@ -38,14 +38,17 @@ def load_text(row: NodeRow) -> str:
     """What a node is doing now, where its `/health` says: a decode node's replies in its
     batch (and waiting), a prefill node's pass in progress (its requests) and its prefills
     queued for the next (their tokens); '' when idle."""
-    health = row.health
+    if row.health is None:
+        return ""
     parts = []
-    if health is not None and (b := health.batching) is not None and (b.running or b.waiting):
-        parts.append(
-            f"batch {b.batch}/{b.running}" + (f" +{b.waiting} waiting" if b.waiting else "")
-        )
-    if health is not None and (q := health.queue) is not None and (q.waiting or q.running_tokens):
-        parts.append(f"queue {q.waiting} ({format_tokens(q.tokens)} tok)")
+    b, q = row.health.batching, row.health.queue
+    if b is not None and (b.running or b.waiting):
+        waiting = f" +{b.waiting} waiting" if b.waiting else ""
+        parts.append(f"batch {b.batch}/{b.running}{waiting}")
+    if q is not None and q.running:
+        parts.append(f"pass of {q.running}")
+    if q is not None and q.waiting:
+        parts.append(f"queue {q.waiting} ({format_tokens(q.tokens_waiting)} tok)")
     return " · ".join(parts)
 
 
