@@ -15,6 +15,7 @@ too, until the test sends SIGCONT.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -34,7 +35,8 @@ from tests.trust_support import add_hello_routes
 
 log = logging.getLogger(__name__)
 FRAME_MODES = ("good", "count_more", "count_less", "heads", "head_dim", "f16", "nan", "inf",
-               "quantized_cut")  # fmt: skip
+               "quantized_cut", "nan_then_slow")  # fmt: skip
+SLOW_S = 10.0  # "nan_then_slow": layer 0 has NaN K, the next comes after this long
 RETRY_MODES = {"503_zero": "0", "503_nan": "nan"}  # mode → Retry-After
 FREEZE_MODES = ("freeze", "stall")  # stop before sending anything / after header and layer 0
 MODES = (*FRAME_MODES, *RETRY_MODES, *FREEZE_MODES)
@@ -125,9 +127,10 @@ async def prefill(request: web.Request) -> web.StreamResponse:
     rng = np.random.default_rng(len(tokens))
     await resp.write(writer.start())
     for layer in range(h.layers):
-        await resp.write(
-            writer.layer(layer, layer_values(mode, h, rng), layer_values(mode, h, rng))
-        )
+        own = "nan" if mode == "nan_then_slow" and layer == 0 else mode
+        await resp.write(writer.layer(layer, layer_values(own, h, rng), layer_values(mode, h, rng)))
+        if mode == "nan_then_slow":  # a real node computing a long prompt's next layers
+            await asyncio.sleep(SLOW_S)
         if mode == "stall":
             _freeze()
             request.transport.close()  # type: ignore[union-attr]

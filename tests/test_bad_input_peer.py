@@ -23,6 +23,7 @@ from tests.bad_input_support import (
     events_since,
     post,
 )
+from tests.bad_prefill import SLOW_S
 from tests.records import stats_of
 
 FROZEN_LIMIT_S = 20.0  # a frozen peer must cost well under its 60 s read timeout
@@ -63,6 +64,27 @@ def test_bad_frames_fall_back_to_an_exact_local_prefill(
     phases = [r.phase for r in records if isinstance(r, RequestEvent)]
     assert "failed" in phases, phases
     assert stats_of(body).prefill == "local", stats_of(body)
+
+
+def test_a_refused_first_frame_falls_back_at_once_while_the_node_computes_on(
+    bad: BadPeer, oracle: Oracle
+) -> None:
+    """Issue 47: layer 0's K is NaN and the node takes SLOW_S for each next layer (a long
+    prompt): the decode node refuses the frame and prefills locally at once, instead of
+    waiting on a queue nobody reads until `--remote-timeout`."""
+    prompt = "The keeper of the slow lighthouse counted the waves once more."
+    bad.set_mode("nan_then_slow")
+    t0 = time.monotonic()
+    try:
+        reply = post(bad.decode.url + "/v1/chat/completions", chat_body(prompt), timeout=60)
+    finally:
+        bad.set_mode("good")
+    elapsed = time.monotonic() - t0
+    assert reply.status == 200, reply
+    body = reply.json()
+    assert stats_of(body).prefill == "local"
+    assert body["choices"][0]["message"]["content"] == oracle.reference(prompt)
+    assert elapsed < SLOW_S / 2, f"the fallback took {elapsed:.1f} s"
 
 
 def test_a_quantized_prefill_cut_off_falls_back_to_mlx_lms_own(tiny_model, tmp_path: Path) -> None:

@@ -146,32 +146,29 @@ class RemotePrefill:
         RemotePrefillError on any failure (the caches may then hold a partial prefix:
         `lm.trim_to` them), and the moment the peer table stops trusting `url` (the request
         is then abandoned). `stepper` advances through layer i on the mlx thread right after
-        layer i is in its cache."""
-        task = asyncio.create_task(
-            self._fetch(url, call, caches, events, stepper), name="remote-prefill"
-        )
+        layer i is in its cache. A frame the caches refuse (its values, its shape) ends the
+        request at once, whatever the node still sends."""
+        assembler = _Assembler(self, caches, events, call, stepper)
+        task = asyncio.create_task(self._fetch(url, call, assembler), name="remote-prefill")
+        broken = asyncio.create_task(assembler.failed.wait(), name="kv-refused")
         with self.peers.until_untrusted(url) as lost:
             untrusted = asyncio.create_task(lost.wait(), name="peer-trust")
             try:
-                await asyncio.wait({task, untrusted}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({task, untrusted, broken}, return_when=asyncio.FIRST_COMPLETED)
                 if task.done():
                     return task.result()
+                if broken.done():
+                    e = assembler.error
+                    raise RemotePrefillError(f"{url}: {type(e).__name__}: {e}") from e
                 peer = self.peers.peers.get(url)
                 reason = peer.reason if peer is not None else "gone"
                 raise RemotePrefillError(f"{url} is no longer trusted ({reason})")
             finally:
-                for t in (task, untrusted):
+                for t in (task, untrusted, broken):
                     t.cancel()
-                await asyncio.gather(task, untrusted, return_exceptions=True)
+                await asyncio.gather(task, untrusted, broken, return_exceptions=True)
 
-    async def _fetch(
-        self,
-        url: str,
-        call: PrefillCall,
-        caches: lm.Caches,
-        events: EventBus | None,
-        stepper: LayerStepper | None,
-    ) -> RemoteResult:
+    async def _fetch(self, url: str, call: PrefillCall, assembler: _Assembler) -> RemoteResult:
         """The request itself: POST, then each frame into its layer's cache as it lands."""
         body = PrefillBody(
             self.fingerprint, call.request_id, call.tokens, call.start, call.kv_format
@@ -183,8 +180,7 @@ class RemotePrefill:
             raise RemotePrefillError(str(e)) from None
         t0 = time.perf_counter()
         reader = FrameReader(alloc=self.buffers.take)
-        assembler = _Assembler(self, caches, events, call, stepper)
-        clock = _FrameClock(events, call.request_id)
+        clock = _FrameClock(assembler.events, call.request_id)
         try:
             async with (
                 asyncio.timeout(call.timeout_s),
@@ -271,6 +267,8 @@ class _Assembler:
         self.queue: asyncio.Queue[LayerFrame | None] = asyncio.Queue(maxsize=4)
         self.task: asyncio.Task[None] | None = None
         self.builder: CacheBuilder | None = None
+        self.failed = asyncio.Event()  # a frame was refused: `error` says why
+        self.error: BaseException | None = None
 
     async def take(self, frame: Frame) -> None:
         if isinstance(frame, ErrorFrame):
@@ -291,6 +289,14 @@ class _Assembler:
             log.debug("request %s: %d layers received", self.call.request_id, frame.layers)
 
     async def _apply_all(self) -> None:
+        try:
+            await self._apply_each()
+        except Exception as e:  # the request ends now: its reader may be waiting to put
+            self.error = e
+            self.failed.set()
+            raise
+
+    async def _apply_each(self) -> None:
         assert self.builder is not None
         host = self.client.host
         while (frame := await self.queue.get()) is not None:
