@@ -167,3 +167,26 @@ def test_tool_messages_parse_where_the_model_takes_tools() -> None:
     ]  # fmt: skip
     for bad in ({"role": "tool", "content": "ok"}, {"role": "assistant", "tool_calls": [{}]}):
         _refused_with_tools({"messages": [bad]})
+
+
+@pytest.mark.parametrize(
+    "field", ["top_k", "min_p", "repetition_penalty", "store", "metadata", "foo"]
+)
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_field_outside_the_readmes_table_is_refused_by_name(field: str, chat: bool) -> None:
+    """Issue 47 item 7: nothing is silently ignored."""
+    body = {**(CHAT if chat else {"prompt": "hi"}), field: 1}
+    e = _refused(body, chat)
+    assert e.code == "unsupported_field" and field in str(e)
+
+
+def test_tools_zero_is_not_taken_for_none() -> None:
+    e = _refused({**CHAT, "tools": 0})
+    assert e.code == "unsupported_field" and "tools" in str(e)
+
+
+@pytest.mark.parametrize("key", ["²", "٥", "５", "1²"])
+def test_logit_bias_keys_are_ascii_digits(key: str) -> None:
+    """Issue 47 item 6: `str.isdigit` takes these, and `int` reads "٥" and "５" as 5."""
+    e = _refused({**CHAT, "logit_bias": {key: 1}})
+    assert e.code != "unsupported_field" and "logit_bias" in str(e)

@@ -154,3 +154,15 @@ def test_the_split_is_mlx_lms(text: str) -> None:
     theirs = ToolCallFormatter(json_tools.parse_tool_call, TOOLS)(spans)
     assert content == outside
     assert [{**c, "id": ""} for c in calls] == [{**c, "id": ""} for c in theirs]
+
+
+@pytest.mark.parametrize("span", ["1", '"f"', "[1, 2]", '{"arguments": {}}', '{"name": 5}'])
+def test_a_call_that_is_not_an_object_with_a_name_stays_text(span: str) -> None:
+    """Issue 47 item 6: what a model writes between the markers that parses to no call (a
+    number, a string, a nameless object) is no call, and no 500: its text stays."""
+    from mlx_lm.tool_parsers import json_tools
+
+    start, end = json_tools.tool_call_start, json_tools.tool_call_end
+    text = f"before{start}{span}{end}after"
+    content, calls = split_tool_calls(text, start, end, json_tools.parse_tool_call, TOOLS)
+    assert calls == [] and content == text

@@ -41,6 +41,14 @@ UNSUPPORTED = (
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
     "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
 )  # fmt: skip
+# every field the README's table names; anything else is refused by name, never ignored
+COMMON_FIELDS = frozenset({
+    "model", "user", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+    "stop", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "stream", "stream_options", "n", "response_format", "tandem", *UNSUPPORTED,
+})  # fmt: skip
+CHAT_FIELDS = COMMON_FIELDS | {"messages"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", *NOT_ECHOED}
 
 
 @dataclass(frozen=True)
@@ -115,13 +123,18 @@ def _content(content: Any) -> str:
 
 
 def check_fields(body: Mapping[str, Any], chat: bool, tools: bool = False) -> None:
-    """Refuse the fields this node does not do, and those of the wrong type it ignores
-    otherwise (`model`, `user`, `stream_options`, `response_format`). `tools`: the model's
-    chat template takes tools, so a chat's tool fields are left to `openai_tools.tools_of`."""
+    """Refuse the fields this node does not do (any outside the README's table, by name),
+    and those of the wrong type it ignores otherwise (`model`, `user`, `stream_options`,
+    `response_format`). `tools`: the model's chat template takes tools, so a chat's tool
+    fields are left to `openai_tools.tools_of`."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    if unknown := sorted(str(name) for name in body if name not in known):
+        raise ApiError(400, f"{unknown[0]} is not supported by this node", "unsupported_field")
     for name in UNSUPPORTED:
         if tools and chat and name in TOOL_FIELDS:
             continue
-        if body.get(name) not in (None, False, [], "none"):
+        value = body.get(name)  # absent, null, false, empty or "none" asks for nothing
+        if not (value is None or value is False or value == [] or value == "none"):
             raise ApiError(400, f"{name} is not supported by this node", "unsupported_field")
     if "model" in body and not isinstance(body["model"], str):
         raise ApiError(400, "model must be a string")
@@ -231,7 +244,9 @@ def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[
         raise ApiError(400, f"logit_bias must be an object of up to {MAX_BIAS} token ids")
     out = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()) or int(key) >= (vocab_size or 2**31):
+        # ASCII digits only: str.isdigit takes "²", "٥" and "５", and int() reads two of them
+        ascii_id = isinstance(key, str) and key.isascii() and key.isdigit()
+        if not ascii_id or int(key) >= (vocab_size or 2**31):
             raise ApiError(400, "logit_bias keys must be token ids in the vocabulary")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ApiError(400, "logit_bias values must be numbers")

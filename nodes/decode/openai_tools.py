@@ -94,19 +94,32 @@ def split_tool_calls(
 ) -> tuple[str, list[dict[str, Any]]]:
     """(the text outside the calls, the calls): each span between `start` and `end` (or from
     `start` to the end, where generation stopped inside a call) parsed by `parse`, as
-    mlx-lm's server does; a span that does not parse is dropped with a warning, as there."""
+    mlx-lm's server does. A span that does not parse is dropped with a warning, as there; one
+    that parses to something other than objects with a string `name` (a model writes what it
+    writes: `<tool_call>1</tool_call>`) is no call either, and its text stays in the
+    content."""
     content: list[str] = []
     calls: list[dict[str, Any]] = []
     rest = text
     while (at := rest.find(start)) >= 0:
         content.append(rest[:at])
-        span, _, rest = rest[at + len(start) :].partition(end)
+        span, closed, rest = rest[at + len(start) :].partition(end)
         try:
             parsed = parse(span, tools)
         except ValueError as e:  # json.JSONDecodeError is one
             log.warning("tool call does not parse (%s: %s); dropped", type(e).__name__, e)
             continue
-        calls.extend(_call_json(c) for c in (parsed if isinstance(parsed, list) else [parsed]))
+        except (TypeError, KeyError, AttributeError) as e:  # a parser fed what it did not expect
+            log.warning("tool call %r is not a call (%s); kept as text", span[:80], e)
+            content.append(start + span + closed)
+            continue
+        found = parsed if isinstance(parsed, list) else [parsed]
+        if not all(isinstance(c, Mapping) and isinstance(c.get("name"), str) for c in found):
+            log.warning("tool call %r is not an object with a string name; kept as text",
+                        span[:80])  # fmt: skip
+            content.append(start + span + closed)
+            continue
+        calls.extend(_call_json(c) for c in found)
     content.append(rest)
     return "".join(content), calls
 
@@ -114,6 +127,6 @@ def split_tool_calls(
 def _call_json(call: Mapping[str, Any]) -> dict[str, Any]:
     """OpenAI's shape of one parsed call: its arguments as a JSON string."""
     function = {k: v for k, v in call.items() if k != "id"}
-    function["arguments"] = json.dumps(call["arguments"], ensure_ascii=False)
+    function["arguments"] = json.dumps(call.get("arguments", {}), ensure_ascii=False)
     call_id = call.get("id") or "call_" + uuid.uuid4().hex[:24]
     return {"id": call_id, "type": "function", "function": function}
