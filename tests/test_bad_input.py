@@ -101,10 +101,12 @@ DEEP_BODIES = {
 @pytest.mark.parametrize("route", list(DEEP_BODIES))
 def test_deep_json_is_400(pair: Pair, route: str) -> None:
     url = _routes(pair)[route]
+    # the hello takes a few KiB (issue 47): a longer body is refused for its size first
+    statuses = (400, 413) if route.startswith("hello") else (400,)
     problems = [
         f"body {i}: {p}"
         for i, body in enumerate(DEEP_BODIES[route])
-        if (p := error_problem(post(url, body))) is not None
+        if (p := error_problem(post(url, body), statuses)) is not None
     ]
     assert not problems, problems
 

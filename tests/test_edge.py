@@ -5,6 +5,7 @@ and raw sockets; the real nodes' side is in test_bad_input.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
 import socket
@@ -24,7 +25,9 @@ from tandem.nodes.trust.auth import bearer_ok
 from tests.nodeproc import NodeProc, remote_pair
 
 SECRET = "edge-secret-token-0123456789"
-LIMITS = EdgeLimits(head_timeout_s=0.5, idle_timeout_s=0.8, connections_per_address=3)
+LIMITS = EdgeLimits(
+    head_timeout_s=0.5, body_timeout_s=1.0, idle_timeout_s=0.8, connections_per_address=3
+)
 NodePair = tuple[NodeProc, NodeProc]  # prefill, decode
 
 
@@ -40,6 +43,10 @@ async def _echo(request: web.Request) -> web.Response:
     return web.json_response(await read_json_body(request))
 
 
+async def _capped(request: web.Request) -> web.Response:
+    return web.json_response(await read_json_body(request, max_bytes=100))
+
+
 @asynccontextmanager
 async def serving(limits: EdgeLimits = LIMITS) -> AsyncIterator[int]:
     """A tiny app behind the node's middleware and runner; its port."""
@@ -47,6 +54,7 @@ async def serving(limits: EdgeLimits = LIMITS) -> AsyncIterator[int]:
     app.router.add_get("/ok", _ok)
     app.router.add_get("/refused", _refused)
     app.router.add_post("/echo", _echo)
+    app.router.add_post("/capped", _capped)
     runner = EdgeRunner(app, limits, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -345,3 +353,45 @@ async def test_2000_slowloris_sockets_are_closed_while_requests_are_answered(
     assert len(closed) == FLOOD
     assert limits.head_timeout_s - 0.1 <= min(closed), min(closed)
     assert max(closed) <= limits.head_timeout_s + SLACK_S, max(closed)
+
+
+async def test_slow_bodies_are_closed_at_the_body_deadline() -> None:
+    """Issue 47 item 4: a request whose body has not all come within `body_timeout_s` of its
+    head loses its connection (the head timer stops at the head: 50 slow bodies from other
+    addresses were held for as long as their senders liked)."""
+    limits = EdgeLimits(body_timeout_s=1.0, connections_per_address=100)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n[1,"
+    async with serving(limits) as port:
+        streams = [await asyncio.open_connection("127.0.0.1", port) for _ in range(50)]
+        t0 = time.monotonic()
+        for _, writer in streams:
+            writer.write(head)  # and then nothing more of the 1000 bytes it announced
+            await writer.drain()
+
+        async def closed(reader: asyncio.StreamReader) -> float:
+            with contextlib.suppress(ConnectionError):
+                while await reader.read(4096):
+                    pass
+            return time.monotonic() - t0
+
+        waited = await asyncio.wait_for(
+            asyncio.gather(*(closed(reader) for reader, _ in streams)), 10
+        )
+        for _, writer in streams:
+            writer.close()
+    assert max(waited) < limits.body_timeout_s + 1.5, max(waited)
+    assert min(waited) >= limits.body_timeout_s - 0.1
+
+
+async def test_a_capped_route_refuses_a_larger_body_before_reading_it() -> None:
+    """A route that needs no token (the hello) takes a few KiB: a larger announced body is a
+    413 at once, none of it read."""
+    async with serving() as port:
+        head = (
+            b"POST /capped HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 900\r\n\r\n"
+        )
+        reply = await exchange(port, head, timeout=0.5)  # no body sent: answered anyway
+        assert error_of(reply, 413)["code"] == "request_too_large"
+        body = b'{"a": 1}'
+        small = head.replace(b"900", str(len(body)).encode()) + body
+        assert split(await exchange(port, small))[2] == b'{"a": 1}'

@@ -3,6 +3,8 @@ nonce memory, the canonical query)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from multidict import CIMultiDict
 from tandem.nodes.trust.signing import (
@@ -309,3 +311,26 @@ def test_the_canonical_query_is_unambiguous(one: dict[str, str], other: dict[str
 def test_the_canonical_query_escapes_everything_but_unreserved() -> None:
     assert canonical_query({"since": "12.5", "q": "a b/c~_-"}) == "q=a%20b%2Fc~_-&since=12.5"
     assert canonical_query(None) == canonical_query("") == canonical_query({}) == ""
+
+
+@pytest.mark.parametrize("wrong", ["callee", "time"])
+async def test_a_signed_request_fails_on_its_headers_before_its_body_is_read(wrong: str) -> None:
+    """Issue 47 item 4: a signature for another node, or a stale one, is refused on its
+    headers alone: the body (up to 1 MiB a stranger could dribble) is never read."""
+    from aiohttp.test_utils import make_mocked_request
+    from tandem.nodes.contract.http import ApiError
+    from tandem.nodes.trust.auth import Gate
+
+    token, own = "a-cluster-token-0123456789", "callee-node"
+    callee = "another-node" if wrong == "callee" else own
+    now = time.time() - (3600 if wrong == "time" else 0)
+    headers = sign(token, "POST", "/v1/prefill", {}, b"{}", "caller-node", callee, now)
+    request = make_mocked_request("POST", "/v1/prefill", headers=headers)
+
+    async def never() -> bytes:
+        raise AssertionError("the body was read")
+
+    request.read = never  # type: ignore[method-assign]
+    with pytest.raises(ApiError) as e:
+        await Gate(token, own).admit(request)
+    assert e.value.status == 401

@@ -2,6 +2,8 @@
 
 - A request's head (request line and headers) arrives within `head_timeout_s` of the
   connection opening or of its first byte, else the connection closes (slowloris).
+- A request's body arrives whole within `body_timeout_s` of its head, else the connection
+  closes (a slow body, authenticated or not, holds nothing for long; issue 47).
 - A kept-alive connection with no request closes after `idle_timeout_s`.
 - One address holds at most `connections_per_address` connections; a request on one past
   that is answered 503 `too_many_connections` and the connection closes.
@@ -31,6 +33,8 @@ from tandem.nodes.contract.http import error_body
 log = logging.getLogger(__name__)
 
 DEFAULT_HEAD_TIMEOUT_S: Final = 5.0  # request line + headers, from the first byte
+# a body, from its head: a 1 MiB body (the most any route takes) at 1 Mbit/s is 8 s
+DEFAULT_BODY_TIMEOUT_S: Final = 10.0
 # longer than the clients' own pools keep an idle connection (aiohttp's 15 s), so a client
 # never reuses a connection the node is closing
 DEFAULT_IDLE_TIMEOUT_S: Final = 30.0
@@ -45,6 +49,7 @@ class EdgeLimits:
     """How long and how much one client may hold a node (module docstring)."""
 
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     connections_per_address: int = DEFAULT_CONNECTIONS_PER_ADDRESS
     max_field_bytes: int = MAX_FIELD_BYTES
@@ -54,6 +59,9 @@ class EdgeLimits:
         """aiohttp's own per-connection settings for these limits."""
         return {
             "keepalive_timeout": self.idle_timeout_s,
+            # a body a route left unread (refused before it) is not waited for: the
+            # connection closes after the answer (aiohttp would read on for 10 s)
+            "lingering_time": 0.0,
             "max_line_size": self.max_field_bytes,
             "max_field_size": self.max_field_bytes,
             "max_headers": self.max_headers,
@@ -84,13 +92,16 @@ class EdgeHandler(RequestHandler):
         self._address: str | None = None
         self._in_request = False  # a head arrived; its response is not finished yet
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         factory = self._request_factory
         assert factory is not None
 
         def head_arrived(*args: Any) -> Any:  # every parsed head passes here, errors too
             self._in_request = True
             self._stop_head_timer()
-            return factory(*args)
+            request = factory(*args)
+            self._start_body_timer(request)
+            return request
 
         self._request_factory = head_arrived
 
@@ -105,6 +116,7 @@ class EdgeHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._stop_head_timer()
+        self._stop_body_timer()
         if self._address is not None:
             self._open[self._address] -= 1
             if self._open[self._address] <= 0:
@@ -124,6 +136,7 @@ class EdgeHandler(RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._in_request = False
+            self._stop_body_timer()
 
     def handle_error(
         self,
@@ -159,6 +172,26 @@ class EdgeHandler(RequestHandler):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _start_body_timer(self, request: Any) -> None:
+        self._stop_body_timer()
+        payload = getattr(request, "content", None)
+        if payload is None or payload.is_eof():
+            return  # no body, or all of it here already
+
+        def late() -> None:
+            self._body_timer = None
+            if not payload.is_eof():
+                log.info("closed a connection from %s: its request body did not arrive in "
+                         "%.0f s", self._address, self._limits.body_timeout_s)  # fmt: skip
+                self.force_close()
+
+        self._body_timer = self._loop.call_later(self._limits.body_timeout_s, late)
+
+    def _stop_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
 
     def _head_late(self) -> None:
         self._head_timer = None

@@ -16,6 +16,10 @@ from tandem.nodes.serve.errors import read_json_body
 from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
 from tandem.nodes.trust.hello import HelloRefused
 
+# a hello's body: nonces, ids and a proof (a few hundred bytes); no token is needed to send
+# one, so nobody gets to make this node hold more
+HELLO_MAX_BYTES = 4096
+
 if TYPE_CHECKING:
     from tandem.nodes.serve.node import Node
 
@@ -38,7 +42,7 @@ class NodeRoutes:
 
     async def hello(self, request: web.Request) -> web.Response:
         """Hello v2, the callee's answer (nodes/trust/hello.py)."""
-        body = await read_json_body(request, "bad_request")
+        body = await read_json_body(request, "bad_request", HELLO_MAX_BYTES)
         try:
             answer = self.node.hello.answer(body, _sockname(request))
         except ValueError as e:
@@ -47,7 +51,7 @@ class NodeRoutes:
 
     async def hello_confirm(self, request: web.Request) -> web.Response:
         """Hello v2, the caller's proof: 200 once it verifies, else 401."""
-        body = await read_json_body(request, "bad_request")
+        body = await read_json_body(request, "bad_request", HELLO_MAX_BYTES)
         try:
             caller = self.node.hello.confirm(body, _sockname(request))
         except HelloRefused as e:

@@ -140,6 +140,11 @@ class Gate:
             return
         if not any(h in request.headers for h in SIGNED_HEADERS):
             raise ApiError(401, "missing or wrong bearer token", "unauthorized")
+        try:  # the headers first: a stranger's signature gets no body read
+            self.verifier.check_head(request.headers)
+        except SignatureError as e:
+            log.info("refused a signed %s %s: %s", request.method, request.path, e)
+            raise ApiError(401, f"signed request refused: {e}", "unauthorized") from None
         body = await request.read()
         try:
             caller = self.verifier.verify(

@@ -137,17 +137,12 @@ class Verifier:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def verify(
-        self,
-        method: str,
-        path: str,
-        query: Query,
-        body: bytes,
-        headers: Mapping[str, str],
-        now: float | None = None,
-    ) -> str:
-        """The caller's id if the request is signed for this node, fresh and new; else
-        SignatureError. `headers` may be any mapping (case-insensitive lookup)."""
+    def check_head(
+        self, headers: Mapping[str, str], now: float | None = None
+    ) -> tuple[str, str, str, str]:
+        """What can be checked of a signed request before its body is read: the headers'
+        format, that it is signed for this node, and that it is fresh; (caller, time, nonce,
+        signature), else SignatureError. A request that fails here has its body never read."""
         now = time.time() if now is None else now
         got = _signed_headers(headers)
         caller, callee, stamp, nonce, mac = (got[h.lower()] for h in SIGNED_HEADERS)
@@ -170,6 +165,22 @@ class Verifier:
                 f"{TIME} is {now - t:+.0f} s from this node's clock, outside ±{self.window_s} s "
                 "(are both clocks set?)"
             )
+        return caller, stamp, nonce, mac
+
+    def verify(
+        self,
+        method: str,
+        path: str,
+        query: Query,
+        body: bytes,
+        headers: Mapping[str, str],
+        now: float | None = None,
+    ) -> str:
+        """The caller's id if the request is signed for this node, fresh and new; else
+        SignatureError. `headers` may be any mapping (case-insensitive lookup)."""
+        now = time.time() if now is None else now
+        caller, stamp, nonce, mac = self.check_head(headers, now)
+        t = int(stamp)
         # the callee is own_id here, not the header: a rewritten header cannot verify
         want = _request_mac(
             self._token, method, path, query, body, stamp, nonce, caller, self.own_id
