@@ -88,3 +88,21 @@ async def _rank_1_killed(group: Cluster) -> None:
     assert time.monotonic() - t0 < 20
     assert not rank_pids(group.decode)
     assert "this node is stopping so that the group can be started again" in group.decode.output()
+
+
+def test_no_rank_outlives_its_launcher(tiny_model: MakeTiny, tmp_path: Path) -> None:
+    """Issue 47 item 3: SIGTERM to `mlx.launch` (a closed terminal, a service stop): both
+    ranks are gone within 5 s (they were re-parented to init and kept serving)."""
+    model = tiny_model(arch="llama", layers=4)
+    group = start_group(tmp_path, model, token=TOKEN, launcher=True)
+    try:
+        wait_healthy(group, timeout=90)
+        assert len(rank_pids(group)) == 2
+        group.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while rank_pids(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rank_pids(group) == {}, group.output()[-2000:]
+    finally:
+        stop_all([group])
+        stop_ranks(group)

@@ -8,12 +8,15 @@ JACCL (Thunderbolt RDMA) where mlx has it; `mx.distributed.init` finds it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
 import signal
 import socket
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +41,40 @@ class GroupLaunch:
 
 
 def launched() -> GroupLaunch | None:
-    """This process's place in a group `mlx.launch` started; None outside one."""
+    """This process's place in a group `mlx.launch` started; None outside one. A rank never
+    outlives the process that started it (`die_with_parent`)."""
     rank = os.environ.get("MLX_RANK")
     if rank is None:
         return None
+    die_with_parent()
     backend = "ring" if "MLX_HOSTFILE" in os.environ else "any"
     if "MLX_IBV_DEVICES" in os.environ or "MLX_JACCL_COORDINATOR" in os.environ:
         backend = "jaccl"
     return GroupLaunch(int(rank), backend)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent exits
+PARENT_POLL_S = 1.0  # elsewhere: how often the watch looks
+
+
+def die_with_parent() -> None:
+    """SIGTERM to this rank once the process that started it (`mlx.launch`, or a service
+    manager) is gone, however it went (issue 47: a launcher's SIGTERM left both ranks
+    serving). Linux: the kernel's parent-death signal; elsewhere (macOS) a thread watching
+    the parent id."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    else:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(PARENT_POLL_S)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it went before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def init(launch: GroupLaunch) -> Any:
