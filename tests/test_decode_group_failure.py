@@ -7,6 +7,7 @@ when a rank exits (it stops the others) is in test_decode_group.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from tandem.nodes.contract.cluster import DecodeGroup
 from tandem.nodes.contract.events import LayerEvent
 
 from tests.conftest import MakeTiny
@@ -104,5 +106,52 @@ def test_no_rank_outlives_its_launcher(tiny_model: MakeTiny, tmp_path: Path) -> 
             time.sleep(0.1)
         assert rank_pids(group) == {}, group.output()[-2000:]
     finally:
+        stop_all([group])
+        stop_ranks(group)
+
+
+def test_a_frozen_rank_takes_the_group_down_within_seconds(
+    tiny_model: MakeTiny, tmp_path: Path
+) -> None:
+    """Issue 47 item 1: rank 1 stopped (SIGSTOP: a hung Mac) stops beating on its doorbell;
+    rank 0 says so in `/health`, answers 503 `group_broken`, and exits, within 10 s (it hung
+    for good, a core busy in a collective rank 1 never joined)."""
+    import urllib.error
+    import urllib.request
+
+    model = tiny_model(arch="llama", layers=4)
+    group = start_group(tmp_path, model, token=TOKEN)
+    ranks: dict[int, int] = {}
+    try:
+        wait_healthy(group, timeout=90)
+        ranks = rank_pids(group)
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        refused, said = None, ""
+        while time.monotonic() - t0 < 10 and group.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                said = said or (group.health().group or DecodeGroup(0, "", ())).lost
+            req = urllib.request.Request(
+                group.url + "/v1/chat/completions",
+                data=b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}',
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            )
+            try:
+                urllib.request.urlopen(req, timeout=2).read()
+            except urllib.error.HTTPError as e:
+                refused = (e.code, e.read())
+                break
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                pass  # the first chat waits in the frozen collective
+            time.sleep(0.2)
+        assert refused is not None and refused[0] == 503 and b"group_broken" in refused[1], (
+            refused, group.output()[-2000:],
+        )  # fmt: skip
+        assert "stopped answering" in said, said
+        assert group.proc.wait(timeout=10 - (time.monotonic() - t0) + 5) is not None
+    finally:
+        if 1 in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ranks[1], signal.SIGKILL)
         stop_all([group])
         stop_ranks(group)

@@ -141,10 +141,11 @@ class DecodeGroup:
     size: int
     backend: str  # "ring", "jaccl", ...
     ranks: tuple[GroupRank, ...]
+    lost: str = ""  # why the group is gone (a rank exited or froze); "" while it runs
 
     def to_json(self) -> dict[str, Any]:
         return {"size": self.size, "backend": self.backend,
-                "ranks": [r.to_json() for r in self.ranks]}  # fmt: skip
+                "ranks": [r.to_json() for r in self.ranks], "lost": self.lost}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ def _group(obj: dict[str, Any], what: str) -> DecodeGroup | None:
             _int(r, "rank", what), _str(r, "host", what), (span[0], span[1]),
             _int(r, "weight_bytes", what), _int(r, "mem_bytes", what),
         ))  # fmt: skip
-    return DecodeGroup(_int(g, "size", what), _str(g, "backend", what), tuple(ranks))
+    return DecodeGroup(_int(g, "size", what), _str(g, "backend", what), tuple(ranks),
+                       _str(g, "lost", what))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class DecodeApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
+        s.refuse_if_lost()
         body = await json_body(request)
         if not s.host.has_chat_template:
             raise ApiError(400, "this model has no chat template (a base model): send a prompt "
@@ -59,6 +60,7 @@ class DecodeApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         s = self.service
+        s.refuse_if_lost()
         body = await json_body(request)
         oa.check_fields(body, chat=False)
         prompt = oa.prompt_of(body, s.spec.vocab_size)

@@ -169,11 +169,16 @@ class DecodeService:
 
     # ------------------------------------------------------------ the pipeline
 
+    def refuse_if_lost(self) -> None:
+        """503 `group_broken` once a decode group is gone: before anything waits on the mlx
+        thread, which a frozen rank's collective may hold for good."""
+        if self.host.group is not None and self.host.group.lost is not None:
+            raise ApiError(503, self.host.group.lost, "group_broken")
+
     @contextlib.asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
         """A generation slot, after a wait in a bounded queue; 503 when that is full."""
-        if self.host.group is not None and self.host.group.lost is not None:
-            raise ApiError(503, self.host.group.lost, "group_broken")
+        self.refuse_if_lost()
         if self._slots.locked() and self._waiting >= self.max_queue:
             raise ApiError(
                 503, f"{self.max_concurrent} generations running and {self._waiting} waiting",

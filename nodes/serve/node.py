@@ -174,7 +174,7 @@ class Node:
             return None
         ranks = tuple(GroupRank(s.rank, s.host, s.layers, s.weight_bytes, s.mem_bytes)
                       for s in rank0.shares)  # fmt: skip
-        return DecodeGroup(rank0.size, rank0.backend, ranks)
+        return DecodeGroup(rank0.size, rank0.backend, ranks, rank0.lost or "")
 
     def self_peer(self) -> Peer:
         rate = self.prefill.prefill_tok_s if self.prefill is not None else None

@@ -9,7 +9,10 @@ same sequence, so the ring backend (which talks to neighbours only) serves any g
 A doorbell: mlx's ring backend polls while it waits in a collective (a core busy for as long
 as a rank is idle), so the other ranks wait for each order on a socket to rank 0 instead, one
 byte per order, and enter the collectives only then. The socket also says when rank 0 is gone
-(the ranks exit) or a rank is (rank 0 sees the bell fail). It carries nothing else.
+(the ranks exit) or a rank is (rank 0 sees the bell fail), and carries each other rank's
+heartbeat back (`heartbeat`: one byte a second from a thread of its own, which a collective
+never blocks): a rank that is frozen (SIGSTOP, a hung machine) stops beating, and rank 0 knows
+within HEARTBEAT_TIMEOUT_S even while it waits in a collective that rank never joins.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 
 BELL_TIMEOUT_S = 30.0  # the other ranks connect within this, once the group is up
+HEARTBEAT_S = 1.0  # each other rank beats this often on its bell
+HEARTBEAT_TIMEOUT_S = 5.0  # a rank silent this long is frozen: the group is lost
 _TOKEN = 8  # int32s of the bell's secret
 
 
@@ -131,6 +137,15 @@ class Channel:
                 mx.eval(got)
                 arrays[name] = got
         return Order(head["op"], head["args"], arrays)
+
+    def heartbeat(self, stop: threading.Event) -> None:
+        """On another rank, on a thread of its own until `stop`: a beat to rank 0 every
+        HEARTBEAT_S (its bell's other direction: rank 0 reads nothing else there)."""
+        while not stop.wait(HEARTBEAT_S):
+            try:
+                self.bells[0].sendall(b".")
+            except OSError:
+                return  # rank 0 is gone: `receive` says so
 
     def close(self) -> None:
         for bell in self.bells:

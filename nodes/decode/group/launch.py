@@ -13,7 +13,6 @@ import logging
 import os
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -22,7 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from tandem.nodes.decode.group.channel import GroupLost, open_channel
+from tandem.nodes.decode.group.channel import (
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    GroupLost,
+    open_channel,
+)
 from tandem.nodes.decode.group.follower import Follower
 from tandem.nodes.decode.group.mirror import GroupModel, Mirror
 from tandem.nodes.decode.group.pipeline import GroupError, Stage, load_stage
@@ -54,6 +58,7 @@ def launched() -> GroupLaunch | None:
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent exits
+LOST_GRACE_S = 2.0  # a lost group answers 503 (and says why) this long, then the node stops
 PARENT_POLL_S = 1.0  # elsewhere: how often the watch looks
 
 
@@ -104,28 +109,38 @@ class Rank0:
         return len(self.shares)
 
     def lose(self, why: str) -> str:
-        """The group is gone (`why`): every request from now on is a 503, and the node stops
-        (its own graceful stop), for `mlx.launch` or the service manager to start the group
-        again. Returns what requests are told."""
+        """The group is gone (`why`): every request from now on is a 503 (and `/health` says
+        why) for LOST_GRACE_S, then the node stops (its own graceful stop), for `mlx.launch`
+        or the service manager to start the group again. Returns what requests are told."""
         if self.lost is None:
             self.lost = f"{why}; this node is stopping so that the group can be started again"
             log.error("%s", self.lost)
-            os.kill(os.getpid(), signal.SIGTERM)
+            stop = threading.Timer(LOST_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM))
+            stop.daemon = True
+            stop.start()
         return self.lost
 
     def watch(self, bells: list[Any]) -> None:
-        """On a thread of its own: a rank whose doorbell socket closes is gone; say so, and
-        stop this node (its own graceful stop) for the group to be started again."""
+        """On a thread of its own: a rank whose doorbell socket closes is gone, and one whose
+        heartbeat stops for HEARTBEAT_TIMEOUT_S is frozen; say so, and stop this node (its
+        own graceful stop) for the group to be started again."""
+        heard = {bell: time.monotonic() for bell in bells}
         while self.lost is None:
-            readable, _, _ = select.select(bells, [], [], 1.0)
+            readable, _, _ = select.select(bells, [], [], HEARTBEAT_S / 2)
+            now = time.monotonic()
             for bell in readable:
                 try:
-                    gone = bell.recv(1, socket.MSG_PEEK) == b""
+                    beats = bell.recv(4096)
                 except OSError:
-                    gone = True
-                if gone:  # (where the node stopped the group itself, `lost` says so)
+                    beats = b""
+                if not beats:  # (where the node stopped the group itself, `lost` says so)
                     self.lose("a rank of the decode group is gone")
                     return
+                heard[bell] = now
+            silent = max(now - t for t in heard.values())
+            if silent > HEARTBEAT_TIMEOUT_S:
+                self.lose(f"a rank of the decode group stopped answering ({silent:.0f} s silent)")
+                return
 
 
 def load_rank0(model_dir: str | Path, launch: GroupLaunch) -> Rank0:
@@ -160,12 +175,16 @@ def follow(model_dir: str | Path, launch: GroupLaunch) -> int:
     log.info("decode group rank %d: layers %d..%d, %.1f MiB of weights", group.rank(), first,
              end - 1, shares[group.rank()].weight_bytes / 2**20)  # fmt: skip
     channel = open_channel(group)
+    stop = threading.Event()
+    threading.Thread(target=channel.heartbeat, args=(stop,), name="tandem-group-beat",
+                     daemon=True).start()  # fmt: skip
     try:
         Follower(channel, stage, load_spec(model_dir)).run()
     except GroupLost as e:
         log.error("decode group rank %d: %s; exiting", group.rank(), e)
         return 1
     finally:
+        stop.set()
         channel.close()
     log.info("decode group rank %d: rank 0 stopped the group", group.rank())
     return 0
