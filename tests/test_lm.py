@@ -127,3 +127,13 @@ def test_only_lm_imports_mlx_lm_on_the_request_path() -> None:
             if any(n == "mlx_lm" or n.startswith("mlx_lm.") for n in names):
                 importers.append(path.relative_to(root).as_posix())
     assert importers == []
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    """Issue 47 item 8: logits over 1e-300 overflow to infinities, and sampled at random."""
+    from tandem.nodes.decode import lm
+
+    logprobs = mx.array([[-3.0, -0.5, -1.0, -4.0, -2.0]])
+    for temperature in (1e-300, 1e-9, 0.0):
+        sample = lm.sampler(temperature, 1.0)
+        assert {int(sample(logprobs).item()) for _ in range(20)} == {1}

@@ -53,9 +53,13 @@ def wired(model: Any) -> AbstractContextManager[None]:
     return wired_limit(model, [STREAM])
 
 
+GREEDY_BELOW = 1e-4  # a temperature this small is greedy (1e-300 overflowed the logits)
+
+
 def sampler(temperature: float, top_p: float) -> Sampler:
-    """mlx-lm's sampler for a request's temperature and top_p."""
-    return make_sampler(temp=temperature, top_p=top_p)
+    """mlx-lm's sampler for a request's temperature and top_p; greedy below GREEDY_BELOW
+    (logits divided by a tiny temperature overflow to infinities, and sample at random)."""
+    return make_sampler(temp=0.0 if temperature < GREEDY_BELOW else temperature, top_p=top_p)
 
 
 def logits_processors(

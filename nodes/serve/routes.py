@@ -73,9 +73,12 @@ class NodeRoutes:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        await response.write(b": tandem events\n\n")
-        async for event in self.node.events.subscribe(since):
-            await response.write(sse(event))
+        try:
+            await response.write(b": tandem events\n\n")
+            async for event in self.node.events.subscribe(since):
+                await response.write(sse(event))
+        except ConnectionError:  # the client left: nothing to say (it was a traceback)
+            pass
         return response
 
     async def cluster(self, request: web.Request) -> web.Response:
