@@ -122,18 +122,20 @@ class Passes:
                 self._running = []
 
     def _take(self) -> list[Waiter]:
-        """The waiting requests this pass serves, in arrival order, while their tokens fit
-        `max_batch_tokens` (the first always: a prompt the node took fits on its own)."""
+        """The waiting requests this pass serves, in arrival order, while their prompts fit
+        `max_batch_tokens` (the first always: a prompt the node took fits on its own). A
+        prompt counts whole, its prefix too: the pass holds each one's K/V of every position
+        in the layer it computes."""
         batch: list[Waiter] = []
         tokens = 0
         while self._waiting:
             w = self._waiting[0]
-            if batch and tokens + w.req.count > self.max_batch_tokens:
+            if batch and tokens + len(w.req.tokens) > self.max_batch_tokens:
                 break
             self._waiting.popleft()
             if not w.dropped.is_set():
                 batch.append(w)
-                tokens += w.req.count
+                tokens += len(w.req.tokens)
         return batch
 
     async def _pass(self, batch: list[Waiter]) -> None:
