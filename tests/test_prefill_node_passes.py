@@ -59,7 +59,7 @@ def _frames(node: NodeProc, body: bytes) -> list[LayerFrame]:
         return [f for f in decode_all(r.read()) if isinstance(f, LayerFrame)]
 
 
-def test_a_reader_that_stops_reading_loses_its_stream_and_the_next_is_served(
+def test_a_reader_that_stops_reading_loses_its_stream_and_holds_up_nobody(
     node: NodeProc, tiny_model: MakeTiny
 ) -> None:
     model = tiny_model(**MODEL)
@@ -88,7 +88,9 @@ def test_a_reader_that_stops_reading_loses_its_stream_and_the_next_is_served(
             frames = awake.result()
         waited = time.monotonic() - t0
         assert [f.layer for f in frames] == list(range(MODEL["layers"]))
-        assert waited < STALL_S + 20, f"the next request waited {waited:.1f} s"
+        # the device never waits on a reader: the next pass starts once the last computed
+        assert waited < STALL_S, f"the next request waited {waited:.1f} s"
+        time.sleep(STALL_S + 1.0)  # still reading nothing: its stream is dropped meanwhile
         stalled.settimeout(10)
         got = 0
         with contextlib.suppress(ConnectionResetError, BrokenPipeError):

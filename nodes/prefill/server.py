@@ -227,7 +227,6 @@ class PrefillService:
             publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
             if request.transport is not None:
                 request.transport.abort()  # what it has not read is never sent
-            raise ConnectionResetError(str(e)) from None
         except PrefillError as e:
             await response.write(writer.error("bad_tokens", str(e)))
             publish(RequestEvent(req.request_id, phase="failed", detail=str(e)))
