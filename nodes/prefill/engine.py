@@ -293,7 +293,8 @@ class PrefillEngine:
             m.stats.layer_compute_s = per_layer
             m.stats.compute_busy_s = sum(per_layer)
             m.stats.quantize_s = m.handover.quantize_seconds()
-            self._finish(m.ask.request_id, m.stats, m.t_start)
+            # the pass's copies were told once, as the first request's (`_on_ready`)
+            self._finish(m.ask.request_id, m.stats, m.t_start, link=m.index == 0)
 
     def _member(self, index: int, ask: Ask) -> Member:
         """An ask's share of a pass: its stats begun, a handover of its own (the engine keeps
@@ -397,8 +398,9 @@ class PrefillEngine:
             for m in live:
                 self.events.publish(self._layer_event(m.ask.request_id, load, "evicted"))
 
-    def _finish(self, rid: str, stats: PrefillStats, t_start: float) -> None:
-        """The streamer's side of a finished request's stats (and on CUDA its copy events)."""
+    def _finish(self, rid: str, stats: PrefillStats, t_start: float, link: bool = True) -> None:
+        """The streamer's side of a finished request's stats (and on CUDA, with `link`, the
+        pass's copy event)."""
         stream, dev = self.streamer.last_stats, self.device
         stats.wall_s = time.perf_counter() - t_start
         stats.load_busy_s = stream.load_busy_s
@@ -411,7 +413,7 @@ class PrefillEngine:
         stats.bytes_by_kind = dict(stream.bytes_by_kind)
         stats.route_wait_s = stream.route_wait_s
         if dev.type == "cuda":
-            if stream.h2d_s:  # per-load copy times exist only once the request is done
+            if stream.h2d_s and link:  # per-load copy times exist only once the pass is done
                 link = LinkEvent(rid, name="h2d", bytes=stream.bytes_streamed, seconds=stream.h2d_s)
                 self.events.publish(link)
             peak = torch.cuda.max_memory_allocated(dev) - self.plan.device_bytes
