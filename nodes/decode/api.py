@@ -10,6 +10,7 @@ A generation that fails ends a stream with an error chunk, a plain reply with a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -53,7 +54,8 @@ class DecodeApi:
         tools = tools_of(body) if s.supports_tools else None
         sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=True)
         kv_format = s.kv_format_in(body)
-        tokens = await s.host.thread.call(s.host.chat_tokens, messages, tools)
+        # off the mlx thread: a long prefill there must not hold up the next chat's template
+        tokens = await asyncio.to_thread(s.host.chat_tokens, messages, tools)
         context = s.spec.max_position_embeddings
         req = oa.completion(body, tokens, sampling, True, context, kv_format, tools)
         return await self._respond(request, req)
@@ -67,7 +69,7 @@ class DecodeApi:
         sampling = oa.sampling_of(body, s.max_tokens_limit, s.spec.vocab_size, chat=False)
         kv_format = s.kv_format_in(body)
         tokens = (
-            prompt if isinstance(prompt, list) else await s.host.thread.call(s.host.encode, prompt)
+            prompt if isinstance(prompt, list) else await asyncio.to_thread(s.host.encode, prompt)
         )
         context = s.spec.max_position_embeddings
         req = oa.completion(body, tokens, sampling, False, context, kv_format)

@@ -5,6 +5,7 @@ of the scheduler, one job on the node's mlx thread, does one unit of work for ev
 
 - a reply still starting runs its own `source` (generate.py) one item on: a prefill chunk,
   or its first token, sampled as the lone loop samples it (time to first token as before);
+  once a tick has spent SLICE_S on them, the others start at the next tick;
 - once it has its first token, a reply whose caches mlx-lm can merge enters mlx-lm's
   `BatchGenerator` (continuous batching, as its server does: caches per sequence, their own
   sampler, processors and token limit); one `next_generated()` a tick steps every one;
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 TEXT_FLUSH_S = 1 / 30
 _END = object()  # a reply's last item: it finished, failed or was dropped
 BatchingMode = Literal["continuous", "interleaved"]
+# the starting replies' work a tick does before the batch steps: past this, the rest wait a
+# step (prompts arriving together get their first tokens one prefill apart, not all at the
+# end of every prefill)
+SLICE_S = 0.05
 
 
 class Cancelled(Exception):
@@ -194,8 +199,11 @@ class Batcher:
         try:
             for m in [m for m in self._members if m.cancel.is_set()]:
                 self._end(m, Cancelled("the reader left"))
+            t0 = time.monotonic()
             for m in [m for m in self._members if m.tokens is not None]:
                 self._advance(m)
+                if time.monotonic() - t0 > SLICE_S:  # a prefill chunk ran: the batch steps,
+                    break  # and the next reply's prefill waits one step, not every prefill
             if self._in_batch:
                 self._step_batch()
         except Exception as e:  # a fault of the scheduler itself: no reply may hang on it
