@@ -137,7 +137,7 @@ def test_a_frozen_rank_takes_the_group_down_within_seconds(
                 headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
             )
             try:
-                urllib.request.urlopen(req, timeout=2).read()
+                urllib.request.urlopen(req, timeout=1).read()
             except urllib.error.HTTPError as e:
                 refused = (e.code, e.read())
                 break

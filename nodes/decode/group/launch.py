@@ -58,7 +58,7 @@ def launched() -> GroupLaunch | None:
 
 
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent exits
-LOST_GRACE_S = 2.0  # a lost group answers 503 (and says why) this long, then the node stops
+LOST_GRACE_S = 3.0  # a lost group answers 503 (and says why) this long, then the node stops
 PARENT_POLL_S = 1.0  # elsewhere: how often the watch looks
 
 
