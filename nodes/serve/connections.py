@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_HEAD_TIMEOUT_S: Final = 5.0  # request line + headers, from the first byte
 # a body, from its head: a 1 MiB body (the most any route takes) at 1 Mbit/s is 8 s
 DEFAULT_BODY_TIMEOUT_S: Final = 10.0
+DEFAULT_LINGER_S: Final = 1.0  # an unread body after the answer, read and dropped this long
 # longer than the clients' own pools keep an idle connection (aiohttp's 15 s), so a client
 # never reuses a connection the node is closing
 DEFAULT_IDLE_TIMEOUT_S: Final = 30.0
@@ -50,6 +51,7 @@ class EdgeLimits:
 
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    linger_s: float = DEFAULT_LINGER_S
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     connections_per_address: int = DEFAULT_CONNECTIONS_PER_ADDRESS
     max_field_bytes: int = MAX_FIELD_BYTES
@@ -59,9 +61,10 @@ class EdgeLimits:
         """aiohttp's own per-connection settings for these limits."""
         return {
             "keepalive_timeout": self.idle_timeout_s,
-            # a body a route left unread (refused before it) is not waited for: the
-            # connection closes after the answer (aiohttp would read on for 10 s)
-            "lingering_time": 0.0,
+            # a body a route left unread (refused before it) is read and dropped for at most
+            # `linger_s`, so that its sender can finish sending and read the answer, then the
+            # connection closes (aiohttp's default lingers 10 s)
+            "lingering_time": self.linger_s,
             "max_line_size": self.max_field_bytes,
             "max_field_size": self.max_field_bytes,
             "max_headers": self.max_headers,
