@@ -94,11 +94,13 @@ def assert_error(reply: Reply, statuses: tuple[int, ...] = (400,)) -> None:
     assert problem is None, problem
 
 
-def events_since(node: NodeProc, since: float, idle_s: float = 1.0) -> list[Event]:
+def events_since(
+    node: NodeProc, since: float, idle_s: float = 1.0, token: str = TOKEN
+) -> list[Event]:
     """The node's event records newer than `since`: its ring replayed, then whatever arrives
     until nothing has for `idle_s`."""
     req = urllib.request.Request(f"{node.url}/v1/events?since={since}")
-    req.add_header("Authorization", f"Bearer {TOKEN}")
+    req.add_header("Authorization", f"Bearer {token}")
     records: list[Event] = []
     try:
         with urllib.request.urlopen(req, timeout=idle_s) as r:

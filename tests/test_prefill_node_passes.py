@@ -14,7 +14,6 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 from tandem.nodes.contract.bodies import PrefillBody
@@ -23,6 +22,7 @@ from tandem.nodes.contract.events import RequestEvent
 from tandem.nodes.contract.frames import LayerFrame
 from tandem.nodes.model import fingerprint, load_index
 
+from tests.bad_input_support import events_since
 from tests.conftest import MakeTiny
 from tests.nodeproc import NodeProc, start_node, stop_all
 from tests.records import event_of
@@ -148,7 +148,7 @@ def test_prompts_queued_during_a_pass_share_the_next_one_each_as_its_lone_run(
         blocker.result()
     starts = {
         e.request_id: e.detail
-        for e in _events(slow_node, since)
+        for e in events_since(slow_node, since, token=TOKEN)
         if isinstance(e, RequestEvent) and e.phase == "prefill_start"
     }
     assert starts.get("blocker") == "pass of 1", starts
@@ -158,17 +158,3 @@ def test_prompts_queued_during_a_pass_share_the_next_one_each_as_its_lone_run(
         assert len(frames) == len(lone) == MODEL["layers"]
         for a, b in zip(frames, lone, strict=True):
             assert a.payload == b.payload, a.layer
-
-
-def _events(node: NodeProc, since: float) -> list[Any]:
-    req = urllib.request.Request(f"{node.url}/v1/events?since={since}")
-    req.add_header("Authorization", f"Bearer {TOKEN}")
-    out = []
-    try:
-        with urllib.request.urlopen(req, timeout=1.0) as r:
-            for line in r:  # the ring replayed, then whatever comes until a second passes
-                if (e := event_of(line)) is not None:
-                    out.append(e)
-    except TimeoutError:
-        pass
-    return out

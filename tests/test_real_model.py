@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -22,11 +21,12 @@ import openai
 import pytest
 from safetensors.numpy import load_file
 from tandem.app.cli.real_model import RealModel
-from tandem.nodes.contract.events import Event, RequestEvent
+from tandem.nodes.contract.events import RequestEvent
 
+from tests.bad_input_support import events_since
 from tests.handoff_quality import Quality
 from tests.nodeproc import ROOT, NodeProc, remote_pair
-from tests.records import event_of, stats_of
+from tests.records import stats_of
 
 TOKEN = "real-model-token-0123456789"
 QUESTION = "What is the capital of France?"
@@ -206,22 +206,6 @@ def _prefill_cache(model_dir: Path, tokens: list[int], tmp: Path, budget: str) -
     return load_prompt_cache(str(out))
 
 
-def _events_since(node: NodeProc, since: float, idle_s: float = 1.0) -> list[Event]:
-    """The node's event records newer than `since` (its ring replayed, then whatever arrives
-    until nothing has for `idle_s`)."""
-    req = urllib.request.Request(f"{node.url}/v1/events?since={since}")
-    req.add_header("Authorization", f"Bearer {TOKEN}")
-    records = []
-    try:
-        with urllib.request.urlopen(req, timeout=idle_s) as r:
-            for line in r:
-                if (e := event_of(line)) is not None:
-                    records.append(e)
-    except TimeoutError:
-        pass
-    return records
-
-
 def test_float32_replies_at_once_through_the_nodes_equal_mlx_lm(
     real_model: RealModel, float_cluster: tuple[NodeProc, NodeProc]
 ) -> None:
@@ -254,7 +238,7 @@ def test_float32_replies_at_once_through_the_nodes_equal_mlx_lm(
     assert max(lengths) > 2 * CHUNK
     phases = {
         (e.request_id, e.phase): e.t
-        for e in _events_since(decode, since)
+        for e in events_since(decode, since, token=TOKEN)
         if isinstance(e, RequestEvent) and e.phase in ("first_token", "done")
     }
     ids = [r.id for r in replies]
