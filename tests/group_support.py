@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.nodeproc import ROOT, NodeProc, free_port
@@ -40,13 +41,22 @@ def ring_port() -> int:
 
 
 def start_group(
-    tmp: Path, model: Path, *args: str, token: str, ranks: int = 2, launcher: bool = False
+    tmp: Path,
+    model: Path,
+    *args: str,
+    token: str,
+    ranks: int = 2,
+    launcher: bool = False,
+    other_token: str | None = None,
+    between: Callable[[int], None] | None = None,
 ) -> NodeProc:
     """A decode node as a group of `ranks` (not waited for: `wait_healthy` it): each rank a
     `tandem node --role decode` with the environment `mlx.launch` gives it (`MLX_RANK`,
     `MLX_HOSTFILE`: the ring on loopback), started here, or by `mlx.launch` itself with
     `launcher` (whose output relay polls a core busy while the group runs: mlx 0.32). The
-    NodeProc is rank 0's (or mlx.launch's); stop it, then `stop_ranks`."""
+    NodeProc is rank 0's (or mlx.launch's); stop it, then `stop_ranks`. Without the launcher:
+    the other ranks read `other_token` where given, and `between(ring port)` runs once rank 0
+    is started and before the others are."""
     port = free_port()
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / f"config-{port}")}
     env.pop("TANDEM_TOKEN", None)
@@ -64,9 +74,19 @@ def start_group(
     hostfile = tmp / f"hosts-{port}.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{ring + r}"] for r in range(ranks)]))
     env["MLX_HOSTFILE"] = str(hostfile)
+    others = node
+    if other_token is not None:
+        other_file = tmp / f"other-token-{port}"
+        other_file.write_text(other_token)
+        others = [str(other_file) if a == str(token_file) else a for a in node]
+    rank0 = None
+    if between is not None:
+        rank0 = _spawn(node, {**env, "MLX_RANK": "0"}, tmp / f"group-{port}.log", port, token)
+        between(ring)
     for r in range(ranks - 1, 0, -1):
-        _spawn(node, {**env, "MLX_RANK": str(r)}, tmp / f"group-{port}-rank{r}.log", port, token)
-    return _spawn(node, {**env, "MLX_RANK": "0"}, tmp / f"group-{port}.log", port, token)
+        _spawn(others, {**env, "MLX_RANK": str(r)}, tmp / f"group-{port}-rank{r}.log", port,
+               token)  # fmt: skip
+    return rank0 or _spawn(node, {**env, "MLX_RANK": "0"}, tmp / f"group-{port}.log", port, token)
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path, port: int, token: str) -> NodeProc:

@@ -113,9 +113,10 @@ def test_no_rank_outlives_its_launcher(tiny_model: MakeTiny, tmp_path: Path) -> 
 def test_a_frozen_rank_takes_the_group_down_within_seconds(
     tiny_model: MakeTiny, tmp_path: Path
 ) -> None:
-    """Issue 47 item 1: rank 1 stopped (SIGSTOP: a hung Mac) stops beating on its doorbell;
-    rank 0 says so in `/health`, answers 503 `group_broken`, and exits, within 10 s (it hung
-    for good, a core busy in a collective rank 1 never joined)."""
+    """Issue 47 item 1: rank 1 stopped (SIGSTOP: a hung Mac) mid-stream stops beating on its
+    doorbell; within 10 s the stream ends with an error, rank 0 says so in `/health`, answers
+    503 `group_broken`, and exits (it hung for good, a core busy in a collective rank 1 never
+    joined)."""
     import urllib.error
     import urllib.request
 
@@ -125,8 +126,17 @@ def test_a_frozen_rank_takes_the_group_down_within_seconds(
     try:
         wait_healthy(group, timeout=90)
         ranks = rank_pids(group)
-        os.kill(ranks[1], signal.SIGSTOP)
-        t0 = time.monotonic()
+        client = openai.OpenAI(base_url=group.url + "/v1", api_key=TOKEN, max_retries=0)
+        stream = client.completions.create(
+            model="m", prompt=[5, 17, 42], max_tokens=4000, temperature=0, stream=True
+        )
+        streamed, t0 = 0, 0.0
+        with pytest.raises(openai.APIError, match="decode group"):  # the stream in flight
+            for streamed, _ in enumerate(stream):
+                if streamed == 5:
+                    os.kill(ranks[1], signal.SIGSTOP)
+                    t0 = time.monotonic()
+        assert streamed >= 5 and time.monotonic() - t0 < 10
         refused, said = None, ""
         while time.monotonic() - t0 < 10 and group.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):

@@ -182,9 +182,11 @@ def run(a: argparse.Namespace) -> int:
     group = launched_rank()
     if group is not None and a.role != "decode":
         raise UsageError("under mlx.launch a node is a decode group: use --role decode")
+    config = node_config(a)
+    if group is not None:  # every rank proves the cluster's token to the others
+        group = replace(group, token=config.token)
     if group is not None and group.rank > 0:  # no port: rank 0's orders, until it stops
         return follow_rank0(a.model, group)
-    config = node_config(a)
     if group is not None:
         config = replace(config, group=group)
     if a.verify_weights:

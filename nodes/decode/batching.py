@@ -17,7 +17,8 @@ Between ticks the thread runs its other work (a remote prefill's frames, the pro
 Stop strings, the eos token, limits and log-probabilities are each reply's own (`Reply`); a
 reply that ends leaves the batch with its caches (the prompt cache keeps them for the next
 turn). Text pieces cross to the event loop at most every `flush_s`, ends at once; a reply
-whose reader leaves is dropped at the next tick, and its reader waits for that.
+whose reader leaves is dropped at the next tick, and its reader waits for that; a decode
+group that is lost (`abandon`) ends every reader at once, without waiting for the thread.
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Cancelled(Exception):
     """The reply's reader left before it ended."""
 
 
+class GroupGone(ConnectionError):
+    """The decode group this reply ran on is lost (`Batcher.abandon`)."""
+
+
 @dataclass(frozen=True)
 class Join:
     """What a reply starts from: caches holding positions 0..k-1, the prompt's positions k..n-1
@@ -84,6 +89,7 @@ class _Member:
         self.cancel = threading.Event()
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.ended = asyncio.Event()
+        self.abandoned: BaseException | None = None  # loop side: ended without the thread
 
     @property
     def last_prompt_token(self) -> int:
@@ -104,6 +110,8 @@ class ReplyStream:
 
     async def __aenter__(self) -> ReplyStream:
         self._member = _Member(self._join, asyncio.get_running_loop())
+        with self._batcher._lock:
+            self._batcher._readers.add(self._member)
         self._batcher.host.thread.submit(self._batcher._enter, self._member)
         return self
 
@@ -114,6 +122,8 @@ class ReplyStream:
         m = self._member
         assert m is not None
         item = await m.queue.get()
+        if m.abandoned is not None:
+            raise m.abandoned
         if item is not _END:
             return item  # type: ignore[return-value]
         if m.error is not None:
@@ -131,7 +141,11 @@ class ReplyStream:
         m = self._member
         if m is None:
             return
+        with self._batcher._lock:
+            self._batcher._readers.discard(m)
         m.cancel.set()
+        if m.abandoned is not None:  # the thread may be held for good: nothing to wait for
+            return
         cancelled = False
         while not m.ended.is_set():  # wait for the mlx thread even while being cancelled
             try:
@@ -155,6 +169,8 @@ class Batcher:
         self._pending: list[tuple[_Member, object]] = []  # items for the loop, not yet sent
         self._sent = -float("inf")  # time.monotonic() of the last delivery
         self.batch_sizes: list[int] = []  # replies per batch step, the last few (dashboard)
+        self._readers: set[_Member] = set()  # every reply being read (loop side), by `_lock`
+        self._lock = threading.Lock()
 
     def reply(self, join: Join) -> ReplyStream:
         return ReplyStream(self, join)
@@ -168,6 +184,16 @@ class Batcher:
     @property
     def running(self) -> int:
         return len(self._members)
+
+    def abandon(self, why: str) -> None:
+        """From any thread, once a decode group is lost: every reply's reader fails with
+        GroupGone(why) at once, not when the mlx thread lets go of it (a collective that a
+        killed rank never finishes holds the thread for seconds, a frozen one's for good)."""
+        with self._lock:
+            readers = list(self._readers)
+        for m in readers:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading
+                m.loop.call_soon_threadsafe(_abandon, m, GroupGone(why))
 
     # ------------------------------------------------------------ on the mlx thread
 
@@ -318,6 +344,13 @@ class Batcher:
             mine = [(m, item) for m, item in items if m.loop is loop]
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is reading
                 loop.call_soon_threadsafe(_deliver, mine)
+
+
+def _abandon(m: _Member, error: BaseException) -> None:
+    """On the loop: the reader's next item raises `error`."""
+    if m.abandoned is None and not m.ended.is_set():
+        m.abandoned = error
+        m.queue.put_nowait(_END)
 
 
 def _deliver(items: list[tuple[_Member, object]]) -> None:

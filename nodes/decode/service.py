@@ -37,7 +37,7 @@ from tandem.nodes.contract.http import (
     KVFormat,
 )
 from tandem.nodes.decode import lm
-from tandem.nodes.decode.batching import Batcher, Cancelled, Join
+from tandem.nodes.decode.batching import Batcher, Cancelled, GroupGone, Join
 from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import KVShape, LayerStepper
 from tandem.nodes.decode.host import ModelHost
@@ -135,6 +135,12 @@ class DecodeService:
 
     # ------------------------------------------------------------ calibration
 
+    async def start(self) -> None:
+        """Load the model; in a decode group, every reply ends at once when it is lost."""
+        await self.host.start()
+        if self.host.group is not None:
+            self.host.group.on_lost.append(self.batcher.abandon)
+
     async def calibrate(self, tokens: int = 128) -> LocalRate:
         """Measure this node's local (mlx) prefill rate and floor for the router."""
         floor = await self.host.thread.call(self.host.measure_prefill, 1)
@@ -222,6 +228,9 @@ class DecodeService:
         except (asyncio.CancelledError, GeneratorExit, ConnectionResetError, Cancelled):
             publish(RequestEvent(rid, phase="cancelled", detail="client went away"))
             raise
+        except GroupGone as e:  # the group said so (it logged why): no traceback to add
+            publish(RequestEvent(rid, phase="failed", detail=str(e)))
+            raise GenerationFailed(str(e), 503, "group_broken") from e
         except Exception as e:
             log.exception("request %s failed", rid)
             publish(RequestEvent(rid, phase="failed", detail=f"{type(e).__name__}: {e}"))

@@ -340,7 +340,7 @@ def _decode_service(node: Node) -> DecodeService:
 
 async def _start_decode(node: Node) -> None:
     assert node.decode is not None
-    await node.decode.host.start()
+    await node.decode.start()
     if node.decode.mode == "auto":  # only `auto` weighs the local rate (`always`/`never` don't)
         await node.decode.calibrate()
     node.tasks.append(asyncio.create_task(node.decode.probe_peers(), name="probe-peers"))

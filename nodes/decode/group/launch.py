@@ -16,11 +16,11 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from tandem.nodes.decode.group.channel import (
     HEARTBEAT_S,
     HEARTBEAT_TIMEOUT_S,
@@ -30,6 +30,7 @@ from tandem.nodes.decode.group.channel import (
 from tandem.nodes.decode.group.follower import Follower
 from tandem.nodes.decode.group.mirror import GroupModel, Mirror
 from tandem.nodes.decode.group.pipeline import GroupError, Stage, load_stage
+from tandem.nodes.decode.group.proof import join
 from tandem.nodes.decode.group.split import RankShare
 from tandem.nodes.model.spec import load_spec
 
@@ -42,6 +43,7 @@ class GroupLaunch:
 
     rank: int
     backend: str  # "ring" (a hostfile) or what else mlx finds ("any")
+    token: str | None = field(default=None, repr=False)  # the cluster's: each rank proves it
 
 
 def launched() -> GroupLaunch | None:
@@ -83,15 +85,10 @@ def die_with_parent() -> None:
 
 
 def init(launch: GroupLaunch) -> Any:
-    """The group (`mx.distributed.init` with the backend `mlx.launch` set up); GroupError
-    when it is one process only or cannot start."""
-    try:
-        group = mx.distributed.init(backend=launch.backend, strict=True)
-    except (RuntimeError, ValueError) as e:
-        raise GroupError(f"cannot join the decode group ({launch.backend}): {e}") from None
-    if group.size() < 2:
-        raise GroupError("mlx.launch started a group of one: run the node without it")
-    return group
+    """The group (`mx.distributed.init` with the backend `mlx.launch` set up), every rank
+    proven to hold the cluster token (`proof.join`); GroupError when it is one process only,
+    a rank holds another token, or it cannot start."""
+    return join(launch.backend, launch.token)
 
 
 @dataclass
@@ -103,6 +100,7 @@ class Rank0:
     shares: list[RankShare]
     backend: str
     lost: str | None = None  # why the group is gone, once a rank is
+    on_lost: list[Callable[[str], None]] = field(default_factory=list)  # told `lost`, once
 
     @property
     def size(self) -> int:
@@ -115,6 +113,8 @@ class Rank0:
         if self.lost is None:
             self.lost = f"{why}; this node is stopping so that the group can be started again"
             log.error("%s", self.lost)
+            for tell in self.on_lost:
+                tell(self.lost)
             stop = threading.Timer(LOST_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM))
             stop.daemon = True
             stop.start()
