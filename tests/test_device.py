@@ -1,14 +1,19 @@
 """nodes/serve/device.py: one device thread for both roles — a call, a stream with its result
-and its error, back-pressure, and a cancel that stops the thread at its next item."""
+and its error, back-pressure, a cancel that stops the thread at its next item, and a close
+that waits for the thread's native exit."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 from tandem.nodes.serve.device import DeviceThread
+
+from tests.conftest import MakeTiny
 
 
 @pytest.fixture
@@ -101,3 +106,34 @@ async def test_the_work_sees_the_cancel_event(device: DeviceThread) -> None:
     async with stream:
         await asyncio.to_thread(started.wait)
     assert cancel.is_set() and stream.cancel is cancel
+
+
+_GENERATE_THEN_EXIT = """
+import sys
+from mlx_lm.generate import stream_generate
+from tandem.nodes.decode import lm
+from tandem.nodes.serve.device import DeviceThread
+
+def work():
+    model, tokenizer = lm.load(sys.argv[1])
+    for _ in stream_generate(model, tokenizer, [1, 2, 3], max_tokens=2):
+        pass
+
+thread = DeviceThread("tandem-mlx")
+thread.submit(work).result()
+thread.close()
+"""
+
+
+def test_a_process_that_closes_its_mlx_thread_then_exits_does_not_abort(
+    tiny_model: MakeTiny,
+) -> None:
+    """Issue 47 item 8: a decode node stopped just after it started aborted ("terminate called
+    without an active exception"): its mlx thread's thread-local destructors, which take the
+    GIL, ran after `close` returned, and the interpreter was finalizing by then. Every run of
+    this aborted before `close` waited for the thread's native exit."""
+    model = tiny_model(arch="llama", layers=2)
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _GENERATE_THEN_EXIT, str(model)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-2000:]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,11 +34,21 @@ T = TypeVar("T")
 _END = object()  # the iterator finished (or failed): its outcome is in the job
 
 
+EXIT_WAIT_S = 2.0  # how long `close` waits for the ended thread's native exit
+
+
 class DeviceThread:
     """A single worker thread; `initializer` runs on it first (a thread's priority, say)."""
 
     def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, name, initializer=initializer)
+        self._native_id: int | None = None
+
+        def start() -> None:
+            self._native_id = threading.get_native_id()
+            if initializer is not None:
+                initializer()
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, name, initializer=start)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """For code off the event loop: `fn(*args)` on the thread, as a future."""
@@ -61,8 +72,24 @@ class DeviceThread:
         return DeviceStream(self, lambda: fn(*args), buffer, cancel, flush_s)
 
     def close(self) -> None:
-        """Finish the work queued, then end the thread."""
+        """Finish the work queued, then end the thread, and wait for its native exit.
+
+        A thread's end in Python comes before its native one: the thread-local destructors
+        of a library it used run after, and mlx's take the GIL there. Were the interpreter
+        finalizing by then (a node stopped just after it started: issue 47), that thread
+        would be ended inside the destructor, and the process abort ("terminate called
+        without an active exception"). Linux says when the thread is gone
+        (/proc/self/task/TID); elsewhere a short wait lets the destructors run."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._native_id is None:
+            return
+        task = f"/proc/self/task/{self._native_id}"
+        if not os.path.isdir("/proc/self/task"):
+            time.sleep(0.05)
+            return
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(0.001)  # (the GIL is free for the destructors meanwhile)
 
 
 class DeviceStream(Generic[T]):
