@@ -74,13 +74,18 @@ class Qwen35Family(PrefillFamily):
         return [mixer_part(index, layer), *_mlp(index, layer)]
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
+        """A dense layer whole where it fits a slot, else its mixer, then its MLP cut as the
+        dense family cuts it. A sparse layer always as its mixer (with the router and the
+        shared expert where they fit beside it), then its experts apart, read once routed
+        (issue 48: returned whole where it fit, every expert crossed the link each pass)."""
+        sparse = _sparse(index, layer)
         whole = self.whole_layer(index, layer)
-        if slot_size(whole, direct) <= max_bytes:
+        if not sparse and slot_size(whole, direct) <= max_bytes:
             return [whole]
         mixer = mixer_part(index, layer)
         if slot_size([mixer], direct) > max_bytes:
             return None  # a mixer is never cut
-        if not _sparse(index, layer):
+        if not sparse:
             mlp = _dense_loads(index, layer, max_bytes, direct)
             return None if mlp is None else [[mixer], *mlp]
         # the router, the shared expert, the experts; experts share loads only with experts
