@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from tandem.nodes.contract.units import gbps_to_Bps
@@ -35,6 +35,7 @@ from tandem.nodes.prefill.stream.host import HostArena, HostTier, aligned_empty
 from tandem.nodes.prefill.stream.reads import Reader
 
 N_STAGING = 2  # CUDA: pinned buffers, so the disk fills one while the other crosses PCIe
+E = TypeVar("E")  # a copy's completion event (CUDA's, or a thread's)
 
 
 @dataclass
@@ -173,6 +174,22 @@ class CpuMover:
             self.tier.close()
 
 
+class CopyEvents(Generic[E]):
+    """Per slot id, the event of its last copy, which compute waits on before it reads the
+    slot. A slot whose loads so far moved nothing (a routed load no token chose any expert
+    of: the loader fills nothing) has none, and compute waits on nothing: its layer reads
+    none of those bytes (issue 48: a fresh CUDA engine's first such load was a KeyError)."""
+
+    def __init__(self) -> None:
+        self._copied: dict[int, E] = {}
+
+    def copied(self, slot: int, event: E) -> None:
+        self._copied[slot] = event
+
+    def last(self, slot: int) -> E | None:
+        return self._copied.get(slot)
+
+
 class CudaMover:
     """Pinned staging, a dedicated copy stream, events between copy and compute."""
 
@@ -194,7 +211,7 @@ class CudaMover:
         self._staging: list[torch.Tensor] = []
         self._staged: list[torch.cuda.Event | None] = []  # per staging buffer: its last copy
         self._fills = 0
-        self._copied: dict[int, torch.cuda.Event] = {}  # per slot id: its last h2d copy
+        self._copied: CopyEvents[torch.cuda.Event] = CopyEvents()  # per slot id: its last copy
         self._computed: dict[int, torch.cuda.Event] = {}
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -249,7 +266,7 @@ class CudaMover:
             for dst, src, n in moves(load):  # each piece to its aligned offset
                 region[dst : dst + n].copy_(staging[src : src + n], non_blocking=pinned)
             end.record(self._stream)
-        self._copied[slot] = end
+        self._copied.copied(slot, end)
         self._timed.append((start, end))
         if k is not None:
             self._staged[k] = end
@@ -260,7 +277,9 @@ class CudaMover:
         self._reader.prefetch(load, self.tier)
 
     def wait_ready(self, slot: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self._copied[slot])
+        event = self._copied.last(slot)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def mark_done(self, slot: int) -> None:
         event = torch.cuda.Event(blocking=True)
