@@ -63,8 +63,8 @@ class DelayedMover(CpuMover):
         if host is not None:
             source = host
             if not cached:
-                disk = self._reader.read(load, source, self.tier, settle=False)
                 assert self.tier is not None
+                disk = self._reader.read(self.tier.missing(load), source, self.tier, settle=False)
                 self.tier.hold(load)
         elif self._staging and load.nbytes <= self._staging[0].numel():
             k = self._fills % len(self._staging)

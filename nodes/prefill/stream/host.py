@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import replace
 
 import torch
-from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load
+from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Part
 from tandem.nodes.prefill.plan import Plan, host_set
 from tandem.nodes.prefill.ram import HostBudget, tier_bytes
 
@@ -78,7 +79,10 @@ class HostTier:
     """Loads kept in host memory across requests (`--host-budget`, sized by `ram.tier_bytes`):
     VRAM first, system RAM second, disk last. A fixed set chosen up front (`plan.host_set`:
     spread evenly through the cycle) — the access is cyclic, so never LRU. A member is
-    read from disk once, on the first pass, and copied from RAM after that. Everything else is
+    read from disk once, on the first pass, and copied from RAM after that; a routed member
+    expert by expert, as its tokens choose them (short prompts fill it too, issue 48: it was
+    kept only once a pass read it whole, and a node serving short prompts read every chosen
+    expert from disk each pass). Everything else is
     read from disk each pass and dropped from the page cache right after
     (`POSIX_FADV_DONTNEED`), so the weights do not crowd out the tier or thrash the cache."""
 
@@ -89,29 +93,41 @@ class HostTier:
         self.bytes = sum(ld.nbytes for ld in chosen)
         self._arena = HostArena([ld.nbytes for ld in chosen], pin)  # all of it now, pinned once
         self._buffers = {ld.seq: self._arena.take(ld.nbytes) for ld in chosen}
-        self._holding: set[int] = set()  # loads whose buffer holds a complete read
+        self._held: dict[int, set[Part]] = {}  # per member: the parts its buffer holds whole
 
     @property
     def pinned_bytes(self) -> int:
         return self._arena.pinned_bytes
 
     def buffer(self, load: Load) -> tuple[torch.Tensor | None, bool]:
-        """(host buffer for a member load or None, whether it already holds the load)."""
+        """(host buffer for a member load or None, whether it already holds all of `load`:
+        the whole load, or a routed load's chosen experts)."""
         buf = self._buffers.get(load.seq)
-        held = buf is not None and load.seq in self._holding
-        if load.partial and not held:  # some experts only: read past the tier, never kept
-            return None, False
+        held = buf is not None and set(load.parts) <= self._held.get(load.seq, set())
         return buf, held
 
+    def missing(self, load: Load) -> Load:
+        """What of a member `load` its buffer does not hold yet: the read it needs (its
+        parts land where the whole load's would: `loads.landing`)."""
+        held = self._held.get(load.seq, set())
+        keep = [part for part in load.parts if part not in held]
+        if len(keep) == len(load.parts):
+            return load
+        places = iter(load.offsets)
+        placed = {part: [next(places) for _ in part.pieces] for part in load.parts}
+        offsets = tuple(o for part in keep for o in placed[part])
+        return replace(load, parts=tuple(keep), offsets=offsets, partial=True)
+
     def hold(self, load: Load) -> None:
-        """The load's buffer now holds it: called only once its read has succeeded, so a read
-        that failed halfway is read again next time, never used as weights."""
-        if load.seq in self.members and not load.partial:
-            self._holding.add(load.seq)
+        """The load's buffer now holds `load`'s parts: called only once its read has
+        succeeded, so a read that failed halfway is read again next time, never used as
+        weights."""
+        if load.seq in self.members:
+            self._held.setdefault(load.seq, set()).update(load.parts)
 
     def close(self) -> None:
         self._buffers.clear()
-        self._holding.clear()
+        self._held.clear()
         self._arena.close()
 
 

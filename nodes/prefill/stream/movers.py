@@ -144,9 +144,10 @@ class CpuMover:
             target = host if host is not None else region
             if target.device.type != "cpu":  # e.g. mps: read into host memory first
                 target = host = aligned_empty(load.nbytes)
-            disk = self._reader.read(load, target, self.tier)
-            if self.tier is not None and target is kept:
-                self.tier.hold(load)
+            tier = self.tier if target is kept else None  # the read goes into the tier
+            disk = self._reader.read(tier.missing(load) if tier else load, target, self.tier)
+            if tier is not None:
+                tier.hold(load)
         t1 = time.perf_counter()
         if host is not None:  # one memmove: torch's copy_ would spread over threads and
             # compete with compute for the cores (the RAM tier then lost to the disk: 1.2x)
@@ -239,8 +240,8 @@ class CudaMover:
         if host is not None:
             staging = host  # pinned: the tier copies straight from its own buffer
             if not cached:
-                disk = self._reader.read(load, staging, self.tier, settle=False)
                 assert self.tier is not None
+                disk = self._reader.read(self.tier.missing(load), staging, self.tier, settle=False)
                 self.tier.hold(load)
         elif self._staging and load.nbytes <= self._staging[0].numel():
             k = self._fills % len(self._staging)
