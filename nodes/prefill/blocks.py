@@ -143,15 +143,35 @@ def _attend(
         causal = {"is_causal": True}
     else:
         causal = {"attn_mask": _causal_lower_right()(c1 - c0, s_end)}
-    out = F.scaled_dot_product_attention(
-        q[None, :, c0:c1],
-        state.k[:, kv_lo:kv_hi, s_lo:s_end],
-        state.v[:, kv_lo:kv_hi, s_lo:s_end],
-        scale=D**-0.5 if scale is None else scale,
-        enable_gqa=True,
-        **causal,  # type: ignore[arg-type]
-    )  # [1, nq, c, D]
-    return out[0].transpose(0, 1)
+    k = state.k[:, kv_lo:kv_hi, s_lo:s_end]
+    v = state.v[:, kv_lo:kv_hi, s_lo:s_end]
+    scale = D**-0.5 if scale is None else scale
+    if "attn_mask" in causal and isinstance(causal["attn_mask"], torch.Tensor):
+        out = band_attention(q[None, :, c0:c1], k, v, causal["attn_mask"], scale)
+    else:
+        out = F.scaled_dot_product_attention(
+            q[None, :, c0:c1], k, v, scale=scale, enable_gqa=True,
+            **causal,  # type: ignore[arg-type]
+        )  # fmt: skip
+    return out[0].transpose(0, 1)  # [1, nq, c, D] -> [c, nq, D]
+
+
+def band_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+    repeat: bool | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """SDPA of q [1, nq, c, D] over k, v [1, nkv, S, D] under a boolean `mask` [c, S] (a
+    sliding window's band): [1, nq, c, D]. On CUDA a mask with GQA leaves SDPA its MATH kernel
+    only (flash takes no mask, the efficient kernel no GQA), which holds the scores in
+    float32: there (`repeat`, by default on CUDA) the window's keys are repeated to every
+    query head, 2 · nq · S · D elements (a window's worth), and the efficient kernel runs it
+    (issue 48: Gemma 3's sliding layers ran MATH, ≈0.25 s a pass for a 27B at 4k)."""
+    nq, nkv = q.shape[1], k.shape[1]
+    if repeat if repeat is not None else q.device.type == "cuda":
+        k = k.repeat_interleave(nq // nkv, dim=1)
+        v = v.repeat_interleave(nq // nkv, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def band_mask(q_lo: int, q_hi: int, k_lo: int, window: int, device: torch.device) -> torch.Tensor:
@@ -319,8 +339,12 @@ def activation_bytes(
         base += 2 * T * D * 4
         keys = min(S, c + max(windows) - 1)
         band = (2 * nq * itemsize + 1) * c * keys  # scores and the boolean band
-        if cuda:  # a mask rules flash out: the MATH kernel's worst case
-            band = max(band, math_attention_bytes(nq, nkv, c, keys, D, itemsize))
+        if cuda:  # the keys repeated to every query head (`band_attention`), and the mask
+            # as the efficient kernel's bias; where SDPA may still take MATH (a pre-Ampere
+            # card, fp32), its worst case
+            band += 2 * nq * keys * D * itemsize + c * keys * itemsize
+            if not fused_attention(device_type, itemsize, D):
+                band = max(band, math_attention_bytes(nq, nq, c, keys, D, itemsize))
         attn = max(attn, qkv + max(rope, band + c * (nq * D + H) * itemsize))
     if cuda:
         base += kv  # the previous layer's K/V until its copy to the host is done

@@ -98,12 +98,12 @@ def each_backend(call: Callable[[], object], cuda: bool) -> Json:
 
 def window_of(ctx: Ctx, dtype: str) -> Json:
     """A sliding-window layer's attention (Gemma 3 270M's shape: 4 heads, 1 KV head, head
-    dim 256, window 512): one query chunk after a long prefix under its band mask, as
-    blocks.attention_part calls it. The kernel SDPA picks, and each backend alone (flash
-    takes no mask: the band runs on the efficient kernel where it takes head dim 256)."""
+    dim 256, window 512): one query chunk after a long prefix under its band mask, through
+    blocks.band_attention as the engine calls it (the keys repeated to every query head on
+    CUDA). The kernel SDPA picks, and each backend alone (flash takes no mask: the band runs
+    on the efficient kernel; issue 48: with GQA it could only run MATH)."""
     import torch
-    import torch.nn.functional as F
-    from tandem.nodes.prefill.blocks import band_mask
+    from tandem.nodes.prefill.blocks import band_attention, band_mask
 
     window, chunk, start, D = 512, 256, 2048, 256
     tdtype = getattr(torch, dtype)
@@ -114,9 +114,7 @@ def window_of(ctx: Ctx, dtype: str) -> Json:
     mask = band_mask(start, start + chunk, k_lo, window, q.device)
 
     def call() -> object:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=D**-0.5, enable_gqa=True
-        )
+        return band_attention(q, k, v, mask, D**-0.5)
 
     picked = profiled(call, ctx.cuda)
     say(f"attention {dtype}, sliding window band: {picked['backend']}")
@@ -158,12 +156,22 @@ def attention_of(ctx: Ctx, dtype: str) -> Json:
     }
 
 
+def torch_capability() -> tuple[int, int]:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return major, minor
+
+
 def attention_section(ctx: Ctx) -> Json:
     """Which kernel a real prefill's attention runs, at start 0 and after a prefix."""
     out = {dtype: attempt(attention_of, ctx, dtype) for dtype in ("bfloat16", "float32")}
     ran = [out[d].get(c, {}).get("backend") for d in out for c in ("start_0", "start_gt_0")]
-    out["sliding_window"] = attempt(window_of, ctx, "bfloat16")  # reported, not judged
+    out["sliding_window"] = attempt(window_of, ctx, "bfloat16")
     out["ok"] = all(r not in (None, "unknown") for r in ran)
-    if ctx.cuda:  # issue 17 defect 1: bf16 on CUDA must not fall back to MATH
-        out["ok"] = out["ok"] and "MATH" not in ran[:2]
+    if ctx.cuda:  # issue 17 defect 1: bf16 on CUDA must not fall back to MATH; issue 48:
+        # nor a sliding window's band on an Ampere or later card
+        band = out["sliding_window"].get("backend")
+        ampere = torch_capability() >= (8, 0)
+        out["ok"] = out["ok"] and "MATH" not in ran[:2] and not (ampere and band == "MATH")
     return out
