@@ -66,8 +66,8 @@ def test_health_shows_each_rank_holding_its_share(group: Cluster) -> None:
     health = group.decode.health()
     g = health.group
     assert g is not None
-    # its ranks run one sequence a call: each reply takes a step in turn
-    assert health.batching is not None and health.batching.mode == "interleaved"
+    # its ranks batch alike: every reply steps in one batch
+    assert health.batching is not None and health.batching.mode == "continuous"
     index = load_index(group.model)
     n = index.spec.num_layers
     assert (g.size, g.backend) == (2, "ring")
@@ -122,3 +122,49 @@ def test_a_chat_of_two_turns_is_exact(group: Cluster) -> None:
         group.mlx_model, group.tokenizer, ids, max_tokens=12
     )
     assert stats_of(second).cached_tokens > 0
+
+
+def test_four_replies_at_once_step_in_one_batch_on_every_rank(group: Cluster) -> None:
+    """Issue 46: four completions sent together step in one batch across the ranks (each
+    rank runs its layers over [4, 1] tokens, `group/batch.py`): `/health` sees a step of
+    more than one reply while they run, and each reply is mlx-lm's greedy from scratch."""
+    import threading
+    import time
+
+    vocab = load_index(group.model).spec.vocab_size
+    prompts = [[(31 * k + 7 * i + 3) % vocab for i in range(12 + 5 * k)] for k in range(4)]
+    n = 48
+    replies: dict[int, str] = {}
+    seen: list[int] = []
+    running = threading.Event()
+
+    def complete(k: int) -> None:
+        r = group.client().completions.create(
+            model="m", prompt=prompts[k], max_tokens=n, temperature=0
+        )
+        replies[k] = r.choices[0].text
+
+    def watch() -> None:
+        while running.is_set():
+            b = group.decode.health().batching
+            seen.append(b.batch if b is not None else 0)
+            time.sleep(0.005)
+
+    running.set()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=complete, args=(k,)) for k in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        running.clear()
+        watcher.join()
+    eos = set(group.tokenizer.eos_token_ids)
+    for k in range(4):
+        ids = _ids(group, prompts[k], n=n)
+        ids = ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]  # it stops
+        assert replies[k] == _text(group, ids), k
+    assert max(seen) >= 2, seen

@@ -151,9 +151,9 @@ class DecodeGroup:
 @dataclass(frozen=True)
 class Batching:
     """How a decode node runs its replies at once (issue 46): `continuous`, every reply whose
-    caches mlx-lm can merge steps in one batch (mlx-lm's `BatchGenerator`); `interleaved`,
-    each reply takes one step in turn (a decode group). `unbatched` says what steps beside the
-    batch, a step a tick, and why."""
+    caches mlx-lm can merge steps in one batch (mlx-lm's `BatchGenerator`; a decode group's
+    ranks batch alike); `interleaved`, each reply takes one step in turn (no node of this
+    version says it). `unbatched` says what steps beside the batch, a step a tick, and why."""
 
     mode: str  # "continuous" | "interleaved"
     running: int  # replies generating now

@@ -10,8 +10,9 @@ of the scheduler, one job on the node's mlx thread, does one unit of work for ev
   `BatchGenerator` (continuous batching, as its server does: caches per sequence, their own
   sampler, processors and token limit); one `next_generated()` a tick steps every one;
 - a reply whose caches cannot merge (quantized KV: mlx-lm 0.32's `QuantizedKVCache` has no
-  `merge`; a decode group, whose other ranks hold their layers) keeps its own token loop and
-  takes one step a tick, between the others': it never waits for another reply's end.
+  `merge`) keeps its own token loop and takes one step a tick, between the others': it never
+  waits for another reply's end. A decode group's replies batch on every rank alike
+  (`group/batch.py`, in the place of `BatchGenerator`).
 
 Between ticks the thread runs its other work (a remote prefill's frames, the prompt cache).
 Stop strings, the eos token, limits and log-probabilities are each reply's own (`Reply`); a
@@ -177,9 +178,8 @@ class Batcher:
 
     @property
     def mode(self) -> BatchingMode:
-        """A decode group's model runs one sequence a call on every rank: its replies
-        interleave (the group is known once the host has loaded it)."""
-        return "continuous" if self.host.group is None else "interleaved"
+        """Continuous, a decode group's too (its ranks batch alike: `group/batch.py`)."""
+        return "continuous"
 
     @property
     def running(self) -> int:
@@ -270,8 +270,9 @@ class Batcher:
         processors' history (as in the lone loop)."""
         assert m.reply is not None
         p = m.reply.params
-        if self._batch is None:
-            self._batch = lm.new_batch(self.host.model)
+        if self._batch is None:  # a decode group's model makes its own (every rank's)
+            model = self.host.model
+            self._batch = model.new_batch() if hasattr(model, "new_batch") else lm.new_batch(model)
         (m.uid,) = self._batch.insert(
             [[token]],
             max_tokens=[m.reply.left],

@@ -375,8 +375,9 @@ def new_batch(model: Any) -> Any:
 def can_batch(caches: Caches) -> bool:
     """Whether mlx-lm can merge these caches into a batch: every layer's cache class has
     `merge` (KVCache, RotatingKVCache, ArraysCache in mlx-lm 0.32; a QuantizedKVCache has
-    none), and they are one process's (a decode group's other ranks hold theirs)."""
-    return _mirror(caches) is None and all(hasattr(type(c), "merge") for c in caches)
+    none). A decode group's rank 0 holds its own layers' caches: the others' are of the same
+    kinds and quantized alike, and batch alike (`group/batch.py`)."""
+    return all(hasattr(type(c), "merge") for c in caches)
 
 
 def prefill_seconds(model: Any, count: int) -> float:

@@ -55,8 +55,7 @@ log = logging.getLogger(__name__)
 UNBATCHED = {
     "continuous": "replies with a quantized KV cache (mlx-lm 0.32's QuantizedKVCache has no "
     "merge): each steps beside the batch",
-    "interleaved": "every reply: a decode group's ranks run one sequence a call, each reply "
-    "takes a step in turn",
+    "interleaved": "every reply: each takes a step in turn",
 }
 MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most
 

@@ -15,6 +15,7 @@ from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import LayerArrays
+from tandem.nodes.decode.group.batch import SeqBatch
 from tandem.nodes.decode.group.channel import Channel, Order
 from tandem.nodes.decode.group.pipeline import Stage
 from tandem.nodes.decode.lm import device_kernel
@@ -32,6 +33,7 @@ class Follower:
         self.first = stage.layers_range[0]
         self.caches: dict[int, lm.Caches] = {}
         self.saved: dict[int, lm.Caches] = {}  # what a failed fill goes back to, by id
+        self.batch = SeqBatch()  # the caches of the replies stepping together, as rank 0's
 
     def run(self) -> None:
         """Take orders until "stop"."""
@@ -49,6 +51,12 @@ class Follower:
             cache = caches[a["id"]] if a["id"] is not None else None
             out = self.stage(order.arrays["tokens"], cache)
             mx.eval(out, *(c.state for c in cache or []))
+        elif order.op == "batch":
+            batch = self.batch.sync(a["ids"], caches)
+            out = self.stage(order.arrays["tokens"], batch)
+            mx.eval(out, [c.state for c in batch])
+        elif order.op == "unbatch":
+            caches[a["id"]] = self.batch.leave(a["id"])
         elif order.op == "quantize":
             lm.quantize_when_due(caches[a["id"]], self._format(a))
         elif order.op == "trim":

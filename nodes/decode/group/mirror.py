@@ -8,6 +8,8 @@ whose steps the other ranks repeat on their own layers (`follower.py`), in the s
   the id the other ranks know theirs by. `lm`'s cache edits (`quantize_when_due`, `trim_to`,
   `clone_prefix`) and the frame fills of other ranks' layers are ordered too; a list rank 0
   drops is dropped by the others at the next order.
+- Replies whose caches merge step in one batch on every rank (`batch.py`: `batch_forward`,
+  `unbatch`).
 
 Everything here runs on the decode node's mlx thread, the only one that orders.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.decode.families.base import LayerArrays
+from tandem.nodes.decode.group.batch import GroupBatch, SeqBatch
 from tandem.nodes.decode.group.channel import Args, Arrays, Channel
 from tandem.nodes.decode.group.pipeline import Stage
 
@@ -48,6 +51,7 @@ class Mirror:
         self._ids = itertools.count(1)
         self._dropped: list[int] = []
         self._lock = threading.RLock()  # finalizers run on any thread, even inside `order`
+        self.batch = SeqBatch()  # rank 0's caches of the replies stepping together
 
     def order(
         self, op: str, args: Args | None = None, arrays: Arrays | None = None, to: int | None = None
@@ -78,6 +82,21 @@ class Mirror:
         out = self.stage(inputs, cache)
         mx.eval(out)
         return out
+
+    def batch_forward(self, rows: list[GroupCaches], tokens: mx.array) -> mx.array:
+        """One step of the replies `rows` ([B, 1] tokens, a row each) on every rank, their
+        caches merged into each rank's batch where they are new to it: logits [B, 1, V]."""
+        ids = [c.id for c in rows]
+        self.order("batch", {"ids": ids}, {"tokens": tokens})
+        cache = self.batch.sync(ids, {c.id: list(c) for c in rows})
+        out = self.stage(tokens, cache)
+        mx.eval(out)
+        return out
+
+    def unbatch(self, caches: GroupCaches) -> None:
+        """A reply out of the batch on every rank: its caches its own again."""
+        self.order("unbatch", {"id": caches.id})
+        caches[:] = self.batch.leave(caches.id)
 
     def quantized(self, caches: GroupCaches, kv_format: KVFormat) -> None:
         self.order("quantize", {"id": caches.id, "bits": kv_format.bits,
@@ -123,6 +142,11 @@ class GroupModel:
 
     def make_cache(self) -> GroupCaches:
         return self.mirror.new()
+
+    def new_batch(self) -> GroupBatch:
+        """The replies' batch (in place of mlx-lm's `BatchGenerator`, which would run rank
+        0's layers only)."""
+        return GroupBatch(self.mirror)
 
     @property
     def layers(self) -> list[Any]:
