@@ -47,3 +47,51 @@ def test_resident_layers_are_dequantized_once_where_the_budget_holds_them(
     finally:
         roomy.close()
         tight.close()
+
+
+def test_what_the_budget_holds_is_kept_dequantized_largest_first(
+    tiny_model: MakeTiny, monkeypatch
+) -> None:
+    """Issue 48 item 8: where the spare bytes hold some of the resident matrices in float but
+    not all, those loads are kept dequantized (the largest first) and the rest stay packed
+    (it was all or nothing: a 70B 4-bit on a 4090 dequantized all 80 resident layers every
+    pass); the K/V are the same bits."""
+    from tandem.nodes.prefill.loads import dequantized_bytes
+
+    index = load_index(tiny_model(**SHAPE, quantize=4))
+    roomy = PrefillEngine(index, budget=10**9, device="cpu")
+    plan = roomy.plan
+    needs = {
+        ld.seq: sum(dequantized_bytes(index, p, 4) for p in ld.parts)
+        for ld in plan.loads
+        if ld.resident
+    }
+    largest = max(needs, key=lambda s: needs[s])
+    assert len([n for n in needs.values() if n]) >= 2
+    budget = plan.device_bytes - plan.resident_float_bytes + plan.reserve_bytes
+    some = PrefillEngine(index, budget=budget + needs[largest] + 1, device="cpu")
+    calls = []
+    real = dequant.dequantize
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dequant, "dequantize", counting)
+    monkeypatch.setattr(resident, "dequantize", counting)
+    tokens = np.arange(24).tolist()
+    try:
+        assert some.plan.resident_form == "partly"
+        assert some.plan.resident_floats == {largest}
+        assert some.plan.resident_float_bytes == needs[largest]
+        want = list(roomy.prefill(tokens))
+        list(some.prefill(tokens))  # its float loads made
+        made = len(calls)
+        got = list(some.prefill(tokens))
+        per_pass = len(calls) - made
+        assert per_pass > 0  # the packed ones, every pass
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    finally:
+        roomy.close()
+        some.close()

@@ -83,7 +83,7 @@ class PlanSummary:
     bytes_per_pass: int  # streamed through the ring each pass
     activation_reserve_bytes: int  # kept free in the budget for a prompt of the longest
     max_prompt_tokens: int | None  # the longest prompt the node takes (None: any)
-    resident_form: str = "packed"  # quantized resident layers: "packed" or "dequantized"
+    resident_form: str = "packed"  # quantized resident layers: "packed", "partly", "dequantized"
     resident_float_bytes: int = 0  # what keeping them dequantized takes
 
 
@@ -350,7 +350,8 @@ def render(r: Report) -> str:
     longest = f"prompts up to {p.max_prompt_tokens} tokens" if p.max_prompt_tokens else "none"
     link = "PCIe" if r.device == "cuda" else "memcpy"  # a CPU reads straight into its slots
     n_resident = len(p.resident_layers)
-    floats = p.resident_form == "dequantized"  # no pass dequantizes them again
+    floats = p.resident_form != "packed"  # no pass dequantizes those again
+    some = "some " if p.resident_form == "partly" else ""
     lines = [
         f"tandem plan — {m.name}: {m.layers} layers, {m.dtype}, {format_bytes(m.bytes)}; "
         f"{r.device}, budget {format_bytes(r.budget_bytes)}",
@@ -359,7 +360,7 @@ def render(r: Report) -> str:
         f"  resident    {n_resident} layer{'' if n_resident == 1 else 's'}, "
         f"{format_bytes(p.resident_bytes)}"
         + (f" (layers {resident})" if resident else "")
-        + (f", kept dequantized (+{format_bytes(p.resident_float_bytes)})" if floats else ""),
+        + (f", {some}kept dequantized (+{format_bytes(p.resident_float_bytes)})" if floats else ""),
         f"  per pass    {format_bytes(p.bytes_per_pass)} streamed",
         render_tiers(r.tiers),
         f"  activations {format_bytes(p.activation_reserve_bytes)} reserved ({longest})",

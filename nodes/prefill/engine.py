@@ -131,7 +131,7 @@ class PrefillEngine:
         # MoE: read only the experts a layer's router chose, while waiting for routers pays
         # ("always": even where it does not; False: every expert)
         self.route_experts: Route = True
-        dequantized = self.plan.resident_form == "dequantized"
+        dequantized = bool(self.plan.resident_floats)
         floats = ResidentFloats(self.index, self.dtype, self._scratch) if dequantized else None
         self._floats = floats
         self._handovers: list[Handover] = []  # one per place in a pass, kept across passes
@@ -271,7 +271,7 @@ class PrefillEngine:
                 if not live:
                     break
                 i = load.layer
-                if load.resident and self._floats is not None:
+                if self._floats is not None and load.seq in self.plan.resident_floats:
                     views = self._floats.views(load, views)
                 if load.first_of_layer:
                     for m in live:

@@ -258,24 +258,46 @@ def dequantized_bytes(index: ModelIndex, part: Part, itemsize: int) -> int:
     return sum(dequantized_sizes(index, part, itemsize))
 
 
-ResidentForm = Literal["packed", "dequantized"]
+ResidentForm = Literal["packed", "dequantized", "partly"]
+
+
+def resident_floats(
+    index: ModelIndex, loads: Sequence[Load], spare: int, itemsize: int
+) -> tuple[frozenset[int], int]:
+    """The resident loads of a quantized model kept dequantized (each matrix once, at warm-up,
+    into memory of its own beside the packed load: no pass dequantizes it again), and the
+    device bytes that costs beyond the plan's pool and scratch, within `spare` (the budget
+    less pool, scratch and activation reserve). Largest savings first: loads every pass
+    dequantizes whole before routed ones (a pass dequantizes only the experts its tokens
+    chose), each kind largest first; the rest stay packed (dequantized into the scratch
+    every pass, as streamed loads are). Issue 48: all or nothing before, so a 70B 4-bit on a
+    4090 dequantized all 80 resident layers every pass."""
+    if not index.quantized:
+        return frozenset(), 0
+    needs = [
+        (load, sum(dequantized_bytes(index, part, itemsize) for part in load.parts))
+        for load in loads
+        if load.resident
+    ]
+    chosen, total = [], 0
+    for load, need in sorted(needs, key=lambda ln: (ln[0].routed, -ln[1])):
+        if 0 < need <= spare - total:
+            chosen.append(load.seq)
+            total += need
+    return frozenset(chosen), total
 
 
 def resident_form(
     index: ModelIndex, loads: Sequence[Load], spare: int, itemsize: int
 ) -> tuple[ResidentForm, int]:
-    """How a quantized model's resident layers are kept, and the device bytes that costs
-    beyond the plan's pool and scratch: "dequantized" (each matrix dequantized once, at
-    warm-up, into memory of its own beside the packed load, so no pass dequantizes it again)
-    where `spare` bytes (the budget less pool, scratch and activation reserve) hold all of
-    them; else "packed" (0 B: dequantized into the scratch every pass, as streamed loads are).
-    A float model's are "packed", trivially."""
-    if not index.quantized:
-        return "packed", 0
-    need = sum(
-        dequantized_bytes(index, part, itemsize)
+    """How a quantized model's resident layers are kept (`resident_floats`): "dequantized"
+    (all of them), "partly", or "packed" (none: a float model's, trivially), and the bytes."""
+    seqs, nbytes = resident_floats(index, loads, spare, itemsize)
+    quantized = {
+        load.seq
         for load in loads
-        if load.resident
-        for part in load.parts
-    )
-    return ("dequantized", need) if 0 < need <= spare else ("packed", 0)
+        if load.resident and any(dequantized_bytes(index, p, itemsize) for p in load.parts)
+    }
+    if not seqs:
+        return "packed", 0
+    return ("dequantized" if seqs == quantized else "partly"), nbytes

@@ -34,6 +34,7 @@ from tandem.nodes.prefill.loads import (
     dequantized_bytes,
     dequantized_sizes,
     layout,
+    resident_floats,
     resident_form,
     round_up,
     slot_size,
@@ -54,10 +55,12 @@ class Plan:
     scratch_bytes: int = 0  # where a quantized model's parts are dequantized
     reserve_bytes: int = 0  # kept free for activations
     host_loads: frozenset[int] = frozenset()  # seqs of the streamed loads kept in RAM
-    # a quantized model's resident layers: "packed" (dequantized into the scratch each pass)
-    # or "dequantized" (each matrix once, into device memory of its own: these bytes)
+    # a quantized model's resident layers: "packed" (dequantized into the scratch each pass),
+    # "dequantized" (each matrix once, into device memory of its own: these bytes), or
+    # "partly" (the loads `resident_floats` so, the rest packed)
     resident_form: ResidentForm = "packed"
     resident_float_bytes: int = 0
+    resident_floats: frozenset[int] = frozenset()  # seqs of the resident loads kept in float
 
     def with_host(self, host_bytes: int) -> Plan:
         """This plan with a RAM tier of `host_bytes`: the streamed loads `host_set` picks — a
@@ -302,12 +305,14 @@ def _routing_idles(plan: Plan) -> bool:
 
 
 def _with_form(plan: Plan, index: ModelIndex, weights: int) -> Plan:
-    """The plan with its resident layers kept dequantized where the weight budget's spare
-    bytes hold all of their matrices in the compute dtype (no pass dequantizes them again),
-    else packed (`loads.resident_form`)."""
+    """The plan with its resident layers kept dequantized as far as the weight budget's spare
+    bytes hold their matrices in the compute dtype (no pass dequantizes those again), largest
+    savings first, the rest packed (`loads.resident_floats`)."""
     spare = weights - plan.device_bytes
-    form, nbytes = resident_form(index, plan.loads, spare, ITEMSIZE[index.dtype])
-    return replace(plan, resident_form=form, resident_float_bytes=nbytes)
+    itemsize = ITEMSIZE[index.dtype]
+    seqs, nbytes = resident_floats(index, plan.loads, spare, itemsize)
+    form, _ = resident_form(index, plan.loads, spare, itemsize)
+    return replace(plan, resident_form=form, resident_float_bytes=nbytes, resident_floats=seqs)
 
 
 def _weight_budget(index: ModelIndex, budget: int, reserve: int) -> int:
