@@ -33,11 +33,13 @@ def allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return made
 
 
-@pytest.mark.parametrize("share", [None, 2])  # all resident; half of the layers' bytes
+@pytest.mark.parametrize(
+    ("share", "bits"), [(None, 4), (2, 4), (2, 3), (2, 6)]
+)  # all resident; half of the layers' bytes; the widths whose values cross words (issue 48)
 def test_a_quantized_prefill_allocates_no_temporaries(
-    share: int | None, tiny_model: MakeTiny, allocations: list[int]
+    share: int | None, bits: int, tiny_model: MakeTiny, allocations: list[int]
 ) -> None:
-    model = tiny_model(arch="qwen3", layers=4, hidden=128, intermediate=256, quantize=4)
+    model = tiny_model(arch="qwen3", layers=4, hidden=128, intermediate=256, quantize=bits)
     index = load_index(model)
     budget = None if share is None else sum(map(index.layer_bytes, range(4))) // share
     tokens = np.random.default_rng(3).integers(0, 512, 40).tolist()

@@ -7,13 +7,15 @@ as mlx does, in the scales' dtype, rounding after the product and after the sum.
 model computes in a wider dtype than its scales (float32 norms beside float16 scales), the
 scales are widened first, as mlx's matmul does.
 
-Runs with plain torch ops, the same on CPU and CUDA, in a few kernels per matrix: for 2, 4
-and 8 bits one broadcast shift and one mask unpack every byte's values at once, one stack
-interleaves them (`_unpack_aligned`), then one conversion, one product and one sum. `out`
-takes the result in place so a caller's scratch bounds the memory; the temporaries (the
-unpacked uint8 values, and where the scales are widened a float32 copy) go into `temp`, free
-scratch bytes the caller lends, or else into at most `BLOCK_BYTES` allocated here, rows in
-blocks of what that holds.
+Runs with plain torch ops, the same on CPU and CUDA, in a few kernels per matrix at every
+width: 8 values of b bits fill exactly b bytes, and each value lies within one byte (2, 4
+bits) or two adjacent ones (3, 5, 6 bits: its window), so one gather takes every value's
+window, read as uint8 or int16, and one broadcast shift and one mask leave the values
+(`_unpack`; 8-bit values are the bytes themselves); then one conversion, one product and
+one sum. `out` takes the result in place so a caller's scratch bounds the memory; the
+temporaries (the windows, and where the scales are widened a float32 copy) go into `temp`,
+free scratch bytes the caller lends, or else into at most `BLOCK_BYTES` allocated here, rows
+in blocks of what that holds.
 """
 
 from __future__ import annotations
@@ -25,54 +27,55 @@ from tandem.nodes.model.quant import Quant
 from tandem.nodes.prefill.loads import ALIGN, round_up  # the plan's scratch: same alignment
 
 BLOCK_BYTES = 16 << 20  # temporaries a call allocates when the caller lends too few
-CROSSING_ROW_TEMPS = 40  # bytes of int64 temporaries per value of a crossing (3/5/6-bit) row
 
 
-def _unpack_aligned(words: torch.Tensor, bits: int, into: torch.Tensor | None) -> torch.Tensor:
-    """[R, W] words → [R, W·32/bits] uint8 values, for 2, 4 and 8 bits, in `into` (uint8,
-    2·R·W·32/bits bytes). The words are little-endian, so byte k holds the values that start
-    at bit 8k: one broadcast shift [1, R, 4W] >> [8/bits, 1, 1] takes every byte's j-th value
-    into plane j (long rows: vectorized on a CPU too), one stack interleaves the planes."""
-    rows, cols = words.shape[0], words.shape[1] * 32 // bits
+def _span(bits: int) -> int:
+    """Bytes of the window that holds any one value: 1 where values stay within bytes (2, 4,
+    8 bits), else 2 (a value crosses at most one byte boundary)."""
+    return 1 if 8 % bits == 0 else 2
+
+
+def _window_dtype(span: int) -> torch.dtype:
+    return torch.uint8 if span == 1 else torch.int16
+
+
+def _layout(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of the 8 values that fill `bits` bytes is read: the first byte of its
+    window (int64 [8]: the byte the value starts in, except that no window reaches past the
+    group's last byte, so the last value's may start a byte earlier), and its shift there
+    (the window's dtype, [8]). Made on the device, a few tiny kernels: a tensor from host
+    values would wait for the stream."""
+    span = _span(bits)
+    start = torch.arange(0, 8 * bits, bits, device=device)  # bits: where value j starts
+    first = (start >> 3).clamp_(max=bits - span)
+    shift = torch.add(start, first, alpha=-8)  # start - 8·first: at most 8·span - bits
+    # each int64's low byte or half-word (little-endian, as the words)
+    return first, shift.view(_window_dtype(span))[:: 8 // span]
+
+
+def _unpack(
+    words: torch.Tensor,
+    bits: int,
+    layout: tuple[torch.Tensor, torch.Tensor] | None,
+    into: torch.Tensor | None,
+) -> torch.Tensor:
+    """[R, W] words → [R, W·32/bits] values: for 8 bits the bytes themselves, else in `into`
+    (uint8, `_span` bytes per value), as uint8 or int16. The words are little-endian, so a
+    group of 8 values is b consecutive bytes, value j from bit j·b on; `unfold` views every
+    window of the group's bytes, one gather picks each value's, one shift and one mask cut
+    the value out (an int16's kept bits stay below the sign bits its shift brings in)."""
     by = words.view(torch.uint8)  # [R, 4W]
     if bits == 8:
         return by
-    assert into is not None
-    per = 8 // bits  # values per byte
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device).view(per, 1, 1)
-    planes = into[: rows * cols].view(per, rows, by.shape[1])
-    torch.bitwise_right_shift(by.unsqueeze(0), shifts, out=planes)
-    planes.bitwise_and_((1 << bits) - 1)
-    q = into[rows * cols : 2 * rows * cols].view(rows, by.shape[1], per)
-    torch.stack(planes.unbind(0), dim=-1, out=q)
-    return q.view(rows, cols)
-
-
-def _crossing_index(
-    cols: int, bits: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per value of a row: the word it starts in, and its shift there (3, 5, 6 bits)."""
-    offset = torch.arange(cols, dtype=torch.int64, device=device) * bits
-    return offset // 32, offset % 32
-
-
-def _unpack_crossing(
-    words: torch.Tensor, bits: int, index: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """[R, W] int32 words → [R, cols] int64 values for bits that cross words (3, 5, 6)."""
-    word, shift = index
-    w64 = words.to(torch.int64) & 0xFFFFFFFF
-    w64 = torch.cat([w64, torch.zeros_like(w64[:, :1])], dim=1)  # a word past the end
-    pair = w64[:, word] | (w64[:, word + 1] << 32)  # 64 bits starting at the value's word
-    return (pair >> shift) & ((1 << bits) - 1)
-
-
-def unpack(words: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    """The integer values of packed rows: [R, W] → [R, cols]."""
-    if bits in (2, 4, 8):
-        into = torch.empty(2 * words.shape[0] * cols, dtype=torch.uint8, device=words.device)
-        return _unpack_aligned(words, bits, into)
-    return _unpack_crossing(words, bits, _crossing_index(cols, bits, words.device))
+    assert layout is not None and into is not None
+    first, shift = layout
+    span, rows, groups = _span(bits), by.shape[0], by.shape[1] // bits
+    windows = by.view(rows, groups, bits).unfold(2, span, 1)  # [R, G, b-span+1, span]
+    picked = into[: rows * groups * 8 * span].view(rows, groups, 8, span)
+    torch.index_select(windows, 2, first, out=picked)
+    q = picked.view(_window_dtype(span)).view(rows, groups, 8)  # an int16's low byte first
+    q.bitwise_right_shift_(shift).bitwise_and_((1 << bits) - 1)
+    return q.view(rows, groups * 8)
 
 
 def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
@@ -84,10 +87,10 @@ def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
 
 def temp_bytes_per_row(cols: int, bits: int, scales: torch.dtype, dtype: torch.dtype) -> int:
     """Bytes of temporaries `dequantize` needs per row of `cols` values: the unpacked values
-    (uint8, in planes and interleaved; int64 ones where values cross words), and a float32
-    row where the scales are widened to a compute dtype other than float32."""
+    (a window of one or two bytes each; none at 8 bits, whose values are the packed bytes),
+    and a float32 row where the scales are widened to a compute dtype other than float32."""
     work = work_dtype(scales, dtype)
-    unpacked = cols * (CROSSING_ROW_TEMPS if bits not in (2, 4, 8) else 2 if bits != 8 else 0)
+    unpacked = _span(bits) * cols if bits != 8 else 0
     return unpacked + (cols * work.itemsize if work != dtype else 0)
 
 
@@ -102,8 +105,8 @@ def dequantize(
 ) -> torch.Tensor:
     """Float weights [R, C] in `dtype` from packed `words` [R, C·bits/32] (int32 or uint32
     storage), `scales` and `biases` [R, C/group_size]. `temp`: free uint8 bytes (on the
-    device) for the temporaries; a 4- or 8-bit matrix whose temporaries fit takes one block,
-    at most 7 kernels."""
+    device) for the temporaries; a matrix whose temporaries fit takes one block: at most 11
+    kernels at any width (4 at 8 bits), however many rows."""
     rows, groups = scales.shape
     g = quant.group_size
     cols = groups * g
@@ -117,17 +120,14 @@ def dequantize(
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype, device=words.device)
     work = work_dtype(scales.dtype, dtype)
-    aligned = quant.bits in (2, 4, 8)
     per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, dtype)
-    temp, step = _blocks(temp, per_row, rows, aligned, words.device)
-    index = None if aligned else _crossing_index(cols, quant.bits, words.device)
+    temp, step = _blocks(temp, per_row, rows, words.device)
+    layout = _layout(quant.bits, words.device) if quant.bits != 8 else None  # once a matrix
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         n, wide = r1 - r0, (r1 - r0) * cols * work.itemsize if work != dtype else 0
-        if index is not None:
-            q = _unpack_crossing(words[r0:r1], quant.bits, index)
-        else:  # the float32 rows first (aligned), the unpacked bytes after them
-            q = _unpack_aligned(words[r0:r1], quant.bits, temp[wide:] if temp is not None else None)
+        # the float32 rows first (their alignment), the values' windows after them
+        q = _unpack(words[r0:r1], quant.bits, layout, temp[wide:] if temp is not None else None)
         if work == dtype:  # in the output itself
             w = out[r0:r1]
         elif temp is not None:
@@ -153,13 +153,10 @@ def aligned_front(scratch: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def _blocks(
-    temp: torch.Tensor | None, per_row: int, rows: int, aligned: bool, device: torch.device
+    temp: torch.Tensor | None, per_row: int, rows: int, device: torch.device
 ) -> tuple[torch.Tensor | None, int]:
-    """(the temporaries' bytes, rows per block): a crossing width allocates int64
-    temporaries of its own, blocks of what `BLOCK_BYTES` holds; 8 bits in the working dtype
-    need none, one block."""
-    if not aligned:
-        return None, max(1, BLOCK_BYTES // per_row)
+    """(the temporaries' bytes, rows per block): blocks of what the lent or allocated bytes
+    hold; 8 bits in the working dtype need none, one block."""
     if not per_row:
         return temp, rows
     temp = _lent_or_new(temp, per_row, rows, device)
@@ -217,7 +214,7 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
         nbytes = rows * cols * torch.finfo(self._dtype).bits // 8
         scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
         per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, self._dtype)
-        temps = min(per_row * rows, BLOCK_BYTES) if quant.bits in (2, 4, 8) else 0
+        temps = min(per_row * rows, BLOCK_BYTES)
         start = self._place(key, nbytes, temps)
         dest = self._scratch[start : start + nbytes].view(self._dtype)
         self._cursor = start + round_up(nbytes, ALIGN)

@@ -205,13 +205,13 @@ def temp_room(index: ModelIndex, parts: list[Part], whole: bool = True) -> int:
     unpacked values, widened rows), so that no pass allocates them: all of the largest
     matrix's, at most `BLOCK_BYTES` (a few blocks, a few kernels); for a tight budget
     (`whole` False) one row's of the widest, which it then goes through in blocks of that.
-    Widths whose values cross words (3, 5, 6 bits) take int64 temporaries of their own."""
+    Every width (2 to 8 bits) dequantizes in the room planned here."""
     dtype, room = TORCH_DTYPES[index.dtype], 0
     for part in parts:
         for piece in part.pieces:
             module = piece.key.removesuffix(".weight")
             quant = index.quant(part.layer, module)
-            if quant is None or piece.key == module or quant.bits not in (2, 4, 8):
+            if quant is None or piece.key == module:
                 continue
             rows, words = piece.shape[-2:]
             scales = TORCH_DTYPES[index.layers[part.layer][f"{module}.scales"].dtype]
