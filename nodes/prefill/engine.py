@@ -8,6 +8,7 @@ needed. Runs on the calling thread (the node's device thread); the loader runs b
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -279,8 +280,7 @@ class PrefillEngine:
                         self.events.publish(self._layer_event(m.ask.request_id, load, "computing"))
                         m.state = family.new_state(m.p, kinds[i], i, m.ask.count, m.prefix_of(i))
                 with clock.timing(i):
-                    for part in load.parts:
-                        self._compute(live, part, part_weights(views, part.op, part.lo), run)
+                    self._compute_load(live, load, views, run)
                 self._released(live, run, load)
                 if load.last_of_layer:
                     for m in live:
@@ -308,6 +308,22 @@ class PrefillEngine:
         if ask.start and ask.prefix:
             uploads = PrefixUpload(ask.prefix, self.device, self.dtype)
         return Member(ask, index, handover, stats, t_start, uploads)
+
+    def _compute_load(
+        self, live: list[Member], load: Load, views: dict[str, torch.Tensor], run: Any
+    ) -> None:
+        """`load` over every live member, part by part; a run of experts (a streamed load of
+        them, a resident layer's) at once where the family can: a few dozen ops whatever
+        the number chosen."""
+        family = self.family
+        for experts, run_parts in itertools.groupby(load.parts, lambda pt: pt.op == "experts"):
+            parts = list(run_parts)
+            if experts and all(
+                family.compute_experts(m.p, parts, views, m.h, m.state) for m in live
+            ):
+                continue
+            for part in parts:
+                self._compute(live, part, part_weights(views, part.op, part.lo), run)
 
     def _compute(self, live: list[Member], part: Part, weights: Weights, run: Any) -> None:
         """`part` over every live member; their layer's handover where its attention is done;

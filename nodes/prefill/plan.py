@@ -184,10 +184,17 @@ def _scratch(
     index: ModelIndex, groups: list[list[list[Part]]], itemsize: int, whole_parts: bool = True
 ) -> int:
     """Bytes to dequantize into (0 for a float model): every matrix of the largest part at
-    once, or (`whole_parts=False`) only the largest matrix, one at a time."""
+    once, and a load's experts one matrix of each at once (`experts.py`: a few kernels
+    whatever the number chosen); or (`whole_parts=False`) only the largest matrix, one at a
+    time."""
     parts = [part for layer in groups for g in layer for part in g]
     if whole_parts:
         most = max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
+        for g in (g for layer in groups for g in layer):
+            experts = [p for p in g if p.op == "experts"]
+            sizes = [s for p in experts for s in dequantized_sizes(index, p, itemsize)]
+            if sizes:  # each expert's largest matrix and its temporaries, side by side
+                most = max(most, len(experts) * (max(sizes) + temp_room(index, experts[:1])))
     else:
         # o_proj's and down_proj's rows are dequantized in blocks of what the scratch holds
         # (engine): they need one row, and get the room the other parts' matrices need anyway

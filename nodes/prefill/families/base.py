@@ -25,7 +25,7 @@ which the families that have them override.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +120,18 @@ class PrefillFamily:
         layer hands over (its attention): the engine takes the handover then, while the
         rest of the layer computes."""
         raise NotImplementedError
+
+    def compute_experts(
+        self,
+        p: Pass,
+        parts: Sequence[Part],
+        views: Mapping[str, torch.Tensor],
+        h: torch.Tensor,
+        state: LayerState,
+    ) -> bool:
+        """A load of experts at once (a mixture of experts: `experts.compute_experts`), its
+        `views` keyed `op:lo:name`; False where the family computes its parts one by one."""
+        return False
 
     def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:
         """What the layer hands over once `compute` said so: a "full" layer's K and V of the

@@ -43,7 +43,6 @@ from tandem.nodes.prefill.families.llama import (
 from tandem.nodes.prefill.families.qwen3_moe import (
     MoeState,
     Qwen3MoeFamily,
-    _experts,
     _route,
     moe_parts,
 )
@@ -100,6 +99,7 @@ class Qwen35Family(PrefillFamily):
         return dataclasses.replace(p, ropes={"full": tables})
 
     routing = Qwen3MoeFamily.routing  # the experts the router chose, as Qwen3-MoE's
+    compute_experts = Qwen3MoeFamily.compute_experts  # a load of experts at once
 
     def new_state(
         self, p: Pass, kind: LayerKind, layer: int, count: int, prefix: Prefix | None
@@ -143,8 +143,6 @@ class Qwen35Family(PrefillFamily):
             _route(p, part, w, h, state)
         elif part.op == "shared":
             _shared(p, w, state)
-        elif part.op == "experts":
-            _experts(p, part, weights, h, state)
         else:
             mlp_part(spec, h, state, w, part.first, p.chunk, part.lo, part.hi,
                      with_down=part.op == "mlp")  # fmt: skip

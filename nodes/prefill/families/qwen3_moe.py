@@ -15,7 +15,8 @@ experts' tensors, or the stacked tensors' rows [lo, hi), one part per expert. Lo
 layer whole where it is resident; streamed, its attention (as the dense family cuts it) with
 the router, then its experts packed into loads, which the streamer reads once the router has
 chosen, only the chosen experts' pieces of them (`routing`).
-MLX-quantized experts are dequantized one expert at a time, as they are used. The resident
+A load's experts compute at once (`experts.py`: a few dozen kernels, MLX-quantized ones
+dequantized in one call per matrix). The resident
 set holds whole layers, as for dense models (the planner's fixed choice, never LRU): a layer
 kept resident needs no router wait at all, while a fixed set of "hot" experts would need a
 router's counts from past prompts to choose, and would still leave every layer's routing wait.
@@ -24,13 +25,14 @@ router's counts from past prompts to choose, and would still leave every layer's
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.blocks import LayerState
-from tandem.nodes.prefill.dequant import aligned_front, dequantize
+from tandem.nodes.prefill.experts import compute_experts
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import (
     DenseFamily,
@@ -43,7 +45,7 @@ from tandem.nodes.prefill.families.llama import (
     out_row_parts,
     row_unit,
 )
-from tandem.nodes.prefill.loads import ALIGN, Part, Piece, pack, round_up, slot_size
+from tandem.nodes.prefill.loads import Part, Piece, pack, slot_size
 from tandem.nodes.prefill.rope import rms_norm
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
@@ -98,6 +100,20 @@ class Qwen3MoeFamily(DenseFamily):
         loads = pack(experts, max_bytes, direct)  # None: one expert does not fit a slot
         return None if loads is None else attn + loads
 
+    def compute_experts(
+        self,
+        p: Pass,
+        parts: Sequence[Part],
+        views: Mapping[str, torch.Tensor],
+        h: torch.Tensor,
+        state: LayerState,
+    ) -> bool:
+        """A load of experts, all of its chosen ones at once (`experts.py`)."""
+        if not parts or any(part.op != "experts" for part in parts):
+            return False
+        compute_experts(p, parts, views, state, h)
+        return True
+
     def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
         if part.op != "router":
             return None
@@ -109,9 +125,6 @@ class Qwen3MoeFamily(DenseFamily):
     ) -> bool:
         if part.op == "router":
             _route(p, part, weights, h, state)
-            return False
-        if part.op == "experts":
-            _experts(p, part, weights, h, state)
             return False
         return super().compute(p, part, weights, h, state)
 
@@ -176,53 +189,11 @@ def _route(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) 
         weights = weights / weights.sum(dim=-1, keepdim=True)
     state.x_norm = x
     flat = experts.flatten()  # [T·k]
-    counts = torch.bincount(flat, minlength=moe.num_experts).tolist()  # the one read-back
+    # per expert, its entries: the one host read of the layer (CUDA's `bincount` reads the
+    # indices' min and max back first: three round trips)
+    counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=h.device)
+    counts = counts.index_add_(0, flat, torch.ones_like(flat)).tolist()
     starts = [0, *itertools.accumulate(counts)]
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     order = torch.argsort(flat, stable=True)
     state.routes = Routes(order, weights.flatten(), starts, moe.experts_per_token, out)
-
-
-def _experts(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) -> None:
-    """Experts [lo, hi) on the tokens routed to them: one SwiGLU each, times each token's
-    weight, into the float32 sum; the layer's last expert adds the sum into h."""
-    assert isinstance(state, MoeState) and state.routes is not None and state.x_norm is not None
-    r, x = state.routes, state.x_norm
-    for e in range(part.lo, part.hi):
-        if r.starts[e + 1] == r.starts[e]:
-            continue  # no token chose it: its weights may not even be loaded
-        entries = r.order[r.starts[e] : r.starts[e + 1]]  # flat (token, slot) indices
-        rows, j = entries // r.k, e - part.lo
-        xe = x[rows]  # [n, H]
-        act = F.silu(F.linear(xe, _matrix(p, w, part, j, "gate_proj")))  # [n, I]
-        act.mul_(F.linear(xe, _matrix(p, w, part, j, "up_proj")))
-        y = F.linear(act, _matrix(p, w, part, j, "down_proj")).float()
-        r.out.index_add_(0, rows, y * r.weights[entries].float()[:, None])
-    if part.last:
-        h += r.out.to(h.dtype)
-        state.routes, state.x_norm = None, None
-
-
-def _matrix(p: Pass, w: Weights, part: Part, j: int, m: str) -> torch.Tensor:
-    """Expert lo + j's `m` matrix (gate, up [I, H]; down [H, I]): a view into the slot, or
-    dequantized into the scratch's front (the matrix before it is used already: the plan
-    may size the scratch for one matrix)."""
-    if "mlp.experts.gate_up_proj" in w:  # fused (float): gate rows, then up rows
-        if m == "down_proj":
-            return w["mlp.experts.down_proj"][j]
-        gate_up = w["mlp.experts.gate_up_proj"][j]  # [2I, H]
-        half = gate_up.shape[0] // 2
-        return gate_up[:half] if m == "gate_proj" else gate_up[half:]
-    stacked = "mlp.switch_mlp.gate_proj.weight" in w
-    module = f"mlp.switch_mlp.{m}" if stacked else f"mlp.experts.{part.lo + j}.{m}"
-    pick = (lambda t: t[j]) if stacked else (lambda t: t)
-    words = pick(w[f"{module}.weight"])
-    quant = p.index.quant(part.layer, module)
-    if quant is None or words.is_floating_point():  # float, or dequantized already
-        return words
-    scales, biases = pick(w[f"{module}.scales"]), pick(w[f"{module}.biases"])
-    rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
-    nbytes = rows * cols * torch.finfo(p.dtype).bits // 8
-    dest = aligned_front(p.scratch, nbytes)
-    into = dest[:nbytes].view(p.dtype).view(rows, cols)
-    return dequantize(words, scales, biases, quant, p.dtype, into, dest[round_up(nbytes, ALIGN) :])
