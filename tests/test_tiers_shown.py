@@ -115,7 +115,7 @@ def cuda_node_events(tiny_model: MakeTiny) -> tuple[list[Event], int]:
     events: list[Event] = []
     listen(engine.events, events.append)
     try:
-        ready = engine._on_ready(["r1"])
+        ready = engine.pass_events.on_ready(["r1"])
         streamed = 0
         for load in engine.plan.loads:  # a first pass: every load, from disk
             nbytes = load.weight_bytes

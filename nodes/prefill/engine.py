@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
-from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.prefill.batch import Ask, Member
@@ -32,7 +31,7 @@ from tandem.nodes.prefill.budget import (
     plan_for_prompts,
     prompt_activations,
 )
-from tandem.nodes.prefill.dequant import dequantize
+from tandem.nodes.prefill.embedding import Embedding
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.families import Pass, family_for
 from tandem.nodes.prefill.families.base import Weights
@@ -45,6 +44,7 @@ from tandem.nodes.prefill.handover import (
     quantized_parts,
 )
 from tandem.nodes.prefill.loads import ALIGN, Load, Part
+from tandem.nodes.prefill.pass_events import PassEvents
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, PrefixUpload, State
 from tandem.nodes.prefill.ram import HostBudget, beside_tier, request_tokens
@@ -52,12 +52,11 @@ from tandem.nodes.prefill.resident import ResidentFloats
 from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
-from tandem.nodes.prefill.stream.movers import N_STAGING, FillTimes, Mover, make_mover
+from tandem.nodes.prefill.stream.movers import N_STAGING, Mover, make_mover
 from tandem.nodes.prefill.stream.routing import ALL_EXPERTS, Route
 from tandem.nodes.prefill.stream.streamer import (
     TORCH_DTYPES,
     LayerStreamer,
-    LoaderHooks,
     part_weights,
 )
 
@@ -121,12 +120,13 @@ class PrefillEngine:
         )
         self.plan, moving.tier = host_tier(self.plan, host_budget, beside, pin=cuda)
         self.streamer = LayerStreamer(self.plan, moving)
+        self.pass_events = PassEvents(self.events, self.streamer)
         # a part's quantized matrices are dequantized here, one part at a time, from a
         # 256-byte boundary (torch's CPU allocator gives 64)
         nbytes = self.plan.scratch_bytes
         scratch = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=self.device)
         self._scratch = scratch[-scratch.data_ptr() % ALIGN :][:nbytes]
-        self._embed_fd = os.open(self.index.globals["model.embed_tokens.weight"].file, os.O_RDONLY)
+        self.embedding = Embedding(self.index, self.device, self.dtype, self._scratch)
         self._freqs = inv_freq(self.spec)
         self.family = family_for(self.spec.family)  # what each layer computes, hands over
         # MoE: read only the experts a layer's router chose, while waiting for routers pays
@@ -175,7 +175,7 @@ class PrefillEngine:
         self.streamer.close()
         for handover in self._handovers:
             handover.close()
-        os.close(self._embed_fd)
+        self.embedding.close()
 
     def check_tokens(self, tokens: Sequence[int]) -> None:
         if len(tokens) == 0:
@@ -186,41 +186,9 @@ class PrefillEngine:
                 f"token id {bad[0]!r} outside the vocabulary [0, {self.spec.vocab_size})"
             )
 
-    def _gather_rows(self, name: str, tokens: Sequence[int]) -> torch.Tensor:
-        """Rows `tokens` of a global 2-D tensor, read from disk: [T, cols] on the host."""
-        e = self.index.globals[name]
-        fd = self._embed_fd
-        if e.file != self.index.globals["model.embed_tokens.weight"].file:
-            fd = os.open(e.file, os.O_RDONLY)
-        row = e.nbytes // e.shape[0]
-        rows = torch.empty((len(tokens), e.shape[1]), dtype=TORCH_DTYPES[e.dtype])
-        buf = memoryview(rows.view(torch.uint8).numpy()).cast("B")
-        try:
-            for t in set(tokens):  # queue every row's read at once (cold: random 1-row reads)
-                os.posix_fadvise(fd, e.offset + t * row, row, os.POSIX_FADV_WILLNEED)
-            for i, t in enumerate(tokens):
-                n = os.preadv(fd, [buf[i * row : (i + 1) * row]], e.offset + t * row)
-                if n != row:
-                    raise ModelError(f"{e.file}: short read in {name}")
-        finally:
-            if fd != self._embed_fd:
-                os.close(fd)
-        return rows
-
     def embed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Gather only the embedding rows of `tokens` from disk: [T, H] on the device; a
-        quantized table's rows are dequantized after the gather (packed words, scales and
-        biases of those rows only)."""
-        weight = self._gather_rows("model.embed_tokens.weight", tokens)
-        quant = self.spec.quantization.of("model.embed_tokens")
-        if quant is None:
-            return weight.to(self.device, self.dtype)
-        scales = self._gather_rows("model.embed_tokens.scales", tokens).to(self.device)
-        biases = self._gather_rows("model.embed_tokens.biases", tokens).to(self.device)
-        # mlx-lm's embedding dequantizes in the scales' dtype, whatever the model computes in
-        rows = dequantize(weight.to(self.device), scales, biases, quant, scales.dtype,
-                          temp=self._scratch)  # fmt: skip
-        return rows.to(self.dtype)
+        """The prompt's embedding rows [T, H] on the device (`embedding.py`)."""
+        return self.embedding(tokens)
 
     def prefill(
         self,
@@ -277,7 +245,7 @@ class PrefillEngine:
                 if load.first_of_layer:
                     for m in live:
                         assert m.p is not None
-                        self.events.publish(self._layer_event(m.ask.request_id, load, "computing"))
+                        self.pass_events.publish(m.ask.request_id, load, "computing")
                         m.state = family.new_state(m.p, kinds[i], i, m.ask.count, m.prefix_of(i))
                 with clock.timing(i):
                     self._compute_load(live, load, views, run)
@@ -348,7 +316,7 @@ class PrefillEngine:
         `count` tokens are expected to choose (the plan's curve)."""
         moe = self.spec.moe
         many = moe is not None and moe.expected_share(count) >= ALL_EXPERTS
-        hooks = self._hooks([m.ask.request_id for m in members])
+        hooks = self.pass_events.hooks([m.ask.request_id for m in members])
         return self.streamer.stream(hooks, synchronous, self.route_experts, many)
 
     def _hand_over(self, handover: Handover, out: KV | State, i: int) -> None:
@@ -375,13 +343,13 @@ class PrefillEngine:
         """Every load streamed through the ring once, nothing computed (bench `load_s`)."""
         rid = request_id or uuid.uuid4().hex[:12]
         stats, t_start = self._begin(rid, 0, 0)
-        with self.streamer.stream(self._hooks([rid]), False, route=False) as run:
+        with self.streamer.stream(self.pass_events.hooks([rid]), False, route=False) as run:
             for load, _ in run:
                 if load.first_of_layer:
-                    self.events.publish(self._layer_event(rid, load, "computing"))
+                    self.pass_events.publish(rid, load, "computing")
                 run.release(load)
                 if not load.resident:
-                    self.events.publish(self._layer_event(rid, load, "evicted"))
+                    self.pass_events.publish(rid, load, "evicted")
         self._finish(rid, stats, t_start)
         return stats
 
@@ -400,9 +368,7 @@ class PrefillEngine:
             resident_layers=list(plan.resident_layers),
         )
         self.last_stats = stats
-        for i in range(self.spec.num_layers):
-            pinned = i in plan.resident_layers
-            self.events.publish(LayerEvent(rid, layer=i, state="queued", pinned=pinned))
+        self.pass_events.queued(rid, self.spec.num_layers, plan.resident_layers)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # this thread's current device: streams, events, kernels
             torch.cuda.reset_peak_memory_stats(dev)
@@ -412,60 +378,20 @@ class PrefillEngine:
         run.release(load)  # its kernels are queued: the loader may refill the slot
         if not load.resident:
             for m in live:
-                self.events.publish(self._layer_event(m.ask.request_id, load, "evicted"))
+                self.pass_events.publish(m.ask.request_id, load, "evicted")
 
     def _finish(self, rid: str, stats: PrefillStats, t_start: float, link: bool = True) -> None:
         """The streamer's side of a finished request's stats (and on CUDA, with `link`, the
         pass's copy event)."""
         stream, dev = self.streamer.last_stats, self.device
         stats.wall_s = time.perf_counter() - t_start
-        stats.load_busy_s = stream.load_busy_s
-        stats.bytes_streamed = stream.bytes_streamed
-        stats.disk_bytes = stream.disk_bytes
-        stats.ram_bytes = stream.bytes_streamed - stream.disk_bytes  # the rest: the RAM tier
-        stats.disk_s = stream.disk_s
-        stats.h2d_s = stream.h2d_s
-        stats.experts_streamed = dict(stream.experts_streamed)
-        stats.bytes_by_kind = dict(stream.bytes_by_kind)
-        stats.route_wait_s = stream.route_wait_s
+        stats.took(stream)
         if dev.type == "cuda":
             if stream.h2d_s and link:  # per-load copy times exist only once the pass is done
                 link = LinkEvent(rid, name="h2d", bytes=stream.bytes_streamed, seconds=stream.h2d_s)
                 self.events.publish(link)
             peak = torch.cuda.max_memory_allocated(dev) - self.plan.device_bytes
             stats.peak_activation_bytes = max(0, peak)
-
-    def _layer_event(self, rid: str, load: Load, state: str, nbytes: int = 0) -> LayerEvent:
-        return LayerEvent(
-            rid,
-            layer=load.layer,
-            state=state,  # type: ignore[arg-type]
-            slot=self.streamer.slot_of(load),
-            pinned=load.resident,
-            bytes=nbytes or load.nbytes,
-        )
-
-    def _hooks(self, rids: list[str]) -> LoaderHooks:
-        """A pass's loads told to each of its requests; the bytes moved once (the first's)."""
-        return LoaderHooks(on_loading=self._on_loading(rids), on_ready=self._on_ready(rids))
-
-    def _on_loading(self, rids: list[str]) -> Callable[[Load, int | None], None]:
-        def hook(load: Load, slot: int | None) -> None:
-            for rid in rids:
-                self.events.publish(self._layer_event(rid, load, "loading"))
-
-        return hook
-
-    def _on_ready(self, rids: list[str]) -> Callable[[Load, int | None, FillTimes], None]:
-        def hook(load: Load, slot: int | None, t: FillTimes) -> None:
-            publish = self.events.publish
-            if t.disk_bytes:
-                publish(LinkEvent(rids[0], name="disk", bytes=t.disk_bytes, seconds=t.disk_s))
-            publish(LinkEvent(rids[0], name="h2d", bytes=t.nbytes, seconds=t.h2d_s))
-            for rid in rids:
-                publish(self._layer_event(rid, load, "ready", t.nbytes))
-
-        return hook
 
 
 def exact_reductions(device: torch.device) -> None:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,18 @@ class PrefillStats:
     experts_streamed: dict[int, int] = field(default_factory=dict)  # MoE layer → experts read
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # streamed: attention, mlp, ...
     route_wait_s: float = 0.0  # MoE: the loader's time waiting for routers (its link idle)
+
+    def took(self, stream: Any) -> None:
+        """What the streamer's pass (`StreamStats`) says of the bytes and the loader's time."""
+        self.load_busy_s = stream.load_busy_s
+        self.bytes_streamed = stream.bytes_streamed
+        self.disk_bytes = stream.disk_bytes
+        self.ram_bytes = stream.bytes_streamed - stream.disk_bytes  # the rest: the RAM tier
+        self.disk_s = stream.disk_s
+        self.h2d_s = stream.h2d_s
+        self.experts_streamed = dict(stream.experts_streamed)
+        self.bytes_by_kind = dict(stream.bytes_by_kind)
+        self.route_wait_s = stream.route_wait_s
 
     def to_json(self) -> dict[str, object]:
         keys = (
