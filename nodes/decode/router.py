@@ -18,7 +18,8 @@ calibration and past requests; an unmeasured remote rate counts as promising (a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,6 +57,23 @@ class Ahead:
 
     requests: int = 0
     tokens: int = 0
+
+
+@contextlib.contextmanager
+def asked(in_flight: dict[str, Ahead], address: str, tokens: int) -> Iterator[None]:
+    """A remote prefill of `tokens` in flight to `address`, counted in `in_flight` (by node)
+    for the router while it lasts."""
+    held = in_flight.get(address, Ahead())
+    in_flight[address] = Ahead(held.requests + 1, held.tokens + tokens)
+    try:
+        yield
+    finally:
+        held = in_flight[address]
+        left = Ahead(held.requests - 1, held.tokens - tokens)
+        if left.requests:
+            in_flight[address] = left
+        else:
+            del in_flight[address]
 
 
 def predict_remote_s(

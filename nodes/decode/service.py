@@ -19,7 +19,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 from tandem.nodes.cluster.peers import PeerTable
 from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.contract.cluster import Batching
-from tandem.nodes.contract.events import EventBus, RequestEvent, TokenEvent
+from tandem.nodes.contract.events import EventBus, RequestEvent
 from tandem.nodes.contract.http import (
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_MAX_CONCURRENT,
@@ -45,7 +45,8 @@ from tandem.nodes.decode.openai_api import Completion, kv_format_in
 from tandem.nodes.decode.prompt_cache import PromptCache
 from tandem.nodes.decode.remote import PrefillCall, RemotePrefill, RemotePrefillError, RemoteResult
 from tandem.nodes.decode.reply import Generation
-from tandem.nodes.decode.router import Ahead, LocalRate, Mode, choose
+from tandem.nodes.decode.router import Ahead, LocalRate, Mode, asked, choose
+from tandem.nodes.decode.ticker import TokenTicker
 from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
@@ -210,7 +211,7 @@ class DecodeService:
         t0 = time.perf_counter()
         try:
             caches, info = await self._prefill(req)
-            ticker = _TokenTicker(self.events, rid)
+            ticker = TokenTicker(self.events, rid)
             held = lm.positions(caches)  # positions already in the cache
             # a state cannot be cut back: a snapshot at the end of the prompt, for a turn
             # whose history differs from this reply (as a chat template may render it)
@@ -332,7 +333,7 @@ class DecodeService:
         call = PrefillCall(rid, req.tokens[:-1], k, kv_format=fmt)
         before = list(caches)  # a quantized stream swaps layers' caches for quantized ones
         try:
-            with self._asked(peer.address, new):
+            with asked(self._in_flight, peer.address, new):
                 result, first = await self._remote(peer.address, call, caches, first,
                                                    req.tokens[-1])  # fmt: skip
         except RemotePrefillError as e:
@@ -354,21 +355,6 @@ class DecodeService:
         elif first is not None:  # not every layer ran: the last token goes through whole
             await self.host.thread.call(lm.trim_to, caches, n)
         return caches, info
-
-    @contextlib.contextmanager
-    def _asked(self, address: str, tokens: int) -> Iterator[None]:
-        """A remote prefill of `tokens` in flight to `address`, counted for the router."""
-        held = self._in_flight.get(address, Ahead())
-        self._in_flight[address] = Ahead(held.requests + 1, held.tokens + tokens)
-        try:
-            yield
-        finally:
-            held = self._in_flight[address]
-            left = Ahead(held.requests - 1, held.tokens - tokens)
-            if left.requests:
-                self._in_flight[address] = left
-            else:
-                del self._in_flight[address]
 
     async def _remote(
         self,
@@ -412,22 +398,3 @@ class DecodeService:
             kv_dtype=self.expect.held_as(req.kv_format), steady_tok_s=gen.steady_tok_s,
             cached_tokens=info.cached, cache_fallback=info.cache_fallback,
         ).to_json()  # fmt: skip
-
-
-class _TokenTicker:
-    """`first_token`, then `token` events at most ten a second (called on the mlx thread)."""
-
-    def __init__(self, events: EventBus, rid: str) -> None:
-        self.events, self.rid = events, rid
-        self.last = 0.0
-
-    def tick(self, count: int) -> None:
-        if count == 1:
-            self.events.publish(RequestEvent(self.rid, phase="first_token", tokens=1))
-        now = time.monotonic()
-        if now - self.last >= 0.1:
-            self.last = now
-            self.events.publish(TokenEvent(self.rid, count=count))
-
-    def flush(self, total: int) -> None:
-        self.events.publish(TokenEvent(self.rid, count=total))
