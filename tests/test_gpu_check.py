@@ -16,7 +16,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 SECTIONS = {
     "env", "h2d", "attention", "kv", "requests", "quantized", "race", "sanitizer", "model",
-    "memory", "small_card", "bench", "cuda_tests",
+    "memory", "small_card", "bench", "cuda_tests", "families", "dequant",
 }  # fmt: skip
 NO_CUDA = {"h2d", "sanitizer", "cuda_tests"}  # their plumbing runs on a CPU where it can
 NEEDS_CUDA = {"race"}  # not even started on a CPU

@@ -12,6 +12,7 @@ from .attention import attention_section
 from .big_model import model_section, small_card_section
 from .context import Ctx
 from .device import env_section, h2d_section
+from .families import dequant_section, families_section
 from .kv import kv_section
 from .memory import memory_section
 from .overlap import bench_section
@@ -36,6 +37,8 @@ SECTIONS: dict[str, Callable[[Ctx], Json]] = {
     "memory": memory_section,
     "small_card": small_card_section,
     "bench": bench_section,
+    "families": families_section,
+    "dequant": dequant_section,
 }
 
 

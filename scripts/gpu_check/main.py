@@ -78,6 +78,8 @@ def run_all(run: Runner, sections: Json, cuda: bool) -> None:
     # issue 17's and 34's bounds first (the bench, the reserve), should time run short
     sections["bench"] = run.section("bench", 100)
     sections["memory"] = run.section("memory", 60)
+    sections["families"] = run.section("families", 90)  # issue 48: every family, the experts
+    sections["dequant"] = run.section("dequant", 30)
     sections["small_card"] = run.section("small_card", 60)
     sections["sanitizer"] = run.sanitizer(90, cuda)
     sections["cuda_tests"] = run.cuda_tests(120, cuda)
