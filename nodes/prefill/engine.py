@@ -21,6 +21,7 @@ import torch
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.prefill.batch import Ask, Member
 from tandem.nodes.prefill.budget import (
@@ -271,11 +272,19 @@ class PrefillEngine:
             self._handovers.append(make_handover(self.device))
         handover = self._handovers[index]
         handover.reset(ask.kv_format)
+        handover.reserve(self._handover_bytes(ask.count))
         stats, t_start = self._begin(ask.request_id, ask.count, ask.start)
         uploads = None
         if ask.start and ask.prefix:
             uploads = PrefixUpload(ask.prefix, self.device, self.dtype)
         return Member(ask, index, handover, stats, t_start, uploads)
+
+    def _handover_bytes(self, count: int) -> int:
+        """The most a layer of a `count`-token request hands over: its K and V, their
+        quantized form (less than they), or a linear layer's state; 64-byte aligned each."""
+        kv = kv_bytes(self.spec, None, self.dtype.itemsize)  # per layer: K and V a position
+        most = max(2 * max(kv.per_token, default=0) * count, max(kv.fixed, default=0))
+        return most + 6 * 64
 
     def _compute_load(
         self, live: list[Member], load: Load, views: dict[str, torch.Tensor], run: Any

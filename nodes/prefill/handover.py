@@ -92,6 +92,9 @@ class HostHandover:
             LinearState(layer, {n: t.to("cpu", copy=True) for n, t in tensors.items()})
         )
 
+    def reserve(self, nbytes: int) -> None:
+        """Nothing to pin: the K/V are host memory already."""
+
     def take(self, last: bool = False) -> list[Handed]:
         """The layers whose K/V are done, once the layer is (the consumer's turn)."""
         done, self._done = self._done, []
@@ -129,16 +132,29 @@ class CudaHandover:
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._scratch = Scratch()  # used on the compute stream only
 
+    def reserve(self, nbytes: int) -> None:
+        """Buffers for a layer's handover of up to `nbytes`, pinned before the pass (grown a
+        quarter beyond, so slowly longer prompts seldom re-pin): a layer larger than the
+        buffers re-pinned them mid-pass, a stream sync and a registration between two
+        layers (issue 48)."""
+        if self._arena is None or not self._buffers or self._buffers[0].numel() < nbytes:
+            have = self._buffers[0].numel() if self._buffers else 0
+            self._grow(max(nbytes, have + have // 4))
+
+    def _grow(self, nbytes: int) -> None:
+        if self._arena is not None:  # no copy into the old buffers may still be in flight
+            self.stream.synchronize()
+            self._arena.close()
+        self._arena = HostArena([nbytes] * (self.LAG + 1), pin=True)
+        self._buffers = deque(self._arena.take(nbytes) for _ in range(self.LAG + 1))
+
     def _pinned(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pinned host tensors shaped like `like`, from a ring of LAG + 1 buffers."""
+        """Pinned host tensors shaped like `like`, from a ring of LAG + 1 buffers (`reserve`
+        sized them for the pass; one larger still grows them here)."""
         sizes = {name: -(-t.numel() * t.element_size() // 64) * 64 for name, t in like.items()}
         nbytes = sum(sizes.values())
         if self._arena is None or not self._buffers or self._buffers[0].numel() < nbytes:
-            if self._arena is not None:  # a longer prompt than any before: re-pin, once
-                self.stream.synchronize()  # no copy into the old buffers still in flight
-                self._arena.close()
-            self._arena = HostArena([nbytes] * (self.LAG + 1), pin=True)
-            self._buffers = deque(self._arena.take(nbytes) for _ in range(self.LAG + 1))
+            self._grow(nbytes)
         buf = self._buffers[0]
         self._buffers.rotate(-1)
         out, at = {}, 0
