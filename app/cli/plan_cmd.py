@@ -195,6 +195,7 @@ def _hardware(
         "net_Bps": "given" if a.net_gbps else "assumed",
         "mac_tok_s": "given" if a.mac_tok_s else "assumed",
     }
+    recurrence = dequant = None  # the delta rule's rate, dequantization's: None where none
     if a.tflops:  # one rate for all compute; memory-bound ops taken as free beside it
         flops, attn, elementwise, overhead = a.tflops * 1e12, None, None, 1.0
     else:
@@ -202,6 +203,8 @@ def _hardware(
         attn = cost.measure_attention_flops(device, dtype, spec)
         elementwise = cost.measure_elementwise_Bps(device, dtype, spec)
         overhead = cost.measure_overhead(device, dtype, spec, flops, attn, elementwise)
+        recurrence = cost.measure_recurrence_flops(device, dtype, spec)
+        dequant = cost.measure_dequant_Bps(device, dtype, spec)
     hw = cost.Hardware(
         device=device,
         copy_Bps=gbps_to_Bps(a.pcie_gbps) if a.pcie_gbps else cost.measure_copy_Bps(device),
@@ -212,6 +215,8 @@ def _hardware(
         attn_flops=attn,
         elementwise_Bps=elementwise,
         overhead=overhead,
+        recurrence_flops=recurrence,
+        dequant_Bps=dequant,
     )
     return hw, source
 

@@ -1,8 +1,9 @@
 """This machine's rates for the cost model (`work.Hardware`), measured in a few seconds.
 
 Every probe runs what the prefill really runs, at the model's shapes and dtype: a matmul of
-the MLP's shape, the attention kernel as blocks.py calls it, a layer's memory-bound ops, a
-slice of one layer through blocks.py (`measure_overhead`), the host → device copy; the disk
+the MLP's shape, the attention kernel as blocks.py calls it, a linear-attention layer's gated
+delta rule, a layer's memory-bound ops, a slice of one layer through blocks.py
+(`measure_overhead`), a quantized model's dequantization, the host → device copy; the disk
 is read as the loader reads it (`disk_probe.py`). Rates are bytes/s and FLOP/s.
 """
 
@@ -22,12 +23,22 @@ from tandem.nodes.prefill.blocks import (
     attention_part,
     mlp_part,
 )
+from tandem.nodes.prefill.dequant import BLOCK_BYTES, dequantize, temp_bytes_per_row
 from tandem.nodes.prefill.disk_probe import DISK_PROBE_BYTES, measure_disk_Bps
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS
+from tandem.nodes.prefill.gated_delta import gated_delta_chunked
+from tandem.nodes.prefill.linear_mixer import RULE_CHUNK, decay, normalize_qk
 from tandem.nodes.prefill.rope import apply_rope, inv_freq, rms_norm, rope_tables
 from tandem.nodes.prefill.stream.movers import CpuMover
-from tandem.nodes.prefill.work import Device, Hardware, attention_pairs, attention_work, mlp_work
+from tandem.nodes.prefill.work import (
+    Device,
+    Hardware,
+    attention_pairs,
+    attention_work,
+    mlp_work,
+    recurrence_work,
+)
 from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)
@@ -137,6 +148,69 @@ def measure_elementwise_Bps(
         return _rate(float(work), run, dev, seconds)
 
 
+def measure_recurrence_flops(
+    device: Device, dtype: str, spec: ModelSpec, seconds: float = 0.3
+) -> float | None:
+    """FLOP/s of the gated delta rule (`gated_delta_chunked`) on a block of the engine's
+    chunk with the model's linear heads, counted as `work.recurrence_work`; None for a model
+    without linear layers. Decays as mlx-lm initialises a layer (A uniform in (0, 16), here
+    its heads' quantiles; dt_bias 1; a ~ N(0, 1)): on a CPU the products of the larger ones
+    fall into float32 denormals, which slow the rule several-fold (a made model's A moves
+    the rate by ±15%)."""
+    lin = spec.linear
+    if lin is None:
+        return None
+    dev, tdtype, c = torch.device(device), TORCH_DTYPES[dtype], DEFAULT_CHUNK_TOKENS
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q, k = normalize_qk(rand(c, lin.num_k_heads, lin.head_k_dim),
+                        rand(c, lin.num_k_heads, lin.head_k_dim), lin.head_k_dim**-0.5)  # fmt: skip
+    v = F.silu(rand(c, lin.num_v_heads, lin.head_v_dim))
+    A = 16 * (torch.arange(lin.num_v_heads) + 0.5) / lin.num_v_heads  # uniform's quantiles
+    g = decay(A.log(), rand(c, lin.num_v_heads), torch.ones(lin.num_v_heads))
+    beta = torch.sigmoid(rand(c, lin.num_v_heads))
+    q, k, v, beta = (x.to(dev, tdtype) for x in (q, k, v, beta))  # g: float32, as the mixer's
+    g = g.to(dev)
+    state = torch.zeros(lin.num_v_heads, lin.head_v_dim, lin.head_k_dim, device=dev)
+    with torch.inference_mode():
+        state = gated_delta_chunked(q, k, v, g, beta, state, RULE_CHUNK)[1]  # a carried one
+        run = lambda: gated_delta_chunked(q, k, v, g, beta, state, RULE_CHUNK)  # noqa: E731
+        return _rate(recurrence_work(lin, c, c), run, dev, seconds)
+
+
+def measure_dequant_Bps(
+    device: Device, dtype: str, spec: ModelSpec, seconds: float = 0.3
+) -> float | None:
+    """Bytes/s of weights dequantized into `dtype` (`dequant.dequantize`, its temporaries
+    in lent scratch as the plan lends them) for a matrix of the MLP's shape, capped at
+    `PROBE_WEIGHT_BYTES`, at the model's default quantization; None for a float model."""
+    quants = [spec.quantization.default, *spec.quantization.overrides.values()]
+    quant = next((q for q in quants if q is not None), None)
+    if quant is None:
+        return None
+    dev, tdtype, H = torch.device(device), TORCH_DTYPES[dtype], spec.hidden_size
+    cols = H // quant.group_size * quant.group_size
+    rows = max(1, min(spec.intermediate_size, PROBE_WEIGHT_BYTES // (cols * ITEMSIZE[dtype])))
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (rows, quant.packed_cols(cols)), generator=gen,
+                          dtype=torch.int32).to(dev)  # fmt: skip
+    scales = (torch.rand(rows, quant.groups(cols), generator=gen) * 0.01).to(dev, tdtype)
+    biases = (torch.randn(rows, quant.groups(cols), generator=gen) * 0.01).to(dev, tdtype)
+    out = torch.empty(rows, cols, dtype=tdtype, device=dev)
+    per_row = temp_bytes_per_row(cols, quant.bits, tdtype, tdtype)
+    temp = torch.empty(max(per_row, min(per_row * rows, BLOCK_BYTES)), dtype=torch.uint8,
+                       device=dev)  # fmt: skip
+
+    def run() -> object:
+        with torch.inference_mode():
+            return dequantize(words, scales, biases, quant, tdtype, out, temp)
+
+    return _rate(float(rows * cols * ITEMSIZE[dtype]), run, dev, seconds)
+
+
 def _layer_slice(
     spec: ModelSpec, dev: torch.device, dtype: torch.dtype, cols: int
 ) -> dict[str, torch.Tensor]:
@@ -216,8 +290,9 @@ def calibrate(
     directory: Path | None = None, disk_bytes: int = DISK_PROBE_BYTES,
     copy_bytes: int = COPY_PROBE_BYTES, seconds: float = 0.5,
 ) -> Hardware:  # fmt: skip
-    """This machine's rates for `spec` in `dtype`: matmul, attention and elementwise compute,
-    host → device copy, disk (a few seconds; `seconds` per compute probe). On a CPU the disk
+    """This machine's rates for `spec` in `dtype`: matmul, attention, the delta rule (a model
+    with linear layers), elementwise compute and dequantization (a quantized model), host →
+    device copy, disk (a few seconds; `seconds` per compute probe). On a CPU the disk
     is read as the loader reads it there, beside compute at the loader's niceness."""
     flops = measure_flops(device, dtype, spec.hidden_size, seconds)
     attn = measure_attention_flops(device, dtype, spec, seconds)
@@ -232,6 +307,8 @@ def calibrate(
         attn_flops=attn,
         elementwise_Bps=elementwise,
         overhead=measure_overhead(device, dtype, spec, flops, attn, elementwise, seconds),
+        recurrence_flops=measure_recurrence_flops(device, dtype, spec, seconds / 2),
+        dequant_Bps=measure_dequant_Bps(device, dtype, spec, seconds / 2),
     )
     log.info("calibrated %s", hw)
     return hw

@@ -17,8 +17,10 @@ the one before it is done. Resident loads are warm (loaded at warm-up): no read,
   no read on CUDA (the copy starts from the tier's pinned buffer), the copy (memcpy or the
   emulated link) on a CPU. Only the rest of the streamed set pays `disk_Bps`.
 
-What each load computes and its seconds at the hardware's rates: `work.py`; the rates of
-this machine: `calibration.py` (its names are exported here too, for `tandem plan`).
+What each load computes and its seconds at the hardware's rates: `work.py` (a quantized
+model's loads also dequantize their weights: every streamed one each pass, and the resident
+ones but those the plan keeps dequantized, `Plan.resident_floats`); the rates of this
+machine: `calibration.py` (its names are exported here too, for `tandem plan`).
 Rates are bytes/s and FLOP/s; times seconds.
 """
 
@@ -38,22 +40,25 @@ from tandem.nodes.prefill.calibration import (
     loader_contention,
     measure_attention_flops,
     measure_copy_Bps,
+    measure_dequant_Bps,
     measure_elementwise_Bps,
     measure_flops,
     measure_overhead,
+    measure_recurrence_flops,
 )
 from tandem.nodes.prefill.disk_probe import measure_disk_Bps
 from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
 from tandem.nodes.prefill.plan import Plan
 from tandem.nodes.prefill.stream.movers import N_STAGING
 from tandem.nodes.prefill.stream.routing import ALL_EXPERTS
-from tandem.nodes.prefill.work import Device, Hardware, Work, load_work
+from tandem.nodes.prefill.work import Device, Hardware, Work, dequant_work, load_work
 
 __all__ = [  # what `tandem plan` and its tests take from here
     "Bound", "Device", "Hardware", "Prediction", "Step", "Work", "break_even_tokens",
     "calibrate", "load_work", "loader_contention", "measure_attention_flops",
-    "measure_copy_Bps", "measure_disk_Bps", "measure_elementwise_Bps", "measure_flops",
-    "measure_overhead", "node_plan", "predict", "simulate", "steps", "whole_ops_reserve",
+    "measure_copy_Bps", "measure_dequant_Bps", "measure_disk_Bps", "measure_elementwise_Bps",
+    "measure_flops", "measure_overhead", "measure_recurrence_flops", "node_plan", "predict",
+    "simulate", "steps", "whole_ops_reserve",
 ]  # fmt: skip
 
 Bound = Literal["pcie", "disk", "compute"]
@@ -122,6 +127,8 @@ def steps(
     out = []
     for load in plan.loads:
         work = load_work(index.spec, load, tokens, start, hw.device, itemsize, chunk)
+        if index.quantized and load.seq not in plan.resident_floats:  # dequantized each pass
+            work += dequant_work(index, load, tokens, plan.scratch_bytes, itemsize, chunk)
         compute_s = work.seconds(hw)
         if load.resident:
             out.append(Step(0.0, 0.0, compute_s, streamed=False))
