@@ -50,3 +50,31 @@ def test_a_quantized_prefill_allocates_no_temporaries(
     finally:
         engine.close()
     assert kv and not allocations, allocations
+
+
+@pytest.mark.parametrize("share", [2, 4])
+def test_a_tight_budget_dequantizes_in_blocks_of_rows(
+    share: int, tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the scratch holds one matrix at a time, its temporaries still hold a block of
+    rows (`plan.TIGHT_TEMP_ROWS`): a block is ~10 kernels, and the one row a block the plan
+    lent before took thousands of blocks a pass for this model (14865 at half its bytes,
+    5257 at a quarter), hundreds of thousands for a 70B's layer."""
+    model = tiny_model(arch="qwen3", layers=4, hidden=512, intermediate=1024, quantize=4)
+    index = load_index(model)
+    blocks = []
+    real = dequant._unpack
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        blocks.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dequant, "_unpack", counting)
+    budget = sum(map(index.layer_bytes, range(4))) // share
+    engine = PrefillEngine(model, device="cpu", budget=budget, chunk_tokens=16)
+    try:
+        assert engine.plan.granularity == "slice"  # one matrix at a time
+        list(engine.prefill(list(range(40))))
+    finally:
+        engine.close()
+    assert 0 < len(blocks) < 400, len(blocks)

@@ -215,7 +215,7 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
         scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
         per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, self._dtype)
         temps = min(per_row * rows, BLOCK_BYTES)
-        start = self._place(key, nbytes, temps)
+        start = self._place(key, nbytes, temps, per_row)
         dest = self._scratch[start : start + nbytes].view(self._dtype)
         self._cursor = start + round_up(nbytes, ALIGN)
         free = self._scratch[self._cursor :]  # holds nothing asked for: the temporaries' room
@@ -223,16 +223,18 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
         self._done[key] = out
         return out
 
-    def _place(self, key: str, nbytes: int, temps: int = 0) -> int:
+    def _place(self, key: str, nbytes: int, temps: int = 0, least: int = 0) -> int:
         """Where the next matrix of `nbytes` goes, with `temps` bytes after it for its
-        temporaries where the scratch has them (the plan sizes it so; else `dequantize` goes
-        in smaller blocks): from the cursor, at an `ALIGN` boundary of the address; else of
-        the scratch (a scratch whose own start is not aligned: a matrix kept beats an
-        aligned one dequantized again); else the same from the front, starting over (what
-        was there is dead, see the class doc)."""
+        temporaries where the scratch has them (the plan sizes it so; else, `least` bytes
+        at least, one row's: `dequantize` goes in smaller blocks): from the cursor, at an
+        `ALIGN` boundary of the address; else of the scratch (a scratch whose own start is
+        not aligned: a matrix kept beats an aligned one dequantized again); else the same
+        from the front, starting over (what was there is dead, see the class doc)."""
         size, base = self._scratch.numel(), self._scratch.data_ptr()
-        for cursor in (self._cursor, 0):  # a matrix kept beats room for temporaries
-            for room in dict.fromkeys((round_up(nbytes, ALIGN) + temps, nbytes)):
+        rooms = (round_up(nbytes, ALIGN) + temps, round_up(nbytes, ALIGN) + least, nbytes)
+        # a matrix kept beats room for all its temporaries, not room for one row of them
+        for cursor, tries in ((self._cursor, rooms[:2]), (0, rooms)):
+            for room in dict.fromkeys(tries):
                 for start in (round_up(base + cursor, ALIGN) - base, cursor):
                     if start + room <= size:
                         if cursor == 0 and self._cursor:

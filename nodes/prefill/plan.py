@@ -181,12 +181,16 @@ def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
 
 
 def _scratch(
-    index: ModelIndex, groups: list[list[list[Part]]], itemsize: int, whole_parts: bool = True
+    index: ModelIndex,
+    groups: list[list[list[Part]]],
+    itemsize: int,
+    whole_parts: bool = True,
+    temp_rows: int | None = None,
 ) -> int:
     """Bytes to dequantize into (0 for a float model): every matrix of the largest part at
     once, and a load's experts one matrix of each at once (`experts.py`: a few kernels
     whatever the number chosen); or (`whole_parts=False`) only the largest matrix, one at a
-    time."""
+    time, its temporaries `temp_rows` rows at a time (None: all of them, as `temp_room`)."""
     parts = [part for layer in groups for g in layer for part in g]
     if whole_parts:
         most = max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
@@ -204,14 +208,20 @@ def _scratch(
             for s in dequantized_sizes(index, p, itemsize)
         ]
         most = max(sizes, default=0)
-    return most + temp_room(index, parts, whole_parts) if most else 0
+    return most + temp_room(index, parts, whole_parts, temp_rows) if most else 0
 
 
-def temp_room(index: ModelIndex, parts: list[Part], whole: bool = True) -> int:
+TIGHT_TEMP_ROWS = (256, 32, 4, 1)  # a tight budget's temporaries, rows a block: the most that fit
+
+
+def temp_room(
+    index: ModelIndex, parts: list[Part], whole: bool = True, rows_at_once: int | None = None
+) -> int:
     """Room at the scratch's end for the temporaries `dequantize` needs beside a matrix (its
     unpacked values, widened rows), so that no pass allocates them: all of the largest
     matrix's, at most `BLOCK_BYTES` (a few blocks, a few kernels); for a tight budget
-    (`whole` False) one row's of the widest, which it then goes through in blocks of that.
+    (`whole` False) `rows_at_once` rows' of the widest (None: one), which it then goes
+    through in blocks of that (a block is ~10 kernels: one row a block is launch-bound).
     Every width (2 to 8 bits) dequantizes in the room planned here."""
     dtype, room = TORCH_DTYPES[index.dtype], 0
     for part in parts:
@@ -223,7 +233,8 @@ def temp_room(index: ModelIndex, parts: list[Part], whole: bool = True) -> int:
             rows, words = piece.shape[-2:]
             scales = TORCH_DTYPES[index.layers[part.layer][f"{module}.scales"].dtype]
             per_row = temp_bytes_per_row(words * 32 // quant.bits, quant.bits, scales, dtype)
-            room = max(room, min(per_row * rows, BLOCK_BYTES) if whole else per_row)
+            block = min(rows, rows_at_once or 1) * per_row
+            room = max(room, min(per_row * rows, BLOCK_BYTES) if whole else block)
     return round_up(room, ALIGN)
 
 
@@ -376,8 +387,11 @@ def _ring(
     itemsize, quantized = ITEMSIZE[index.dtype], index.quantized
     slot = max(slot_size(g, direct) for layer in groups for g in layer)
     scratch = _scratch(index, groups, itemsize) if quantized else 0
-    if min_slots * slot + scratch > weights:  # then one matrix at a time (see the families)
-        scratch = _scratch(index, groups, itemsize, whole_parts=False)
+    for rows in TIGHT_TEMP_ROWS if min_slots * slot + scratch > weights else ():
+        # then one matrix at a time (see the families), its temporaries in blocks of rows
+        scratch = _scratch(index, groups, itemsize, whole_parts=False, temp_rows=rows)
+        if min_slots * slot + scratch <= weights:
+            break
     if min_slots * slot + scratch > weights:
         return None
     room = min(ring_budget, weights - scratch)  # the scratch comes out of the budget
