@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from tandem.nodes.prefill.blocks import band_attention, band_mask
+from tandem.nodes.prefill.kernels.blocks import band_attention, band_mask
 from torch.utils._python_dispatch import TorchDispatchMode
 
 

@@ -25,7 +25,7 @@ E2E_KEYS = {
 
 
 def test_bench_prefill_json(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.nodes.prefill.bench import main
+    from tandem.nodes.prefill.measure.bench import main
 
     model = tiny_model(arch="llama", layers=8)
     index = load_index(model)
@@ -52,7 +52,7 @@ def test_bench_prefill_vs_resident_runs_streamed_and_resident_in_turns(
 ) -> None:
     import statistics
 
-    from tandem.nodes.prefill import bench
+    from tandem.nodes.prefill.measure import bench
 
     model = tiny_model(arch="llama", layers=8)
     index = load_index(model)
@@ -83,7 +83,7 @@ def test_bench_prefill_vs_resident_runs_streamed_and_resident_in_turns(
 
 
 def test_bench_prefill_on_its_own_random_model(capsys: pytest.CaptureFixture[str]) -> None:
-    from tandem.nodes.prefill.bench import main
+    from tandem.nodes.prefill.measure.bench import main
 
     argv = ["--random", "4x128", "--dtype", "float32", "--tokens", "32", "--budget", "600KB"]
     assert main([*argv, "--repeat", "1", "--json"]) == 0
@@ -205,7 +205,7 @@ def test_bench_prefill_batch_streams_the_weights_once_for_n_prompts(
 ) -> None:
     """`--batch N`: N prompts in one pass against N lone passes; the pass's bytes are one
     pass's (its time is the note's, not an assert: this machine is shared)."""
-    from tandem.nodes.prefill.bench import main
+    from tandem.nodes.prefill.measure.bench import main
 
     model = tiny_model(arch="llama", layers=8)
     index = load_index(model)

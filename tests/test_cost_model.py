@@ -26,11 +26,12 @@ from tandem.nodes.model.factory_qwen3_5 import qwen3_5_config
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.qwen3_5_config import linear_shapes
 from tandem.nodes.model.spec import LinearSpec
-from tandem.nodes.prefill import cost, dequant, work
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.families import qwen3_5
-from tandem.nodes.prefill.linear_mixer import RULE_CHUNK, linear_mixer
-from tandem.nodes.prefill.loads import Load, Part, dequantized_bytes
+from tandem.nodes.prefill.kernels import dequant
+from tandem.nodes.prefill.kernels.linear_mixer import RULE_CHUNK, linear_mixer
+from tandem.nodes.prefill.planning import cost, work
+from tandem.nodes.prefill.planning.loads import Load, Part, dequantized_bytes
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import MakeTiny
@@ -131,8 +132,8 @@ def test_a_linear_layer_costs_the_same_after_any_prefix(tiny_model: MakeTiny) ->
 
 def _count_dequantized(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Bytes each `dequantize` call of a pass writes (every module that calls it)."""
-    from tandem.nodes.prefill import experts
     from tandem.nodes.prefill.families import llama
+    from tandem.nodes.prefill.kernels import experts
 
     made: list[int] = []
     real = dequant.dequantize

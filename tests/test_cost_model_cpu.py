@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.planning import cost
 
 from tests.conftest import MakeTiny
 from tests.test_plan_cmd import others_cores

@@ -9,8 +9,8 @@ import torch
 from tandem.nodes.contract.events import LayerEvent
 from tandem.nodes.model import ModelIndex, load_index
 from tandem.nodes.model.safetensors_format import ITEMSIZE
-from tandem.nodes.prefill.budget import prompt_activations
 from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.planning.budget import prompt_activations
 
 from tests.records import listen
 

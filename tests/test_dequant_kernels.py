@@ -13,10 +13,10 @@ import pytest
 import torch
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.quant import Quant
-from tandem.nodes.prefill import dequant
-from tandem.nodes.prefill.dequant import dequantize, temp_bytes_per_row
-from tandem.nodes.prefill.loads import dequantized_bytes, resident_form
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.kernels import dequant
+from tandem.nodes.prefill.kernels.dequant import dequantize, temp_bytes_per_row
+from tandem.nodes.prefill.planning.loads import dequantized_bytes, resident_form
+from tandem.nodes.prefill.planning.plan import make_plan
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.conftest import MakeTiny

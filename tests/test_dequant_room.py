@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import dequant
 from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.kernels import dequant
 
 from tests.conftest import MakeTiny
 

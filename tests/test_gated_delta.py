@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from tandem.nodes.model.spec import LinearSpec
-from tandem.nodes.prefill.gated_delta import gated_delta_chunked, gated_delta_stepped
-from tandem.nodes.prefill.linear_mixer import linear_mixer
+from tandem.nodes.prefill.kernels.gated_delta import gated_delta_chunked, gated_delta_stepped
+from tandem.nodes.prefill.kernels.linear_mixer import linear_mixer
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.prefill import blocks
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.handover import LayerKV
+from tandem.nodes.prefill.kernels import blocks
 
 from tests.conftest import MakeTiny
 from tests.test_prefill_engine import engine_opener, greedy

@@ -7,7 +7,7 @@ import errno
 import pytest
 import torch
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.planning.plan import make_plan
 from tandem.nodes.prefill.stream import reads
 from tandem.nodes.prefill.stream.host import HostTier
 from tandem.nodes.prefill.stream.movers import CpuMover

@@ -66,7 +66,7 @@ ROWS = (
     Row("tandem.nodes.cluster", SERVE),
     Row("tandem.nodes.serve", SERVE),
     Row("tandem.nodes.model", MODEL),  # mlx and HF only inside functions (gguf_import, factory)
-    Row("tandem.nodes.prefill", PREFILL, {"tandem.nodes.prefill.server": PREFILL | SERVE}),
+    Row("tandem.nodes.prefill", PREFILL, {"tandem.nodes.prefill.serving.server": PREFILL | SERVE}),
     Row("tandem.nodes.decode", DECODE, absent=("torch",)),
     Row("tandem.app", STDLIB),
     Row("tandem.app.cli", CLI),

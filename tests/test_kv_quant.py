@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from tandem.nodes.prefill.kv_quant import Scratch, quantize, quantize_all
+from tandem.nodes.prefill.kernels.kv_quant import Scratch, quantize, quantize_all
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16}

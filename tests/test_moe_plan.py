@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.spec import MoeSpec
-from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
-from tandem.nodes.prefill.work import Hardware
+from tandem.nodes.prefill.planning import cost
+from tandem.nodes.prefill.planning.work import Hardware
 
 from tests.conftest import MakeTiny
 
@@ -68,7 +68,7 @@ def test_bench_side_by_side_reads_every_expert_in_its_all_experts_turns(
     computes faster than the loader reads, so its routes are there before its experts)."""
     import json
 
-    from tandem.nodes.prefill import bench
+    from tandem.nodes.prefill.measure import bench
 
     model = tiny_model(**ARGS)
     index = load_index(model)

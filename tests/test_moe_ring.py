@@ -17,9 +17,9 @@ import pytest
 import torch
 from tandem.nodes.contract.events import LayerEvent
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
-from tandem.nodes.prefill.plan import _routing_idles
+from tandem.nodes.prefill.planning import cost
+from tandem.nodes.prefill.planning.plan import _routing_idles
 from tandem.nodes.prefill.stream.routing import Routing
 from tandem.nodes.prefill.stream.streamer import _Run
 
@@ -155,7 +155,7 @@ def test_packing_grows_a_load_as_its_layout_would(moe: Path, direct: bool) -> No
     """`pack` sizes a load by laying out only the new part's pieces after it: the loads are
     those of laying out each load whole at every step."""
     from tandem.nodes.prefill.families.qwen3_moe import moe_parts
-    from tandem.nodes.prefill.loads import pack, slot_size
+    from tandem.nodes.prefill.planning.loads import pack, slot_size
 
     index = load_index(moe)
     experts = moe_parts(index, 0)[1:]

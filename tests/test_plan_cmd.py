@@ -20,10 +20,10 @@ import pytest
 from tandem.app.cli.main import main
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import cost
-from tandem.nodes.prefill.bench import bench, make_random_model
-from tandem.nodes.prefill.budget import plan_for_prompts, prompt_activations
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.measure.bench import bench, make_random_model
+from tandem.nodes.prefill.planning import cost
+from tandem.nodes.prefill.planning.budget import plan_for_prompts, prompt_activations
+from tandem.nodes.prefill.planning.plan import make_plan
 
 from tests.test_import_boundaries import loaded_after_import as _loaded_after_import
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import cost
-from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.planning import cost
+from tandem.nodes.prefill.planning.plan import Plan
 
 # --- the ring simulator on hand-made loads ------------------------------------------------
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.planning.plan import make_plan
 
 from tests.conftest import MakeTiny
 

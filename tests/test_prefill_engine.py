@@ -326,7 +326,7 @@ def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
     from types import SimpleNamespace
 
     from tandem.nodes.contract.events import EventBus
-    from tandem.nodes.prefill.server import PrefillService
+    from tandem.nodes.prefill.serving.server import PrefillService
     from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, LOADER_NICE, lower_this_thread
 
     def nice_here() -> int:

@@ -15,8 +15,8 @@ from tandem.nodes.contract.events import Event, LayerEvent, LinkEvent
 from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.families import llama as dense_family
-from tandem.nodes.prefill.loads import Load
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.planning.loads import Load
+from tandem.nodes.prefill.planning.plan import make_plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes
 
 from tests.conftest import MakeTiny
@@ -245,7 +245,7 @@ def test_direct_reads_give_the_same_kv_as_the_page_cache(
     and the K/V are bit for bit the same."""
     import errno
 
-    from tandem.nodes.prefill.loads import direct_span
+    from tandem.nodes.prefill.planning.loads import direct_span
     from tandem.nodes.prefill.stream import reads
 
     model = tiny_model(arch="qwen2", layers=4, hidden=256, heads=4, kv_heads=2, intermediate=512)

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.spec import ModelSpec
-from tandem.nodes.prefill.loads import ALIGN, Load, Part, direct_span
-from tandem.nodes.prefill.plan import Plan, make_plan
+from tandem.nodes.prefill.planning.loads import ALIGN, Load, Part, direct_span
+from tandem.nodes.prefill.planning.plan import Plan, make_plan
 from tandem.nodes.prefill.stream.host import aligned_empty
 from tandem.nodes.prefill.stream.reads import open_direct, read_load
 
@@ -297,7 +297,7 @@ def test_plan_is_deterministic(index_of: Callable[[str], ModelIndex]) -> None:
 
 
 def test_resident_set_spreads_evenly_and_fits() -> None:
-    from tandem.nodes.prefill.plan import _resident_set
+    from tandem.nodes.prefill.planning.plan import _resident_set
 
     assert _resident_set([10] * 16, 25) == {0, 8}
     assert _resident_set([10] * 16, 40) == {0, 4, 8, 12}

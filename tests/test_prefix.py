@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from tandem.nodes.contract.prefix import best_prefix, common_prefix
-from tandem.nodes.prefill.prefix_cache import PrefixCache
+from tandem.nodes.prefill.serving.prefix_cache import PrefixCache
 
 
 def test_common_and_best_prefix() -> None:

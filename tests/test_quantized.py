@@ -17,9 +17,9 @@ import torch
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.quant import Quant, parse_quantization
-from tandem.nodes.prefill.dequant import dequantize
-from tandem.nodes.prefill.loads import dequantized_bytes, dequantized_sizes
-from tandem.nodes.prefill.plan import make_plan, temp_room
+from tandem.nodes.prefill.kernels.dequant import dequantize
+from tandem.nodes.prefill.planning.loads import dequantized_bytes, dequantized_sizes
+from tandem.nodes.prefill.planning.plan import make_plan, temp_room
 
 from tests.conftest import MakeTiny
 

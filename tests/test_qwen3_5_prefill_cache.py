@@ -15,7 +15,7 @@ from tandem.nodes.contract.bodies import PrefillBody
 from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.handover import Handed, LinearState
-from tandem.nodes.prefill.prefix_cache import PrefixCache, reusing
+from tandem.nodes.prefill.serving.prefix_cache import PrefixCache, reusing
 
 from tests.conftest import MakeTiny
 from tests.test_qwen3_5_prefill import CHUNK, as_prefix, prompt, quarter, qwen_args, run

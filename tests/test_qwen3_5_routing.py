@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.families import family_for
-from tandem.nodes.prefill.work import Hardware
+from tandem.nodes.prefill.planning import cost
+from tandem.nodes.prefill.planning.work import Hardware
 
 from tests.conftest import MakeTiny
 

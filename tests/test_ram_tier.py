@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import ram
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
-from tandem.nodes.prefill.plan import make_plan
-from tandem.nodes.prefill.ram import (
+from tandem.nodes.prefill.planning import ram
+from tandem.nodes.prefill.planning.plan import make_plan
+from tandem.nodes.prefill.planning.ram import (
     OS_RESERVE_MIN,
     HostBudget,
     parse_host_budget,
@@ -75,7 +75,7 @@ def test_auto_leaves_room_for_the_os_and_what_the_node_takes_beside() -> None:
 
 def test_the_commands_and_the_node_default_to_auto() -> None:
     from tandem.app.cli.main import build_parser
-    from tandem.nodes.prefill.bench import build_parser as bench_parser
+    from tandem.nodes.prefill.measure.bench import build_parser as bench_parser
     from tandem.nodes.serve.node import NodeConfig
 
     p = build_parser()
@@ -155,7 +155,7 @@ def test_prefill_stats_json_and_bench_json_report_ram_bytes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     from tandem.app.cli.main import main
-    from tandem.nodes.prefill import bench
+    from tandem.nodes.prefill.measure import bench
 
     plenty(monkeypatch)
     model = tiny_model(arch="llama", layers=LAYERS)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import dequant, resident
+from tandem.nodes.prefill import resident
 from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.kernels import dequant
 
 from tests.conftest import MakeTiny
 
@@ -56,7 +57,7 @@ def test_what_the_budget_holds_is_kept_dequantized_largest_first(
     not all, those loads are kept dequantized (the largest first) and the rest stay packed
     (it was all or nothing: a 70B 4-bit on a 4090 dequantized all 80 resident layers every
     pass); the K/V are the same bits."""
-    from tandem.nodes.prefill.loads import dequantized_bytes
+    from tandem.nodes.prefill.planning.loads import dequantized_bytes
 
     index = load_index(tiny_model(**SHAPE, quantize=4))
     roomy = PrefillEngine(index, budget=10**9, device="cpu")

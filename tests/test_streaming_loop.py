@@ -21,11 +21,11 @@ from tandem.nodes.contract.events import Event, LayerEvent
 from tandem.nodes.model import fingerprint
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.prefill.blocks import LayerState, out_rows_part
-from tandem.nodes.prefill.budget import prompt_activations
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.errors import PromptTooLong
-from tandem.nodes.prefill.plan import RING_LOADS, make_plan
+from tandem.nodes.prefill.kernels.blocks import LayerState, out_rows_part
+from tandem.nodes.prefill.planning.budget import prompt_activations
+from tandem.nodes.prefill.planning.plan import RING_LOADS, make_plan
 
 from tests.conftest import MakeTiny
 from tests.nodeproc import start_node
@@ -75,7 +75,11 @@ def test_attention_takes_all_queries_at_once_only_where_a_fused_kernel_runs(
     [heads, T, S] score matrix, so it is chunked as on a CPU, and reserved for what that
     kernel holds (float32 scores, K/V repeated to every head), plus CUDA's own slack and the
     K/V in flight to the host."""
-    from tandem.nodes.prefill.blocks import CUDA_SLACK, fused_attention, math_attention_bytes
+    from tandem.nodes.prefill.kernels.blocks import (
+        CUDA_SLACK,
+        fused_attention,
+        math_attention_bytes,
+    )
 
     assert fused_attention("cuda", 2, 128) and fused_attention("cuda", 2, 256)
     assert not fused_attention("cuda", 4, 128)  # float32: no flash kernel
@@ -256,7 +260,7 @@ def test_a_card_without_flash_attention_chunks_its_queries(
 ) -> None:
     """A Turing card (7.5: a used 2080 Ti, a T4) has no flash attention: SDPA with GQA falls
     to its MATH kernel there, and the queries must go in chunks (and be reserved so)."""
-    from tandem.nodes.prefill import blocks
+    from tandem.nodes.prefill.kernels import blocks
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)

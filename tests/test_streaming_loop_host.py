@@ -12,8 +12,8 @@ import pytest
 import torch
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.prefill.engine import PrefillEngine
-from tandem.nodes.prefill.loads import DIRECT_ALIGN
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.planning.loads import DIRECT_ALIGN
+from tandem.nodes.prefill.planning.plan import make_plan
 from tandem.nodes.prefill.stream import reads
 from tandem.nodes.prefill.stream.host import HostArena, HostTier, aligned_empty
 from tandem.nodes.prefill.stream.reads import open_direct, read_load

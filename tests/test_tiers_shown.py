@@ -15,8 +15,8 @@ from tandem.nodes.contract.cluster import Health, WeightTiers
 from tandem.nodes.contract.events import Event, LinkEvent
 from tandem.nodes.contract.http import ContractError
 from tandem.nodes.model.index import load_index
-from tandem.nodes.prefill import cost
 from tandem.nodes.prefill.engine import PrefillEngine
+from tandem.nodes.prefill.planning import cost
 from tandem.nodes.prefill.stream.movers import FillTimes
 
 from tests.conftest import MakeTiny

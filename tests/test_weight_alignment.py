@@ -14,11 +14,11 @@ import torch
 from safetensors.numpy import load_file
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.quant import Quant
-from tandem.nodes.prefill.dequant import DequantizedWeights
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.families.llama import ROW_UNIT, DenseFamily
-from tandem.nodes.prefill.loads import ALIGN, landing, moves
-from tandem.nodes.prefill.plan import make_plan
+from tandem.nodes.prefill.kernels.dequant import DequantizedWeights
+from tandem.nodes.prefill.planning.loads import ALIGN, landing, moves
+from tandem.nodes.prefill.planning.plan import make_plan
 from tandem.nodes.prefill.stream.host import aligned_empty
 from tandem.nodes.prefill.stream.reads import open_direct, read_load
 

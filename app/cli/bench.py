@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(a: argparse.Namespace) -> int:
     """Hand the rest of the command line to the benchmark's own parser."""
     if a.which == "prefill":
-        from tandem.nodes.prefill.bench import main as bench_prefill
+        from tandem.nodes.prefill.measure.bench import main as bench_prefill
 
         return bench_prefill(a.args)
     if a.which == "verify":

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract import http
-from tandem.nodes.prefill.ram import (
+from tandem.nodes.prefill.planning.ram import (
     DEFAULT_HOST_BUDGET,
     HOST_BUDGET_HELP,
     PREFIX_CACHE_HELP,

@@ -1,6 +1,6 @@
 """`tandem plan`: the plan a prefill node would make for a model and a budget, its predicted
 prefill time and bound, and from which prompt length remote prefill beats the Mac's own —
-the router's cost model as a command (nodes/prefill/cost.py, nodes/decode/router.py). Reads
+the router's cost model as a command (nodes/prefill/planning/cost.py, nodes/decode/router.py). Reads
 only the safetensors headers: a directory of headers without data will do. Hardware flags
 describe another machine; each one left out is measured here in a few seconds.
 """
@@ -22,8 +22,8 @@ from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
 
 if TYPE_CHECKING:
-    from tandem.nodes.prefill.cost import Device, Hardware, Prediction
-    from tandem.nodes.prefill.plan import Plan
+    from tandem.nodes.prefill.planning.cost import Device, Hardware, Prediction
+    from tandem.nodes.prefill.planning.plan import Plan
 
 TABLE_TOKENS = (1024, 4096, 16384)
 DEFAULT_NET_GBPS = 10.0  # assumed: a 10 GbE LAN (Gbit/s, as --link-gbps)
@@ -172,7 +172,7 @@ def _device(a: argparse.Namespace) -> tuple[Device, bool]:
 
 def _default_budget(index: ModelIndex, device: Device, here: bool, reserve: int) -> int:
     import torch
-    from tandem.nodes.prefill.budget import default_budget
+    from tandem.nodes.prefill.planning.budget import default_budget
 
     if not here:
         raise PlanUsageError("--device cuda: no GPU here to size the budget from; give --budget")
@@ -183,7 +183,7 @@ def _hardware(
     index: ModelIndex, a: argparse.Namespace, device: Device, here: bool
 ) -> tuple[Hardware, dict[str, str]]:
     """Rates from the flags; each one left out measured here (`source` says which)."""
-    from tandem.nodes.prefill import cost
+    from tandem.nodes.prefill.planning import cost
 
     if not here and (a.pcie_gbps is None or a.tflops is None):
         raise PlanUsageError("--device cuda: no GPU here to measure; give --pcie-gbps and --tflops")
@@ -223,7 +223,7 @@ def _hardware(
 
 def _disk_Bps(index: ModelIndex, model: Path, device: Device) -> float:
     """Read rate of the weights' file system, as the device's loader gets it."""
-    from tandem.nodes.prefill import cost
+    from tandem.nodes.prefill.planning import cost
 
     busy, nice = cost.loader_contention(device, index.dtype, index.spec)
     try:
@@ -241,9 +241,9 @@ def _layer_params(index: ModelIndex) -> int:
 
 def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) -> Report:
     from tandem.nodes.model.safetensors_format import ITEMSIZE
-    from tandem.nodes.prefill import cost
-    from tandem.nodes.prefill.budget import longest_prompt
-    from tandem.nodes.prefill.ram import request_tokens
+    from tandem.nodes.prefill.planning import cost
+    from tandem.nodes.prefill.planning.budget import longest_prompt
+    from tandem.nodes.prefill.planning.ram import request_tokens
 
     spec = index.spec
     device, here = _device(a)
@@ -288,7 +288,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
 def _batch_cost(
     plan: Plan, index: ModelIndex, n: int, tokens: int, hw: Hardware, lone_s: float
 ) -> BatchCost:
-    from tandem.nodes.prefill import cost
+    from tandem.nodes.prefill.planning import cost
 
     one_pass = cost.predict_pass(plan, index, n, tokens, hw)
     return BatchCost(n, tokens, one_pass.wall_s, n * lone_s, one_pass.bound)
@@ -300,7 +300,7 @@ def _router(index: ModelIndex, plan: Plan, hw: Hardware) -> tuple[Seconds, Secon
     at `mac_tok_s`."""
     from tandem.nodes.contract.cluster import Peer
     from tandem.nodes.decode.router import LocalRate, predict_remote_s
-    from tandem.nodes.prefill import cost
+    from tandem.nodes.prefill.planning import cost
 
     kv = wire_kv(index)
     local = LocalRate(tok_s=hw.mac_tok_s)

@@ -3,8 +3,9 @@
 the disk (the rest of the streamed set, read every pass).
 
 `--host-budget auto` (the default) is what a node would take: this machine's spare RAM
-(`nodes/prefill/ram.py`) when planning for a device here; for another machine's card (no GPU
-here) the whole streamed set is assumed to fit its RAM — give a size, or 0, to say otherwise.
+(`nodes/prefill/planning/ram.py`) when planning for a device here; for another machine's card
+(no GPU here) the whole streamed set is assumed to fit its RAM — give a size, or 0, to say
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.nodes.contract.units import format_bytes
-from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
+from tandem.nodes.prefill.planning.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
 
 if TYPE_CHECKING:
-    from tandem.nodes.prefill.plan import Plan
+    from tandem.nodes.prefill.planning.plan import Plan
 
 
 def add_host_budget_argument(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def with_tiers(
     """The plan with its RAM tier as a node would size it, and its three tiers. `held`: a
     request's K/V bytes per token and its longest prompt (what it holds in RAM beside the
     tier, with the node's default prefix cache)."""
-    from tandem.nodes.prefill.ram import beside_tier, tier_bytes
+    from tandem.nodes.prefill.planning.ram import beside_tier, tier_bytes
     from tandem.nodes.prefill.stream.movers import N_STAGING
 
     streamed = sum(ld.nbytes for ld in plan.loads if not ld.resident)

@@ -11,7 +11,7 @@ from tandem.app.cli.args import MAX_PROMPT_HELP, size
 from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract import http
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
-from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
+from tandem.nodes.prefill.planning.ram import DEFAULT_HOST_BUDGET, HOST_BUDGET_HELP, host_budget_arg
 
 log = logging.getLogger("tandem")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.prefill.blocks import LayerState
 from tandem.nodes.prefill.families import Pass
 from tandem.nodes.prefill.handover import Handover
+from tandem.nodes.prefill.kernels.blocks import LayerState
 from tandem.nodes.prefill.prefix_upload import Prefix, PrefixUpload
 from tandem.nodes.prefill.stats import PrefillStats
 

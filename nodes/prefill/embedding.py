@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex
-from tandem.nodes.prefill.dequant import dequantize
+from tandem.nodes.prefill.kernels.dequant import dequantize
 from tandem.nodes.prefill.stream.streamer import TORCH_DTYPES
 
 TABLE = "model.embed_tokens"

@@ -24,14 +24,6 @@ from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.prefill.batch import Ask, Member
-from tandem.nodes.prefill.budget import (
-    DEFAULT_MAX_PROMPT_TOKENS,
-    default_budget,
-    default_device,
-    longest_prompt,
-    plan_for_prompts,
-    prompt_activations,
-)
 from tandem.nodes.prefill.embedding import Embedding
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.families import Pass, family_for
@@ -44,13 +36,21 @@ from tandem.nodes.prefill.handover import (
     make_handover,
     quantized_parts,
 )
-from tandem.nodes.prefill.loads import ALIGN, Load, Part
+from tandem.nodes.prefill.kernels.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.pass_events import PassEvents
-from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.planning.budget import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    default_budget,
+    default_device,
+    longest_prompt,
+    plan_for_prompts,
+    prompt_activations,
+)
+from tandem.nodes.prefill.planning.loads import ALIGN, Load, Part
+from tandem.nodes.prefill.planning.plan import Plan
+from tandem.nodes.prefill.planning.ram import HostBudget, beside_tier, request_tokens
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, PrefixUpload, State
-from tandem.nodes.prefill.ram import HostBudget, beside_tier, request_tokens
 from tandem.nodes.prefill.resident import ResidentFloats
-from tandem.nodes.prefill.rope import inv_freq, rope_tables
 from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
 from tandem.nodes.prefill.stream.movers import N_STAGING, Mover, make_mover
@@ -262,7 +262,7 @@ class PrefillEngine:
             m.stats.layer_compute_s = per_layer
             m.stats.compute_busy_s = sum(per_layer)
             m.stats.quantize_s = m.handover.quantize_seconds()
-            # the pass's copies were told once, as the first request's (`_on_ready`)
+            # the pass's copies were told once, as the first request's (`pass_events.on_ready`)
             self._finish(m.ask.request_id, m.stats, m.t_start, link=m.index == 0)
 
     def _member(self, index: int, ask: Ask) -> Member:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from tandem.nodes.contract.http import KVFormat
-from tandem.nodes.prefill.kv_quant import Scratch, quantize_all
+from tandem.nodes.prefill.kernels.kv_quant import Scratch, quantize_all
 from tandem.nodes.prefill.stream.movers import HostArena
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
-from tandem.nodes.prefill.loads import Load
+from tandem.nodes.prefill.planning.loads import Load
 from tandem.nodes.prefill.stream.movers import FillTimes
 from tandem.nodes.prefill.stream.streamer import LayerStreamer, LoaderHooks
 

@@ -10,8 +10,8 @@ import math
 
 import torch
 from tandem.nodes.model.index import ModelIndex
-from tandem.nodes.prefill.dequant import dequantize
-from tandem.nodes.prefill.loads import ALIGN, Load
+from tandem.nodes.prefill.kernels.dequant import dequantize
+from tandem.nodes.prefill.planning.loads import ALIGN, Load
 
 
 class ResidentFloats:

@@ -54,7 +54,7 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.kv_bytes import state_tensors
-from tandem.nodes.prefill.ram import DEFAULT_HOST_BUDGET, HostBudget
+from tandem.nodes.prefill.planning.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
 from tandem.nodes.serve.errors import node_middleware
 from tandem.nodes.serve.routes import NodeRoutes
@@ -64,7 +64,7 @@ from tandem.nodes.trust.tls import Identity, TLSError, load_or_create, server_co
 
 if TYPE_CHECKING:  # the heavy halves load only for their role
     from tandem.nodes.decode.service import DecodeService
-    from tandem.nodes.prefill.server import PrefillService
+    from tandem.nodes.prefill.serving.server import PrefillService
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
@@ -276,7 +276,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 def _prefill_service(node: Node) -> PrefillService:
     from tandem.nodes.prefill.engine import PrefillEngine
-    from tandem.nodes.prefill.server import PrefillService
+    from tandem.nodes.prefill.serving.server import PrefillService
 
     c = node.config
 

@@ -103,7 +103,7 @@ def window_of(ctx: Ctx, dtype: str) -> Json:
     CUDA). The kernel SDPA picks, and each backend alone (flash takes no mask: the band runs
     on the efficient kernel; issue 48: with GQA it could only run MATH)."""
     import torch
-    from tandem.nodes.prefill.blocks import band_attention, band_mask
+    from tandem.nodes.prefill.kernels.blocks import band_attention, band_mask
 
     window, chunk, start, D = 512, 256, 2048, 256
     tdtype = getattr(torch, dtype)

@@ -19,8 +19,8 @@ WIDE_WRITE_CAP_S = 45.0  # seconds the wide model's write may take at the big on
 def model_section(ctx: Ctx) -> Json:
     """The big random model (written to the work directory) and the plans it gets."""
     import torch
-    from tandem.nodes.prefill.budget import default_budget
-    from tandem.nodes.prefill.plan import make_plan
+    from tandem.nodes.prefill.planning.budget import default_budget
+    from tandem.nodes.prefill.planning.plan import make_plan
 
     torch.set_num_threads(max(1, (os.cpu_count() or 4) // 4))  # it runs beside other sections
     index, write_s = write_timed(ctx, "big", ctx.sizes.big_model)

@@ -25,7 +25,7 @@ def plan_budgets(index: Any) -> dict[str, int]:
     """The largest budget whose plan has each granularity (weights only), found by stepping
     down from the whole model."""
     from tandem.nodes.model.errors import ModelError
-    from tandem.nodes.prefill.plan import make_plan
+    from tandem.nodes.prefill.planning.plan import make_plan
 
     found: dict[str, int] = {}
     budget = index.total_bytes

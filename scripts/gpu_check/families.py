@@ -147,7 +147,7 @@ def families_section(ctx: Ctx) -> Json:
 def dequant_case(ctx: Ctx, bits: int) -> Json:
     import torch
     from tandem.nodes.model.quant import Quant
-    from tandem.nodes.prefill.dequant import dequantize, temp_bytes_per_row
+    from tandem.nodes.prefill.kernels.dequant import dequantize, temp_bytes_per_row
 
     rows, cols = (8192, 8192) if ctx.cuda else (64, 1024)
     words = packed(rows, cols, bits).to(ctx.device)

@@ -35,8 +35,8 @@ def bench_section(ctx: Ctx) -> Json:
     import torch
     from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS
     from tandem.nodes.model import load_index
-    from tandem.nodes.prefill.bench import bench
-    from tandem.nodes.prefill.budget import longest_prompt
+    from tandem.nodes.prefill.measure.bench import bench
+    from tandem.nodes.prefill.planning.budget import longest_prompt
 
     s, model = ctx.sizes, ctx.big
     index = load_index(model)

@@ -32,7 +32,7 @@ def quantize_model(
     from safetensors.torch import load_file
     from tandem.nodes.model.safetensors_format import RawTensor, encode_parts
     from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
-    from tandem.nodes.prefill.kv_quant import quantize
+    from tandem.nodes.prefill.kernels.kv_quant import quantize
 
     def raw(t: torch.Tensor) -> RawTensor:
         t = t.contiguous()
@@ -109,7 +109,7 @@ def compare_quantized(ref: list[Any], got: list[Any], bits: int) -> Json:
 def requantized_on_cpu(got: list[Any], fmt: Any) -> list[Any]:
     """The device's K/V (as handed over, on the host) quantized again by the CPU's kernels:
     the same input, so the device's words should be these."""
-    from tandem.nodes.prefill.kv_quant import quantize
+    from tandem.nodes.prefill.kernels.kv_quant import quantize
 
     out = []
     for kv in got:

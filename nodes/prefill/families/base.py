@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind, ModelSpec
-from tandem.nodes.prefill.blocks import LayerState
 from tandem.nodes.prefill.errors import PrefillError
-from tandem.nodes.prefill.loads import Part
+from tandem.nodes.prefill.kernels.blocks import LayerState
+from tandem.nodes.prefill.planning.loads import Part
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
 
 Weights = dict[str, torch.Tensor]  # a part's tensors by short name: views into its slot

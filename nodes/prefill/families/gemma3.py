@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
-from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import DenseFamily, dequantized
-from tandem.nodes.prefill.loads import Part, Piece, slot_size
+from tandem.nodes.prefill.kernels.blocks import LayerState, attention_part, mlp_part
+from tandem.nodes.prefill.kernels.rope import inv_freq, rms_norm, rope_tables
+from tandem.nodes.prefill.planning.loads import Part, Piece, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, State
-from tandem.nodes.prefill.rope import inv_freq, rms_norm, rope_tables
 
 PRE_FF = "pre_feedforward_layernorm.weight"
 POST_ATTN = "post_attention_layernorm.weight"

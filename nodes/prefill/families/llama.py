@@ -18,15 +18,15 @@ from typing import Literal
 
 import torch
 from tandem.nodes.model.index import ModelIndex
-from tandem.nodes.prefill.blocks import LayerState, attention_part, mlp_part, out_rows_part
-from tandem.nodes.prefill.dequant import (
+from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
+from tandem.nodes.prefill.kernels.blocks import LayerState, attention_part, mlp_part, out_rows_part
+from tandem.nodes.prefill.kernels.dequant import (
     DequantizedWeights,
     aligned_front,
     dequantize,
     temp_bytes_per_row,
 )
-from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
-from tandem.nodes.prefill.loads import ALIGN, Part, Piece, round_up, slot_size
+from tandem.nodes.prefill.planning.loads import ALIGN, Part, Piece, round_up, slot_size
 
 
 class DenseFamily(PrefillFamily):

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
-from tandem.nodes.prefill.blocks import LayerState, _attend, fused_attention, mlp_part
 from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.families.llama import (
     _in_units,
@@ -46,10 +45,11 @@ from tandem.nodes.prefill.families.qwen3_moe import (
     _route,
     moe_parts,
 )
-from tandem.nodes.prefill.linear_mixer import linear_mixer
-from tandem.nodes.prefill.loads import Part, Piece, pack, slot_size
+from tandem.nodes.prefill.kernels.blocks import LayerState, _attend, fused_attention, mlp_part
+from tandem.nodes.prefill.kernels.linear_mixer import linear_mixer
+from tandem.nodes.prefill.kernels.rope import apply_rope, inv_freq, rms_norm, rope_tables
+from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
-from tandem.nodes.prefill.rope import apply_rope, inv_freq, rms_norm, rope_tables
 
 OFFSET_NORMS = frozenset({"input_layernorm.weight", "post_attention_layernorm.weight",
                           "self_attn.q_norm.weight", "self_attn.k_norm.weight"})  # fmt: skip

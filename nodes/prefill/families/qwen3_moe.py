@@ -31,8 +31,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
-from tandem.nodes.prefill.blocks import LayerState
-from tandem.nodes.prefill.experts import compute_experts
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import (
     DenseFamily,
@@ -45,8 +43,10 @@ from tandem.nodes.prefill.families.llama import (
     out_row_parts,
     row_unit,
 )
-from tandem.nodes.prefill.loads import Part, Piece, pack, slot_size
-from tandem.nodes.prefill.rope import rms_norm
+from tandem.nodes.prefill.kernels.blocks import LayerState
+from tandem.nodes.prefill.kernels.experts import compute_experts
+from tandem.nodes.prefill.kernels.rope import rms_norm
+from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
 FUSED = ("gate_up_proj", "down_proj")  # Hugging Face's Qwen3.5-MoE experts

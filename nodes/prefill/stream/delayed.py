@@ -18,8 +18,8 @@ import threading
 import time
 
 import torch
-from tandem.nodes.prefill.loads import Load, moves
-from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.planning.loads import Load, moves
+from tandem.nodes.prefill.planning.plan import Plan
 from tandem.nodes.prefill.stream.host import HostTier, aligned_empty
 from tandem.nodes.prefill.stream.movers import N_STAGING, CopyEvents, CpuMover, FillTimes
 

@@ -14,9 +14,9 @@ import weakref
 from dataclasses import replace
 
 import torch
-from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Part
-from tandem.nodes.prefill.plan import Plan, host_set
-from tandem.nodes.prefill.ram import HostBudget, tier_bytes
+from tandem.nodes.prefill.planning.loads import DIRECT_ALIGN, Load, Part
+from tandem.nodes.prefill.planning.plan import Plan, host_set
+from tandem.nodes.prefill.planning.ram import HostBudget, tier_bytes
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 from tandem.nodes.contract.units import gbps_to_Bps
-from tandem.nodes.prefill.loads import Load, moves
-from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.planning.loads import Load, moves
+from tandem.nodes.prefill.planning.plan import Plan
 from tandem.nodes.prefill.stream.host import HostArena, HostTier, aligned_empty
 from tandem.nodes.prefill.stream.reads import Reader
 

@@ -20,7 +20,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from tandem.nodes.prefill.loads import DIRECT_ALIGN, Load, Piece, direct_span, landing, moves
+from tandem.nodes.prefill.planning.loads import (
+    DIRECT_ALIGN,
+    Load,
+    Piece,
+    direct_span,
+    landing,
+    moves,
+)
 from tandem.nodes.prefill.stream.host import HostTier
 
 log = logging.getLogger(__name__)

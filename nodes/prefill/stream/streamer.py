@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
-from tandem.nodes.prefill.loads import Load, routed_only
-from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.planning.loads import Load, routed_only
+from tandem.nodes.prefill.planning.plan import Plan
 from tandem.nodes.prefill.stream.movers import CpuMover, FillTimes, Mover
 from tandem.nodes.prefill.stream.routing import Route, Routing
 

@@ -35,7 +35,8 @@ from typing import Literal
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
-from tandem.nodes.prefill.calibration import (
+from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
+from tandem.nodes.prefill.planning.calibration import (
     calibrate,
     loader_contention,
     measure_attention_flops,
@@ -46,12 +47,11 @@ from tandem.nodes.prefill.calibration import (
     measure_overhead,
     measure_recurrence_flops,
 )
-from tandem.nodes.prefill.disk_probe import measure_disk_Bps
-from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS, plan_for_prompts, prompt_activations
-from tandem.nodes.prefill.plan import Plan
+from tandem.nodes.prefill.planning.disk_probe import measure_disk_Bps
+from tandem.nodes.prefill.planning.plan import Plan
+from tandem.nodes.prefill.planning.work import Device, Hardware, Work, dequant_work, load_work
 from tandem.nodes.prefill.stream.movers import N_STAGING
 from tandem.nodes.prefill.stream.routing import ALL_EXPERTS
-from tandem.nodes.prefill.work import Device, Hardware, Work, dequant_work, load_work
 
 __all__ = [  # what `tandem plan` and its tests take from here
     "Bound", "Device", "Hardware", "Prediction", "Step", "Work", "break_even_tokens",

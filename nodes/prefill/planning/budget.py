@@ -11,8 +11,8 @@ from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
-from tandem.nodes.prefill.blocks import activation_bytes
-from tandem.nodes.prefill.plan import Plan, make_plan
+from tandem.nodes.prefill.kernels.blocks import activation_bytes
+from tandem.nodes.prefill.planning.plan import Plan, make_plan
 
 DEFAULT_MAX_PROMPT_TOKENS = 8192  # CUDA: the longest prompt whose activations are reserved
 

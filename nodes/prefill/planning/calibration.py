@@ -18,20 +18,19 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
-from tandem.nodes.prefill.blocks import (
+from tandem.nodes.prefill.dtypes import TORCH_DTYPES
+from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS
+from tandem.nodes.prefill.kernels.blocks import (
     LayerState,
     attention_part,
     mlp_part,
 )
-from tandem.nodes.prefill.dequant import BLOCK_BYTES, dequantize, temp_bytes_per_row
-from tandem.nodes.prefill.disk_probe import DISK_PROBE_BYTES, measure_disk_Bps
-from tandem.nodes.prefill.dtypes import TORCH_DTYPES
-from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS
-from tandem.nodes.prefill.gated_delta import gated_delta_chunked
-from tandem.nodes.prefill.linear_mixer import RULE_CHUNK, decay, normalize_qk
-from tandem.nodes.prefill.rope import apply_rope, inv_freq, rms_norm, rope_tables
-from tandem.nodes.prefill.stream.movers import CpuMover
-from tandem.nodes.prefill.work import (
+from tandem.nodes.prefill.kernels.dequant import BLOCK_BYTES, dequantize, temp_bytes_per_row
+from tandem.nodes.prefill.kernels.gated_delta import gated_delta_chunked
+from tandem.nodes.prefill.kernels.linear_mixer import RULE_CHUNK, decay, normalize_qk
+from tandem.nodes.prefill.kernels.rope import apply_rope, inv_freq, rms_norm, rope_tables
+from tandem.nodes.prefill.planning.disk_probe import DISK_PROBE_BYTES, measure_disk_Bps
+from tandem.nodes.prefill.planning.work import (
     Device,
     Hardware,
     attention_pairs,
@@ -39,6 +38,7 @@ from tandem.nodes.prefill.work import (
     mlp_work,
     recurrence_work,
 )
+from tandem.nodes.prefill.stream.movers import CpuMover
 from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tandem.nodes.prefill.dequant import aligned_front, dequantize, temp_bytes_per_row
 from tandem.nodes.prefill.families.base import Pass
-from tandem.nodes.prefill.loads import ALIGN, Part, round_up
+from tandem.nodes.prefill.kernels.dequant import aligned_front, dequantize, temp_bytes_per_row
+from tandem.nodes.prefill.planning.loads import ALIGN, Part, round_up
 
 Views = Mapping[str, torch.Tensor]  # a load's weight views, keyed `op:lo:name`
 

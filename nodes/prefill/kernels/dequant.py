@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from tandem.nodes.model.quant import Quant
-from tandem.nodes.prefill.loads import ALIGN, round_up  # the plan's scratch: same alignment
+from tandem.nodes.prefill.planning.loads import (  # the plan's scratch: same alignment
+    ALIGN,
+    round_up,
+)
 
 BLOCK_BYTES = 16 << 20  # temporaries a call allocates when the caller lends too few
 

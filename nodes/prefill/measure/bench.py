@@ -43,10 +43,10 @@ from tandem.nodes.contract.units import parse_size
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.page_cache import evict_page_cache
-from tandem.nodes.prefill import ram
-from tandem.nodes.prefill.bench_batch import vs_lone
-from tandem.nodes.prefill.bench_table import table
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
+from tandem.nodes.prefill.measure.bench_batch import vs_lone
+from tandem.nodes.prefill.measure.bench_table import table
+from tandem.nodes.prefill.planning import ram
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +307,8 @@ def _vs_all_experts(
 
 def vs_accelerate(model: Path, tokens: int, budget: int, device: str | None) -> dict[str, float]:
     """The same prompt through transformers + accelerate offload, in a fresh process."""
-    cmd = [sys.executable, "-m", "tandem.nodes.prefill.vs_accelerate", str(model), str(tokens),
-           str(budget), device or ""]  # fmt: skip
+    cmd = [sys.executable, "-m", "tandem.nodes.prefill.measure.vs_accelerate", str(model),
+           str(tokens), str(budget), device or ""]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"accelerate run failed: {done.stderr.strip().splitlines()[-1:]}")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.prefill.kernels.rope import apply_rope, rms_norm
 from tandem.nodes.prefill.prefix_upload import AHEAD as PREFIX_AHEAD
-from tandem.nodes.prefill.rope import apply_rope, rms_norm
 
 
 @dataclass

@@ -23,10 +23,10 @@ from typing import Literal
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
-from tandem.nodes.prefill.dequant import BLOCK_BYTES, temp_bytes_per_row
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.families import PrefillFamily, family_for
-from tandem.nodes.prefill.loads import (
+from tandem.nodes.prefill.kernels.dequant import BLOCK_BYTES, temp_bytes_per_row
+from tandem.nodes.prefill.planning.loads import (
     ALIGN,
     Load,
     Part,

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from tandem.nodes.prefill.loads import DIRECT_ALIGN
+from tandem.nodes.prefill.planning.loads import DIRECT_ALIGN
 from tandem.nodes.prefill.stream.reads import READ_CHUNK, READ_THREADS
 from tandem.nodes.prefill.stream.streamer import lower_this_thread
 

@@ -21,8 +21,8 @@ from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.qwen3_5_config import LinearSpec
 from tandem.nodes.model.spec import ModelSpec
 from tandem.nodes.prefill.engine import DEFAULT_CHUNK_TOKENS
-from tandem.nodes.prefill.linear_mixer import RULE_CHUNK
-from tandem.nodes.prefill.loads import Load, Part, dequantized_bytes
+from tandem.nodes.prefill.kernels.linear_mixer import RULE_CHUNK
+from tandem.nodes.prefill.planning.loads import Load, Part, dequantized_bytes
 
 Device = Literal["cpu", "cuda"]
 FLOAT32 = 4  # bytes: the mixer's conv, norms and delta rule, the experts' sum

@@ -14,7 +14,7 @@ import torch
 
 
 def main(model: str, tokens: int, budget: int, device: str) -> dict[str, float]:
-    from tandem.nodes.prefill.bench import _peak_rss, _reset_peak_rss, _rss
+    from tandem.nodes.prefill.measure.bench import _peak_rss, _reset_peak_rss, _rss
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model)

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from tandem.nodes.model.spec import LinearSpec
-from tandem.nodes.prefill.gated_delta import gated_delta_chunked
-from tandem.nodes.prefill.rope import rms_norm
+from tandem.nodes.prefill.kernels.gated_delta import gated_delta_chunked
+from tandem.nodes.prefill.kernels.rope import rms_norm
 from torch import Tensor
 
 RULE_CHUNK = 64  # tokens per chunk of the delta rule's parallel form

@@ -36,8 +36,8 @@ from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
 from tandem.nodes.prefill.handover import Handed, LinearState
-from tandem.nodes.prefill.passes import Passes, Waiter
-from tandem.nodes.prefill.prefix_cache import PrefixCache, reusing_pass
+from tandem.nodes.prefill.serving.passes import Passes, Waiter
+from tandem.nodes.prefill.serving.prefix_cache import PrefixCache, reusing_pass
 from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
 from tandem.nodes.serve.device import DeviceThread
 from tandem.nodes.serve.errors import read_json_body
