@@ -17,6 +17,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 SECTIONS = {
     "env", "h2d", "attention", "kv", "requests", "quantized", "race", "sanitizer", "model",
     "memory", "small_card", "bench", "cuda_tests", "families", "dequant",
+    "host",
 }  # fmt: skip
 NO_CUDA = {"h2d", "sanitizer", "cuda_tests"}  # their plumbing runs on a CPU where it can
 NEEDS_CUDA = {"race"}  # not even started on a CPU

@@ -19,7 +19,7 @@ from tandem.nodes.model.index import load_index
 from tandem.nodes.model.quant import Quant, parse_quantization
 from tandem.nodes.prefill.kernels.dequant import dequantize
 from tandem.nodes.prefill.planning.loads import dequantized_bytes, dequantized_sizes
-from tandem.nodes.prefill.planning.plan import make_plan, temp_room
+from tandem.nodes.prefill.planning.plan import TIGHT_TEMP_ROWS, make_plan, temp_room
 
 from tests.conftest import MakeTiny
 
@@ -152,8 +152,9 @@ def test_the_plan_streams_packed_bytes_and_counts_the_scratch(q4: Path, tiny_mod
             for s in dequantized_sizes(index, p, 4)
         )
         # and after it, room for the temporaries of dequantizing a matrix (all of them, or
-        # one row's where the budget is tight)
-        rooms = (whole + temp_room(index, parts), one + temp_room(index, parts, whole=False))
+        # a block of rows' where the budget is tight: the most of TIGHT_TEMP_ROWS that fit)
+        tight = [one + temp_room(index, parts, False, rows) for rows in TIGHT_TEMP_ROWS]
+        rooms = (whole + temp_room(index, parts), *tight)
         assert plan.scratch_bytes in rooms and one > 0
         assert plan.device_bytes <= budget
         for ld in plan.loads:  # packed bytes as stored: exactly the checkpoint's tensors

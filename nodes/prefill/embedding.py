@@ -28,11 +28,11 @@ class Embedding:
         weight = self._rows(f"{TABLE}.weight", tokens)
         quant = self.index.spec.quantization.of(TABLE)
         if quant is None:
-            return weight.to(self.device, self.dtype)
-        scales = self._rows(f"{TABLE}.scales", tokens).to(self.device)
-        biases = self._rows(f"{TABLE}.biases", tokens).to(self.device)
-        rows = dequantize(weight.to(self.device), scales, biases, quant, scales.dtype,
-                          temp=self.scratch)  # fmt: skip
+            return weight.to(self.device, non_blocking=True).to(self.dtype)
+        scales = self._rows(f"{TABLE}.scales", tokens).to(self.device, non_blocking=True)
+        biases = self._rows(f"{TABLE}.biases", tokens).to(self.device, non_blocking=True)
+        words = weight.to(self.device, non_blocking=True)
+        rows = dequantize(words, scales, biases, quant, scales.dtype, temp=self.scratch)
         return rows.to(self.dtype)
 
     def _rows(self, name: str, tokens: Sequence[int]) -> torch.Tensor:
@@ -42,7 +42,10 @@ class Embedding:
         if e.file != self.index.globals[f"{TABLE}.weight"].file:
             fd = os.open(e.file, os.O_RDONLY)
         row = e.nbytes // e.shape[0]
-        rows = torch.empty((len(tokens), e.shape[1]), dtype=TORCH_DTYPES[e.dtype])
+        # on CUDA read into pinned memory: its copy to the device then does not hold the
+        # thread (from pageable memory it was synchronous; issue 48)
+        pin = self.device.type == "cuda"
+        rows = torch.empty((len(tokens), e.shape[1]), dtype=TORCH_DTYPES[e.dtype], pin_memory=pin)
         buf = memoryview(rows.view(torch.uint8).numpy()).cast("B")
         try:
             for t in set(tokens):  # queue every row's read at once (cold: random 1-row reads)

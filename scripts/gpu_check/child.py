@@ -13,6 +13,7 @@ from .big_model import model_section, small_card_section
 from .context import Ctx
 from .device import env_section, h2d_section
 from .families import dequant_section, families_section
+from .host import host_section
 from .kv import kv_section
 from .memory import memory_section
 from .overlap import bench_section
@@ -39,6 +40,7 @@ SECTIONS: dict[str, Callable[[Ctx], Json]] = {
     "bench": bench_section,
     "families": families_section,
     "dequant": dequant_section,
+    "host": host_section,
 }
 
 
