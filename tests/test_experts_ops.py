@@ -74,3 +74,18 @@ def _budget(index: Any, kind: str) -> int:
         return int(layers * 0.7)
     roomy = PrefillEngine(index, budget=10**9, device="cpu").plan  # the same plan, packed
     return roomy.device_bytes - roomy.resident_float_bytes + roomy.reserve_bytes + 1
+
+
+def test_the_padded_bmm_gives_the_grouped_gemms_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the card has no grouped GEMM (below sm90), a padded `bmm`: the same rows."""
+    import torch
+    from tandem.nodes.prefill.kernels import experts
+
+    g = torch.Generator().manual_seed(0)
+    x, w, counts = torch.randn(10, 16, generator=g), torch.randn(3, 8, 16, generator=g), [3, 5, 2]
+    grouped = experts._grouped(x, w, counts)
+    monkeypatch.setattr(experts, "_grouped_mm_on", lambda device, dtype: False)
+    padded = experts._grouped(x, w, counts)
+    want = torch.cat([x[0:3] @ w[0].T, x[3:8] @ w[1].T, x[8:10] @ w[2].T])
+    torch.testing.assert_close(padded, want)
+    torch.testing.assert_close(grouped, want)

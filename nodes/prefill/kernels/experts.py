@@ -14,13 +14,15 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from tandem.nodes.prefill.families.base import Pass
 from tandem.nodes.prefill.kernels.dequant import aligned_front, dequantize, temp_bytes_per_row
 from tandem.nodes.prefill.planning.loads import ALIGN, Part, round_up
+
+if TYPE_CHECKING:  # the families import this module: a type only, not at run time
+    from tandem.nodes.prefill.families.base import Pass
 
 Views = Mapping[str, torch.Tensor]  # a load's weight views, keyed `op:lo:name`
 
