@@ -218,3 +218,14 @@ def test_bench_prefill_batch_streams_the_weights_once_for_n_prompts(
     assert r["batch_wall_s"] > 0 and r["lone_wall_s"] > 0 and r["batch_ratio"] > 0
     assert main([*args, "--batch", "3"]) == 0
     assert "prompts in one pass" in capsys.readouterr().out
+
+
+def test_the_serve_bound_is_the_waves_own_prompts_prefilled_alone() -> None:
+    """The wave's passages differ in length: its bound scales the lone chat's time to first
+    token by each wave prompt's tokens (N times the lone one's where no counts came)."""
+    from tandem.app.cli.bench_serve import Timing, _lone_prefills
+
+    lone = Timing(2.0, 5.0, 10, prompt_tokens=100)
+    wave = [Timing(3.0, 9.0, 10, prompt_tokens=n) for n in (100, 150, 50)]
+    assert _lone_prefills(lone, wave) == pytest.approx(2.0 * 300 / 100)
+    assert _lone_prefills(Timing(2.0, 5.0, 10), wave) == pytest.approx(6.0)
