@@ -6,7 +6,8 @@ on the handover's device→host stream before each layer's K/V and each linear l
 on the prefix upload's stream before each layer's prefix, and on the compute stream before
 each load computes (issue 48: the copy streams only, before). Compute that read a slot or a
 prefix before its copy landed, or a host buffer read before its copy finished, would now see
-stale bytes; with the events right, the handovers equal an undelayed run's. A Llama and a
+stale bytes; with the events right, the handovers equal an undelayed run's. A Llama, its
+4-bit form (dequantized into the scratch), a routed Qwen3-MoE (loads of chosen experts) and a
 Qwen3.5 (its linear layers' states) each."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .compare import FP32_ATOL
-from .context import Ctx, say
+from .context import Ctx, attempt, say
 from .engines import engine_at, streamed_budget
 from .models import small_model, tokens
 from .sizes import Json
@@ -133,20 +134,28 @@ def race_case(ctx: Ctx, index: Any) -> Json:
 
 
 def race_section(ctx: Ctx) -> Json:
-    """A Llama and a Qwen3.5 (linear layers: states on the handover stream), every stream
-    delayed."""
+    """Every stream delayed, for each model of the module doc."""
     import torch
     from tandem.nodes.model import load_index
     from tandem.nodes.model.factory import MakeModelArgs, make_model
 
+    from .quantized import quantize_model
+
     if not ctx.cuda:
         return {"ok": None, "skipped": "needs CUDA"}
     torch.backends.cuda.matmul.allow_tf32 = False
-    llama = load_index(small_model(ctx, "race", ctx.sizes.kv_model, "float32"))
-    made = ctx.work / "race-qwen3_5"
-    if not made.is_dir():
-        make_model(made, MakeModelArgs(arch="qwen3_5", layers=8, hidden=256, heads=4,
-                                       kv_heads=2, head_dim=64, vocab=1024))  # fmt: skip
-    out: Json = {"llama": race_case(ctx, llama), "qwen3_5": race_case(ctx, load_index(made))}
-    out["ok"] = all(v["ok"] for v in out.values())
+    llama = small_model(ctx, "race", ctx.sizes.kv_model, "float32")
+    q4 = ctx.work / "race-q4"
+    if not q4.is_dir():
+        quantize_model(llama, q4)
+    made = {"qwen3_moe": {"experts": 32, "top_k": 4, "moe_intermediate": 256},
+            "qwen3_5": {}}  # fmt: skip
+    for arch, extra in made.items():
+        if not (ctx.work / f"race-{arch}").is_dir():
+            make_model(ctx.work / f"race-{arch}", MakeModelArgs(
+                arch=arch, layers=8, hidden=256, heads=4, kv_heads=2, head_dim=64, vocab=1024,
+                **extra))  # type: ignore[arg-type]  # fmt: skip
+    models = {"llama": llama, "llama_4bit": q4, **{a: ctx.work / f"race-{a}" for a in made}}
+    out: Json = {name: attempt(race_case, ctx, load_index(path)) for name, path in models.items()}
+    out["ok"] = all(v.get("ok") for v in out.values())
     return out
