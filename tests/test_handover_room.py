@@ -9,7 +9,7 @@ import pytest
 from tandem.nodes.contract.http import KVFormat
 from tandem.nodes.model.index import load_index
 from tandem.nodes.prefill.engine import PrefillEngine
-from tandem.nodes.prefill.handover import LayerKV
+from tandem.nodes.prefill.handover import LayerKV, handover_bytes
 
 from tests.conftest import MakeTiny
 
@@ -39,6 +39,6 @@ def test_the_bound_holds_every_layers_handover(
                 else:
                     tensors = list(item.tensors.values())
                 need = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
-                assert need <= engine._handover_bytes(n), (n, item.layer)
+                assert need <= handover_bytes(index.spec, 4, n), (n, item.layer)
     finally:
         engine.close()

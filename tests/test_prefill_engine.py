@@ -363,7 +363,7 @@ def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
 def test_half_precision_matmuls_reduce_in_float32_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 45: a CUDA engine turns off cuBLAS's reduced-precision split-K reductions (the
     flags are torch's globals, so this runs without a GPU); a CPU engine leaves them."""
-    from tandem.nodes.prefill.engine import exact_reductions
+    from tandem.nodes.prefill.planning.budget import exact_reductions
 
     matmul = torch.backends.cuda.matmul
     monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)

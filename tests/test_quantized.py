@@ -19,7 +19,8 @@ from tandem.nodes.model.index import load_index
 from tandem.nodes.model.quant import Quant, parse_quantization
 from tandem.nodes.prefill.kernels.dequant import dequantize
 from tandem.nodes.prefill.planning.loads import dequantized_bytes, dequantized_sizes
-from tandem.nodes.prefill.planning.plan import TIGHT_TEMP_ROWS, make_plan, temp_room
+from tandem.nodes.prefill.planning.plan import make_plan
+from tandem.nodes.prefill.planning.scratch import TIGHT_TEMP_ROWS, temp_room
 
 from tests.conftest import MakeTiny
 

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.app.cli.errors import UsageError
+from tandem.app.cli.plan_hardware import DEFAULT_NET_GBPS, PlanUsageError, hardware
 from tandem.app.cli.plan_kv import KVWire, kv_wire, render_kv, wire_kv
 from tandem.app.cli.plan_model import ModelSummary, model_summary
 from tandem.app.cli.plan_tiers import Tiers, add_host_budget_argument, render_tiers, with_tiers
-from tandem.nodes.contract.units import format_bytes, gbps_to_Bps, parse_size
+from tandem.nodes.contract.units import format_bytes, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
 
 if TYPE_CHECKING:
@@ -26,10 +26,6 @@ if TYPE_CHECKING:
     from tandem.nodes.prefill.planning.plan import Plan
 
 TABLE_TOKENS = (1024, 4096, 16384)
-DEFAULT_NET_GBPS = 10.0  # assumed: a 10 GbE LAN (Gbit/s, as --link-gbps)
-# assumed: a Mac Studio class GPU (M2 Ultra: ~27 TFLOP/s fp16 peak) at about half of it in
-# mlx's prefill; its tokens/s is this over 2 FLOPs per weight
-DEFAULT_MAC_FLOPS = 13.5e12
 Seconds = Callable[[int], float]  # prompt tokens → seconds
 POSITIVE = ("tokens", "max_prompt_tokens", "pcie_gbps", "disk_gbps", "tflops", "net_gbps",
             "mac_tok_s", "batch")  # fmt: skip
@@ -138,10 +134,6 @@ class BatchCost:
     bound: str  # the pass's
 
 
-class PlanUsageError(UsageError):
-    """Bad input to `tandem plan`: the CLI's one-line exit-2 message."""
-
-
 def run_plan(a: argparse.Namespace) -> int:
     if not a.model.is_dir():
         raise PlanUsageError(f"{a.model}: no such model directory")
@@ -179,66 +171,6 @@ def _default_budget(index: ModelIndex, device: Device, here: bool, reserve: int)
     return default_budget(index, torch.device(device), reserve)
 
 
-def _hardware(
-    index: ModelIndex, a: argparse.Namespace, device: Device, here: bool
-) -> tuple[Hardware, dict[str, str]]:
-    """Rates from the flags; each one left out measured here (`source` says which)."""
-    from tandem.nodes.prefill.planning import cost
-
-    if not here and (a.pcie_gbps is None or a.tflops is None):
-        raise PlanUsageError("--device cuda: no GPU here to measure; give --pcie-gbps and --tflops")
-    spec, dtype = index.spec, index.dtype
-    source = {
-        "copy_Bps": "given" if a.pcie_gbps else "measured",
-        "disk_Bps": "given" if a.disk_gbps else "measured",
-        "flops": "given" if a.tflops else "measured",
-        "net_Bps": "given" if a.net_gbps else "assumed",
-        "mac_tok_s": "given" if a.mac_tok_s else "assumed",
-    }
-    recurrence = dequant = None  # the delta rule's rate, dequantization's: None where none
-    if a.tflops:  # one rate for all compute; memory-bound ops taken as free beside it
-        flops, attn, elementwise, overhead = a.tflops * 1e12, None, None, 1.0
-    else:
-        flops = cost.measure_flops(device, dtype, spec.hidden_size)
-        attn = cost.measure_attention_flops(device, dtype, spec)
-        elementwise = cost.measure_elementwise_Bps(device, dtype, spec)
-        overhead = cost.measure_overhead(device, dtype, spec, flops, attn, elementwise)
-        recurrence = cost.measure_recurrence_flops(device, dtype, spec)
-        dequant = cost.measure_dequant_Bps(device, dtype, spec)
-    hw = cost.Hardware(
-        device=device,
-        copy_Bps=gbps_to_Bps(a.pcie_gbps) if a.pcie_gbps else cost.measure_copy_Bps(device),
-        disk_Bps=gbps_to_Bps(a.disk_gbps) if a.disk_gbps else _disk_Bps(index, a.model, device),
-        flops=flops,
-        net_Bps=gbps_to_Bps(a.net_gbps or DEFAULT_NET_GBPS),
-        mac_tok_s=a.mac_tok_s or DEFAULT_MAC_FLOPS / (2 * _layer_params(index)),
-        attn_flops=attn,
-        elementwise_Bps=elementwise,
-        overhead=overhead,
-        recurrence_flops=recurrence,
-        dequant_Bps=dequant,
-    )
-    return hw, source
-
-
-def _disk_Bps(index: ModelIndex, model: Path, device: Device) -> float:
-    """Read rate of the weights' file system, as the device's loader gets it."""
-    from tandem.nodes.prefill.planning import cost
-
-    busy, nice = cost.loader_contention(device, index.dtype, index.spec)
-    try:
-        return cost.measure_disk_Bps(model, busy=busy, nice=nice)
-    except OSError as e:
-        raise PlanUsageError(f"cannot measure the disk here ({e}); give --disk-gbps") from None
-
-
-def _layer_params(index: ModelIndex) -> int:
-    """Weights one token passes through (the decoder layers), in values."""
-    spec = index.spec
-    attn = 2 * spec.hidden_size * spec.head_dim * (spec.num_heads + spec.num_kv_heads)
-    return spec.num_layers * (attn + 3 * spec.hidden_size * spec.intermediate_size)
-
-
 def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) -> Report:
     from tandem.nodes.model.safetensors_format import ITEMSIZE
     from tandem.nodes.prefill.planning import cost
@@ -254,7 +186,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     held = (spec.kv_bytes_per_token, request_tokens(longest, spec.max_position_embeddings))
     plan, tiers = with_tiers(plan, a.host_budget, device, here, held)
     reserve = plan.reserve_bytes
-    hw, source = _hardware(index, a, device, here)
+    hw, source = hardware(index, a, device, here)
     main = cost.predict(plan, index, a.tokens, hw)
     remote_s, local_s = _router(index, plan, hw)
     limit = longest or max(spec.max_position_embeddings, *TABLE_TOKENS)  # for the break-even

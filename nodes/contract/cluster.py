@@ -11,59 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from tandem.nodes.contract.fields import as_body as _body
+from tandem.nodes.contract.fields import read_int as _int
+from tandem.nodes.contract.fields import read_object as _object
+from tandem.nodes.contract.fields import read_rate as _rate
+from tandem.nodes.contract.fields import read_roles as _roles
+from tandem.nodes.contract.fields import read_str as _str
 from tandem.nodes.contract.http import ContractError, Reason
 
 Source = Literal["static", "mdns"]  # `--peer URL`, or found by mDNS (nodes/cluster/discovery)
-
-
-def _str(obj: dict[str, Any], key: str, what: str) -> str:
-    value = obj.get(key)
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise ContractError(f"{what} {key} is not a string")
-    return value
-
-
-def _int(obj: dict[str, Any], key: str, what: str) -> int:
-    value = obj.get(key)
-    if value is None:
-        return 0
-    if type(value) is not int:
-        raise ContractError(f"{what} {key} is not an integer")
-    return value
-
-
-def _rate(obj: dict[str, Any], key: str, what: str) -> float | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ContractError(f"{what} {key} is not a number")
-    return float(value)
-
-
-def _roles(obj: dict[str, Any], what: str) -> tuple[str, ...]:
-    roles = obj.get("roles") or ()
-    if not isinstance(roles, list | tuple) or not all(isinstance(r, str) for r in roles):
-        raise ContractError(f"{what} roles is not a list of strings")
-    return tuple(roles)
-
-
-def _body(obj: Any, what: str) -> dict[str, Any]:
-    """`obj`, which must be a JSON object: ContractError "WHAT is not a JSON object"."""
-    if not isinstance(obj, dict):
-        raise ContractError(f"{what} is not a JSON object")
-    return obj
-
-
-def _object(obj: Any, key: str, what: str) -> dict[str, Any]:
-    value = obj.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ContractError(f"{what} {key} is not a JSON object")
-    return value
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 from tandem.nodes.contract.http import SSE_DONE, ApiError, error_body, sse_encode
 from tandem.nodes.decode import openai_api as oa
+from tandem.nodes.decode import openai_shapes as shapes
 from tandem.nodes.decode.openai_api import Completion
 from tandem.nodes.decode.openai_tools import split_tool_calls, tools_of
 from tandem.nodes.decode.service import DecodeService, Finished, GenerationFailed
@@ -89,7 +90,7 @@ class DecodeApi:
                     if isinstance(item, Finished):
                         gen = item.generation
                         content, calls = self._tool_calls(req, "".join(text))
-                        body = oa.reply(
+                        body = shapes.reply(
                             req, self.service.model_name, content, gen.finish_reason,
                             gen.tokens, item.tandem, gen.logprobs, calls,
                         )  # fmt: skip
@@ -117,19 +118,19 @@ class DecodeApi:
         await response.prepare(request)
         if req.chat:
             await response.write(
-                sse_encode(oa.chunk(req, model, {"role": "assistant", "content": ""}, None))
+                sse_encode(shapes.chunk(req, model, {"role": "assistant", "content": ""}, None))
             )
         try:
             async with contextlib.aclosing(self.service.run(req)) as items:
                 async for item in items:
                     if isinstance(item, Finished):
                         gen = item.generation
-                        last = oa.chunk(req, model, {} if req.chat else "", gen.finish_reason)
-                        last["usage"] = oa.usage(len(req.tokens), gen.tokens)
+                        last = shapes.chunk(req, model, {} if req.chat else "", gen.finish_reason)
+                        last["usage"] = shapes.usage(len(req.tokens), gen.tokens)
                         last["tandem"] = item.tandem
                         await response.write(sse_encode(last))
                     else:
-                        await response.write(sse_encode(oa.text_chunk(req, model, item)))
+                        await response.write(sse_encode(shapes.text_chunk(req, model, item)))
         except GenerationFailed as e:
             await response.write(sse_encode(error_body(str(e), e.code)))
         await response.write(SSE_DONE)

@@ -21,7 +21,6 @@ import torch
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.prefill.batch import Ask, Member
 from tandem.nodes.prefill.embedding import Embedding
@@ -33,6 +32,7 @@ from tandem.nodes.prefill.handover import (
     Handover,
     LayerKV,
     LinearState,
+    handover_bytes,
     make_handover,
     quantized_parts,
 )
@@ -42,6 +42,8 @@ from tandem.nodes.prefill.planning.budget import (
     DEFAULT_MAX_PROMPT_TOKENS,
     default_budget,
     default_device,
+    exact_reductions,
+    indexed_device,
     longest_prompt,
     plan_for_prompts,
     prompt_activations,
@@ -90,7 +92,9 @@ class PrefillEngine:
     ) -> None:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
         self.spec = self.index.spec
-        self.device = _indexed(torch.device(device) if device is not None else default_device())
+        self.device = indexed_device(
+            torch.device(device) if device is not None else default_device()
+        )
         exact_reductions(self.device)
         self.dtype = TORCH_DTYPES[self.index.dtype]  # compute dtype
         if chunk_tokens < 1:
@@ -272,19 +276,12 @@ class PrefillEngine:
             self._handovers.append(make_handover(self.device))
         handover = self._handovers[index]
         handover.reset(ask.kv_format)
-        handover.reserve(self._handover_bytes(ask.count))
+        handover.reserve(handover_bytes(self.spec, self.dtype.itemsize, ask.count))
         stats, t_start = self._begin(ask.request_id, ask.count, ask.start)
         uploads = None
         if ask.start and ask.prefix:
             uploads = PrefixUpload(ask.prefix, self.device, self.dtype)
         return Member(ask, index, handover, stats, t_start, uploads)
-
-    def _handover_bytes(self, count: int) -> int:
-        """The most a layer of a `count`-token request hands over: its K and V, their
-        quantized form (less than they), or a linear layer's state; 64-byte aligned each."""
-        kv = kv_bytes(self.spec, None, self.dtype.itemsize)  # per layer: K and V a position
-        most = max(2 * max(kv.per_token, default=0) * count, max(kv.fixed, default=0))
-        return most + 6 * 64
 
     def _compute_load(
         self, live: list[Member], load: Load, views: dict[str, torch.Tensor], run: Any
@@ -401,20 +398,3 @@ class PrefillEngine:
                 self.events.publish(link)
             peak = torch.cuda.max_memory_allocated(dev) - self.plan.device_bytes
             stats.peak_activation_bytes = max(0, peak)
-
-
-def exact_reductions(device: torch.device) -> None:
-    """On CUDA, half-precision matmuls reduce in float32 as mlx's do: cuBLAS may otherwise
-    round split-K partial sums to bf16/fp16 (torch's default allows it), which moves a bf16
-    prompt's K/V further from mlx-lm's own than rounding alone does."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """`cuda` as `cuda:N` (the current device): `torch.cuda.set_device` refuses a CUDA device
-    without an index (torch 2.11), and the compute thread sets its own."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device

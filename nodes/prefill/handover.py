@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from tandem.nodes.contract.http import KVFormat
+from tandem.nodes.model.kv_bytes import kv_bytes
+from tandem.nodes.model.spec import ModelSpec
 from tandem.nodes.prefill.kernels.kv_quant import Scratch, quantize_all
 from tandem.nodes.prefill.stream.movers import HostArena
 
@@ -238,6 +240,14 @@ class CudaHandover:
 
 
 Handover = HostHandover | CudaHandover
+
+
+def handover_bytes(spec: ModelSpec, itemsize: int, count: int) -> int:
+    """The most a layer of a `count`-token request hands over: its K and V, their quantized
+    form (less than they), or a linear layer's state; 64-byte aligned each."""
+    kv = kv_bytes(spec, None, itemsize)  # per layer: K and V a position
+    most = max(2 * max(kv.per_token, default=0) * count, max(kv.fixed, default=0))
+    return most + 6 * 64
 
 
 def make_handover(device: torch.device) -> Handover:

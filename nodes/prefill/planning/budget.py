@@ -75,3 +75,20 @@ def default_budget(index: ModelIndex, device: torch.device, reserve: int = 0) ->
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min(int(free * 0.8), whole)
+
+
+def exact_reductions(device: torch.device) -> None:
+    """On CUDA, half-precision matmuls reduce in float32 as mlx's do: cuBLAS may otherwise
+    round split-K partial sums to bf16/fp16 (torch's default allows it), which moves a bf16
+    prompt's K/V further from mlx-lm's own than rounding alone does."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+
+def indexed_device(device: torch.device) -> torch.device:
+    """`cuda` as `cuda:N` (the current device): `torch.cuda.set_device` refuses a CUDA device
+    without an index (torch 2.11), and the compute thread sets its own."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -23,22 +23,17 @@ from typing import Literal
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
-from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.families import PrefillFamily, family_for
-from tandem.nodes.prefill.kernels.dequant import BLOCK_BYTES, temp_bytes_per_row
 from tandem.nodes.prefill.planning.loads import (
-    ALIGN,
     Load,
     Part,
     ResidentForm,
-    dequantized_bytes,
-    dequantized_sizes,
     layout,
     resident_floats,
     resident_form,
-    round_up,
     slot_size,
 )
+from tandem.nodes.prefill.planning.scratch import TIGHT_TEMP_ROWS, scratch_bytes
 
 MAX_RING_SLOTS = 3  # whole-layer slots
 RING_LOADS = 4  # a cut layer: loads in flight, each at most a RING_LOADS-th of the ring
@@ -180,64 +175,6 @@ def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
     return set()
 
 
-def _scratch(
-    index: ModelIndex,
-    groups: list[list[list[Part]]],
-    itemsize: int,
-    whole_parts: bool = True,
-    temp_rows: int | None = None,
-) -> int:
-    """Bytes to dequantize into (0 for a float model): every matrix of the largest part at
-    once, and a load's experts one matrix of each at once (`experts.py`: a few kernels
-    whatever the number chosen); or (`whole_parts=False`) only the largest matrix, one at a
-    time, its temporaries `temp_rows` rows at a time (None: all of them, as `temp_room`)."""
-    parts = [part for layer in groups for g in layer for part in g]
-    if whole_parts:
-        most = max((dequantized_bytes(index, p, itemsize) for p in parts), default=0)
-        for g in (g for layer in groups for g in layer):
-            experts = [p for p in g if p.op == "experts"]
-            sizes = [s for p in experts for s in dequantized_sizes(index, p, itemsize)]
-            if sizes:  # each expert's largest matrix and its temporaries, side by side
-                most = max(most, len(experts) * (max(sizes) + temp_room(index, experts[:1])))
-    else:
-        # o_proj's and down_proj's rows are dequantized in blocks of what the scratch holds
-        # (engine): they need one row, and get the room the other parts' matrices need anyway
-        sizes = [
-            s if p.op not in ("o", "down") else s // (p.hi - p.lo)
-            for p in parts
-            for s in dequantized_sizes(index, p, itemsize)
-        ]
-        most = max(sizes, default=0)
-    return most + temp_room(index, parts, whole_parts, temp_rows) if most else 0
-
-
-TIGHT_TEMP_ROWS = (256, 32, 4, 1)  # a tight budget's temporaries, rows a block: the most that fit
-
-
-def temp_room(
-    index: ModelIndex, parts: list[Part], whole: bool = True, rows_at_once: int | None = None
-) -> int:
-    """Room at the scratch's end for the temporaries `dequantize` needs beside a matrix (its
-    unpacked values, widened rows), so that no pass allocates them: all of the largest
-    matrix's, at most `BLOCK_BYTES` (a few blocks, a few kernels); for a tight budget
-    (`whole` False) `rows_at_once` rows' of the widest (None: one), which it then goes
-    through in blocks of that (a block is ~10 kernels: one row a block is launch-bound).
-    Every width (2 to 8 bits) dequantizes in the room planned here."""
-    dtype, room = TORCH_DTYPES[index.dtype], 0
-    for part in parts:
-        for piece in part.pieces:
-            module = piece.key.removesuffix(".weight")
-            quant = index.quant(part.layer, module)
-            if quant is None or piece.key == module:
-                continue
-            rows, words = piece.shape[-2:]
-            scales = TORCH_DTYPES[index.layers[part.layer][f"{module}.scales"].dtype]
-            per_row = temp_bytes_per_row(words * 32 // quant.bits, quant.bits, scales, dtype)
-            block = min(rows, rows_at_once or 1) * per_row
-            room = max(room, min(per_row * rows, BLOCK_BYTES) if whole else block)
-    return round_up(room, ALIGN)
-
-
 def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int = 0) -> Plan:
     """Choose slot size, slot count and resident set for `budget` bytes of device memory, of
     which `reserve` bytes stay free for activations.
@@ -263,7 +200,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     family = family_for(index.spec.family)
     whole = [[family.whole_layer(index, i)] for i in range(n)]
     layer_bytes = [slot_size(w[0], direct) for w in whole]
-    scratch = _scratch(index, whole, itemsize)
+    scratch = scratch_bytes(index, whole, itemsize)
     if sum(layer_bytes) + scratch <= weights:
         resident = tuple(range(n))
         plan = Plan(_loads(whole, set(resident), direct), resident, 0, 0, budget, scratch, reserve)
@@ -386,10 +323,10 @@ def _ring(
     where `min_slots` of them and their scratch do not fit the weights' budget."""
     itemsize, quantized = ITEMSIZE[index.dtype], index.quantized
     slot = max(slot_size(g, direct) for layer in groups for g in layer)
-    scratch = _scratch(index, groups, itemsize) if quantized else 0
+    scratch = scratch_bytes(index, groups, itemsize) if quantized else 0
     for rows in TIGHT_TEMP_ROWS if min_slots * slot + scratch > weights else ():
         # then one matrix at a time (see the families), its temporaries in blocks of rows
-        scratch = _scratch(index, groups, itemsize, whole_parts=False, temp_rows=rows)
+        scratch = scratch_bytes(index, groups, itemsize, whole_parts=False, temp_rows=rows)
         if min_slots * slot + scratch <= weights:
             break
     if min_slots * slot + scratch > weights:

@@ -246,7 +246,7 @@ def dequant_work(
     a token chose it (`MoeSpec.expected_share`), once. Call it for the loads a pass
     dequantizes: the streamed ones, and the resident ones the plan keeps packed (not in
     `Plan.resident_floats`). Not modelled: a scratch that lends `dequantize` room for only a
-    row or so of temporaries beside a matrix (`plan.temp_room` of a tight plan) makes it go
+    row or so of temporaries beside a matrix (`scratch.temp_room` of a tight plan) makes it go
     a few rows at a time, a few kernels each (~25 µs a block on a 2-core CPU: 4x the bytes'
     time for a made 4-bit model)."""
     moe = index.spec.moe

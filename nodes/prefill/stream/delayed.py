@@ -58,14 +58,10 @@ class DelayedMover(CpuMover):
 
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
         t0 = time.perf_counter()
-        host, cached = self.tier.buffer(load) if self.tier else (None, False)
-        disk, k = 0, None
+        host, disk = self.tier.staged(load, self._reader) if self.tier else (None, 0)
+        k = None
         if host is not None:
             source = host
-            if not cached:
-                assert self.tier is not None
-                disk = self._reader.read(self.tier.missing(load), source, self.tier, settle=False)
-                self.tier.hold(load)
         elif self._staging and load.nbytes <= self._staging[0].numel():
             k = self._fills % len(self._staging)
             self._fills += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import replace
+from typing import Any
 
 import torch
 from tandem.nodes.prefill.planning.loads import DIRECT_ALIGN, Load, Part
@@ -117,6 +118,17 @@ class HostTier:
         placed = {part: [next(places) for _ in part.pieces] for part in load.parts}
         offsets = tuple(o for part in keep for o in placed[part])
         return replace(load, parts=tuple(keep), offsets=offsets, partial=True)
+
+    def staged(self, load: Load, reader: Any) -> tuple[torch.Tensor | None, int]:
+        """A member `load`'s buffer holding all of it, as landed (what it lacked read now,
+        `reader` a `reads.Reader`), and the bytes read from disk; (None, 0) for a load that
+        is not the tier's."""
+        buf, held = self.buffer(load)
+        if buf is None or held:
+            return buf, 0
+        disk = reader.read(self.missing(load), buf, self, settle=False)
+        self.hold(load)
+        return buf, disk
 
     def hold(self, load: Load) -> None:
         """The load's buffer now holds `load`'s parts: called only once its read has

@@ -235,14 +235,10 @@ class CudaMover:
 
     def fill(self, slot: int, region: torch.Tensor, load: Load) -> FillTimes:
         t0 = time.perf_counter()
-        host, cached = self.tier.buffer(load) if self.tier else (None, False)
-        disk, k, pinned, waited = 0, None, True, 0.0
+        host, disk = self.tier.staged(load, self._reader) if self.tier else (None, 0)
+        k, pinned, waited = None, True, 0.0
         if host is not None:
             staging = host  # pinned: the tier copies straight from its own buffer
-            if not cached:
-                assert self.tier is not None
-                disk = self._reader.read(self.tier.missing(load), staging, self.tier, settle=False)
-                self.tier.hold(load)
         elif self._staging and load.nbytes <= self._staging[0].numel():
             k = self._fills % len(self._staging)
             self._fills += 1
