@@ -8,12 +8,16 @@ import os
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from tandem.app.cli.real_model import RealModel
 from tandem.nodes.model.factory import MakeModelArgs, make_model
+
+if TYPE_CHECKING:
+    from tandem.nodes.prefill.engine import PrefillEngine
 
 MakeTiny = Callable[..., Path]
 # laid out as the user's cache dir is (XDG_CACHE_HOME/tandem/models), so the demo can share it
@@ -45,6 +49,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> MakeTiny:
         return made[args]
 
     return make
+
+
+@pytest.fixture
+def cpu_engine() -> Iterator[Callable[..., PrefillEngine]]:
+    """`cpu_engine(model, **kwargs)` → a CPU prefill engine (token chunks of 8), closed after
+    the test."""
+    from tandem.nodes.prefill.engine import PrefillEngine
+
+    engines: list[PrefillEngine] = []
+
+    def make(model: Path, **kwargs: Any) -> PrefillEngine:
+        engines.append(PrefillEngine(model, device="cpu", chunk_tokens=8, **kwargs))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

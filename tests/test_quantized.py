@@ -92,11 +92,11 @@ def test_quantization_config_defaults_overrides_and_refusals() -> None:
     assert not parse_quantization({}, "c").quantized
     only_overrides = parse_quantization({"quantization_config": {"m": {"bits": 2}}}, "c")
     assert only_overrides.of("m") == Quant(2, 64) and only_overrides.of("x") is None
-    with pytest.raises(ModelError, match=r"mode 'mxfp4' \(used by every module\)"):
-        parse_quantization({"quantization": {"bits": 4, "group_size": 32, "mode": "mxfp4"}}, "c")
-    with pytest.raises(ModelError, match=r"'nvfp4' \(used by model.layers.1.mlp.up_proj\)"):
+    with pytest.raises(ModelError, match=r"mode 'mxfp6' \(used by every module\)"):
+        parse_quantization({"quantization": {"bits": 6, "group_size": 32, "mode": "mxfp6"}}, "c")
+    with pytest.raises(ModelError, match=r"'int4' \(used by model.layers.1.mlp.up_proj\)"):
         parse_quantization(
-            {"quantization": {"bits": 4, "model.layers.1.mlp.up_proj": {"mode": "nvfp4",
+            {"quantization": {"bits": 4, "model.layers.1.mlp.up_proj": {"mode": "int4",
                                                                          "bits": 4}}}, "c"
         )  # fmt: skip
     with pytest.raises(ModelError, match="'gptq' quantization is not supported"):
@@ -118,12 +118,12 @@ def mixed(tiny_model: MakeTiny) -> Path:
 
 
 def test_an_unsupported_mode_is_refused_in_one_line_naming_it(q4: Path, tmp_path: Path) -> None:
-    model = tmp_path / "mxfp4"
+    model = tmp_path / "mxfp6"
     model.mkdir()
     for f in q4.iterdir():
         (model / f.name).symlink_to(f)
     config = json.loads((q4 / "config.json").read_text())
-    config["quantization"]["model.layers.2.mlp.gate_proj"] = {"mode": "mxfp4", "bits": 4,
+    config["quantization"]["model.layers.2.mlp.gate_proj"] = {"mode": "mxfp6", "bits": 6,
                                                               "group_size": 32}  # fmt: skip
     (model / "config.json").unlink()
     (model / "config.json").write_text(json.dumps(config))
@@ -131,7 +131,7 @@ def test_an_unsupported_mode_is_refused_in_one_line_naming_it(q4: Path, tmp_path
                    "--out", tmp_path / "c.safetensors")  # fmt: skip
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'mxfp4'" in lines[0] and "model.layers.2.mlp.gate_proj" in lines[0]
+    assert len(lines) == 1 and "'mxfp6'" in lines[0] and "model.layers.2.mlp.gate_proj" in lines[0]
     assert "corrupt" not in lines[0]
 
 

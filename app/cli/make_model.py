@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--arch",
         choices=[
-            "llama", "qwen3", "qwen2", "mistral", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
+            "llama", "qwen3", "qwen2", "mistral", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+            "gpt_oss",
         ],
         default="llama",
     )  # fmt: skip
@@ -29,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rope-scaling", choices=["none", "llama3"], default="none")
+    p.add_argument("--rope-scaling", choices=["none", "llama3", "yarn"], default="none")
     p.add_argument(
         "--rope-theta", type=float, default=None,
         help="RoPE base (default: the family's: 1e4; Gemma 3's global layers 1e6)",
@@ -47,6 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="an MLX quantized checkpoint instead, by mlx-lm's converter (2-8 bits)",
     )  # fmt: skip
     p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument(
+        "--q-mode", choices=["affine", "mxfp4", "mxfp8", "nvfp4"], default="affine",
+        help="mlx quantization mode; mxfp4 and nvfp4 imply --quantize 4, mxfp8 8, each with its "
+        "own group size (32, 16, 32)",
+    )  # fmt: skip
     p.add_argument("--recipe", default=None, help="mlx-lm mixed recipe, e.g. mixed_3_6")
     p.set_defaults(func=run)
 
@@ -109,6 +115,15 @@ def _layer_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"not a list of layer numbers: {text!r}") from None
 
 
+def _bits(a: argparse.Namespace) -> int | None:
+    """--quantize, or the bits an fp --q-mode implies."""
+    from tandem.nodes.model.quant import FP_MODES
+
+    if a.quantize is None and a.q_mode in FP_MODES:
+        return FP_MODES[a.q_mode][0]
+    return a.quantize
+
+
 def run(a: argparse.Namespace) -> int:
     """Write the model; print its directory."""
     from tandem.nodes.model.factory import MakeModelArgs, make_model
@@ -130,7 +145,7 @@ def run(a: argparse.Namespace) -> int:
         sliding_window=a.sliding_window,
         sliding_window_pattern=a.sliding_window_pattern,
         tie_embeddings=a.tie_embeddings,
-        quantize=a.quantize,
+        quantize=_bits(a),
         group_size=a.group_size,
         recipe=a.recipe,
         experts=a.experts,
@@ -149,6 +164,7 @@ def run(a: argparse.Namespace) -> int:
         linear_v_dim=a.linear_v_dim,
         conv_kernel=a.conv_kernel,
         shared_intermediate=a.shared_intermediate,
+        q_mode=a.q_mode,
     )
     out = make_model(a.dir, args)
     log.info("wrote %s", out)

@@ -1,7 +1,8 @@
 """`tandem plan`: the plan a prefill node would make for a model and a budget, its predicted
 prefill time and bound, and from which prompt length remote prefill beats the Mac's own —
 the router's cost model as a command (nodes/prefill/planning/cost.py, nodes/decode/router.py). Reads
-only the safetensors headers: a directory of headers without data will do. Hardware flags
+only the safetensors headers: a directory of headers without data will do, or a config.json
+alone (the checkpoint it describes). Hardware flags
 describe another machine; each one left out is measured here in a few seconds.
 """
 
@@ -20,6 +21,7 @@ from tandem.app.cli.plan_model import ModelSummary, model_summary
 from tandem.app.cli.plan_tiers import Tiers, add_host_budget_argument, render_tiers, with_tiers
 from tandem.nodes.contract.units import format_bytes, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.shapes_index import shapes_index
 
 if TYPE_CHECKING:
     from tandem.nodes.prefill.planning.cost import Device, Hardware, Prediction
@@ -54,6 +56,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="as the node's: activations of a prompt this long are kept free in "
                    "--budget (cuda: 8192)")  # fmt: skip
+    p.add_argument("--table", type=_lengths, default=TABLE_TOKENS, metavar="N,N,...",
+                   help="prompt lengths of the table (default 1024,4096,16384)")  # fmt: skip
     add_host_budget_argument(p)
     hw = p.add_argument_group("hardware (another machine's; measured here when left out)")
     hw.add_argument("--pcie-gbps", type=float, default=None, help="host→device, Gbit/s")
@@ -134,6 +138,16 @@ class BatchCost:
     bound: str  # the pass's
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of prompt lengths: {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError("prompt lengths must be positive")
+    return lengths
+
+
 def run_plan(a: argparse.Namespace) -> int:
     if not a.model.is_dir():
         raise PlanUsageError(f"{a.model}: no such model directory")
@@ -146,7 +160,10 @@ def run_plan(a: argparse.Namespace) -> int:
         raise PlanUsageError(f"--budget: {e}") from None
     if budget is not None and budget <= 0:
         raise PlanUsageError("--budget must be positive")
-    index = load_index(a.model, require_data=False)
+    if any(a.model.glob("model*.safetensors*")):
+        index = load_index(a.model, require_data=False)
+    else:  # a config alone: the checkpoint it describes
+        index = shapes_index(a.model)
     report = make_report(index, a, budget)
     print(json.dumps(asdict(report), indent=2) if a.json else render(report))
     return 0
@@ -189,9 +206,9 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     hw, source = hardware(index, a, device, here)
     main = cost.predict(plan, index, a.tokens, hw)
     remote_s, local_s = _router(index, plan, hw)
-    limit = longest or max(spec.max_position_embeddings, *TABLE_TOKENS)  # for the break-even
+    limit = longest or max(spec.max_position_embeddings, *a.table)  # for the break-even
     fits = lambda n: longest is None or n <= longest  # noqa: E731  else the node answers 413
-    table = [cost.predict(plan, index, n, hw) for n in TABLE_TOKENS]
+    table = [cost.predict(plan, index, n, hw) for n in a.table]
     return Report(
         model=model_summary(index),
         device=device,

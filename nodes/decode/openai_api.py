@@ -258,12 +258,14 @@ def _logit_bias(body: Mapping[str, Any], vocab_size: int | None) -> tuple[tuple[
 def kv_format_in(
     body: Mapping[str, Any], default: KVFormat | None, kernel: KVKernel = "cpu",
     head_dim: int | None = None, group_size: int = DEFAULT_KV_GROUP_SIZE,
+    float_only: bool = False,
 ) -> KVFormat | None:  # fmt: skip
     """The request's KV format: the `tandem` extension's `kv_bits` (16 or 0: full precision)
     and `kv_group_size`, each the node's default where it is absent or null (`kv_bits` 8
     alone takes the node's group size, `group_size`, even where the node's own default is
     full precision; a group size alone, the node's bits). A group size must divide the
-    model's `head_dim` (groups run along each head's vector)."""
+    model's `head_dim` (groups run along each head's vector). `float_only`: a model with
+    attention sinks, which mlx-lm attends over a float cache only."""
     extension = body.get("tandem")
     if extension is None:
         return default
@@ -276,6 +278,8 @@ def kv_format_in(
         asked.setdefault("kv_bits", default.bits)
     if asked.get("kv_bits") not in (None, 0, 16):
         asked.setdefault("kv_group_size", default.group_size if default else group_size)
+    if float_only and asked.get("kv_bits") not in (None, 0, 16):
+        raise ApiError(400, "tandem: kv_bits: this model's attention sinks need a float KV cache")
     try:
         fmt = kv_format_of({**asked, "kv_kernel": kernel})
         if fmt is not None and head_dim is not None:

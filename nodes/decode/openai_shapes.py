@@ -41,16 +41,20 @@ def text_chunk(req: Completion, model: str, text: str) -> dict[str, Any]:
 def reply(
     req: Completion, model: str, text: str, finish: str, n_tokens: int, extra: dict[str, Any],
     logprobs: Sequence[TokenLogprob] = (), tool_calls: Sequence[dict[str, Any]] = (),
+    reasoning: str = "",
 ) -> dict[str, Any]:  # fmt: skip
     """The whole (non-streamed) reply, with usage, the `tandem` object and, where the request
     asked, each token's log-probability. With `tool_calls` (`text`: what lies outside them)
-    a stop is finish_reason "tool_calls", as in mlx-lm's server."""
+    a stop is finish_reason "tool_calls", as in mlx-lm's server; a chat's `reasoning` (a
+    Harmony reply's analysis) is the message's field of that name, as there."""
     lp = _logprobs_json(req, logprobs) if req.sampling.logprobs else None
     if req.chat:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
             finish = "tool_calls" if finish == "stop" else finish
+        if reasoning:
+            message["reasoning"] = reasoning
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,

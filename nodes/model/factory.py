@@ -8,7 +8,6 @@ on `assets/corpus.txt`. The config writes `tie_word_embeddings` and `rope_theta`
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
+from tandem.nodes.model import factory_gpt_oss as gpt_oss
 from tandem.nodes.model import factory_qwen3_5 as qwen3_5
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.factory_keys import decoder_keys
@@ -28,9 +28,9 @@ from tandem.nodes.model.factory_moe import (
     shared_direction,
     sparse_layers,
 )
+from tandem.nodes.model.factory_tokenizer import train_tokenizer
 from tandem.nodes.model.safetensors_format import RawTensor, encode, float_bytes
 
-CORPUS = Path(__file__).resolve().parents[2] / "assets" / "corpus.txt"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -38,8 +38,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 Arch = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
-]
+    "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+    "gpt_oss",
+]  # fmt: skip
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 _ARCH = {
     "llama": "LlamaForCausalLM",
@@ -65,7 +66,7 @@ class MakeModelArgs:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     shards: int = 1
     seed: int = 0
-    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling: Literal["none", "llama3", "yarn"] = "none"
     rope_theta: float | None = None  # None: the family's (1e4; Gemma 3's global layers 1e6)
     tie_embeddings: bool = False  # Gemma 3 ties always (mlx-lm ties where lm_head is absent)
     max_position_embeddings: int = 4096
@@ -92,6 +93,8 @@ class MakeModelArgs:
     linear_v_dim: int = 32
     conv_kernel: int = 4
     shared_intermediate: int = 64  # Qwen3.5-MoE's shared expert's width
+    # mlx's quantization mode (quant.py): mxfp4, mxfp8 and nvfp4 fix the bits and group size
+    q_mode: str = "affine"
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -229,19 +232,7 @@ def _gemma3_config(a: MakeModelArgs, head_dim: int, theta: float) -> dict[str, o
 
 def _train_tokenizer(vocab: int) -> str:
     """Byte-level BPE on the committed corpus; returns tokenizer.json text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS.read_text().splitlines(), trainer)
-    return tok.to_str(pretty=True)
+    return train_tokenizer(vocab, SPECIAL_TOKENS)
 
 
 def _dump(obj: object) -> str:
@@ -256,11 +247,16 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
     the same model as an MLX quantized checkpoint instead (`quantize_model`).
     """
     if args.quantize is not None or args.recipe is not None:
+        from tandem.nodes.model.factory_quantize import quantize_model
+
         return quantize_model(out_dir, args)
     _check(args)
     head_dim = args.head_dim or args.hidden // args.heads
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.arch == gpt_oss.ARCH:  # its own tokenizer (Harmony) and weights
+        gpt_oss.write_gpt_oss(out, args, head_dim)
+        return out
 
     bos, eos, im_end = 1, 0, 2  # the special tokens' ids in the trained vocabulary
     if with_tokenizer:
@@ -287,6 +283,8 @@ def _check(args: MakeModelArgs) -> None:
     if args.heads % args.kv_heads or args.shards < 1 or args.shards > args.layers:
         raise ModelError("--heads must be a multiple of --kv-heads and 1 <= --shards <= --layers")
     problem = moe_problem(args) or qwen3_5.qwen3_5_problem(args)
+    if args.arch == gpt_oss.ARCH:
+        problem = gpt_oss.gpt_oss_problem(args, args.head_dim or args.hidden // args.heads)
     if problem is not None:
         raise ModelError(problem)
 
@@ -337,52 +335,6 @@ def _write_weights(out: Path, args: MakeModelArgs, head_dim: int) -> None:
         total += sum(len(t.data) for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(_dump(index))
-
-
-def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
-    """The float model of `args`, quantized by mlx-lm's own converter (`mlx_lm.convert`):
-    `args.quantize` bits in groups of `args.group_size`, or a mixed `args.recipe`; scales and
-    float weights in `args.dtype`. mlx is imported here only (DESIGN.md layout)."""
-    import tempfile
-
-    from mlx_lm import convert
-
-    out = Path(out_dir)
-    if args.quantize is not None and args.quantize not in (2, 3, 4, 5, 6, 8):
-        raise ModelError(f"--quantize must be one of 2, 3, 4, 5, 6, 8 bits, not {args.quantize}")
-    if args.group_size not in (32, 64, 128):
-        raise ModelError(f"--group-size must be 32, 64 or 128, not {args.group_size}")
-    sparse = sparse_layers(args)
-    widths = [args.hidden] + ([args.intermediate] if not all(sparse) else [])
-    widths += [args.moe_intermediate] if any(sparse) else []
-    if args.arch in qwen3_5.ARCHS:  # its own layers' widths
-        widths = qwen3_5.qwen3_5_widths(args, args.head_dim or args.hidden // args.heads)
-    if any(w % args.group_size for w in widths):
-        raise ModelError(
-            "--hidden, --intermediate (dense layers) and --moe-intermediate (routed layers) (and "
-            "Qwen3.5's heads x head dim, linear value width) must be multiples of --group-size"
-        )
-    if args.layout != "mlx":
-        raise ModelError("a quantized model is written in the mlx layout only (--layout mlx)")
-    float_args = dataclasses.replace(args, quantize=None, recipe=None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
-        src = make_model(Path(tmp) / "float", float_args)
-        dest = Path(tmp) / "quantized"
-        try:
-            convert(
-                str(src),
-                str(dest),
-                quantize=True,
-                q_bits=args.quantize,
-                q_group_size=args.group_size,
-                dtype=args.dtype,
-                quant_predicate=args.recipe,
-            )
-        except ValueError as e:
-            raise ModelError(f"mlx-lm cannot quantize this model: {e}") from None
-        replace_dir(dest, out)
-    return out
 
 
 def replace_dir(done: Path, final: Path) -> None:

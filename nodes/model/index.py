@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from tandem.nodes.model import gpt_oss_tensors
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.quant import Quant
 from tandem.nodes.model.qwen3_5_config import canonical_name, linear_shapes
@@ -59,7 +60,10 @@ class ModelIndex:
         differ (SmolLM2's GGUF: F32 norms, F16 scales), as mlx promotes."""
         layer = self.layers[0]
         norm = layer["input_layernorm.weight"].dtype
-        scales = next((e for k, e in layer.items() if k.endswith(".scales")), None)
+        scales = next(
+            (e for k, e in layer.items() if k.endswith(".scales") and e.dtype in FLOAT_DTYPES),
+            None,
+        )  # an fp mode's scales are bytes (e8m0, e4m3): they promote nothing
         if scales is None or scales.dtype == norm:
             return norm
         return "F32"
@@ -70,6 +74,13 @@ class ModelIndex:
         if f"{module}.scales" not in self.layers[layer]:
             return None
         return self.spec.quantization.of(f"model.layers.{layer}.{module}")
+
+    def global_quant(self, module: str) -> Quant | None:
+        """How the global `module` ("model.embed_tokens", "lm_head") is stored; None for float
+        (mlx-lm quantizes only the modules stored with scales)."""
+        if f"{module}.scales" not in self.globals:
+            return None
+        return self.spec.quantization.of(module)
 
     @property
     def quantized(self) -> bool:
@@ -106,6 +117,8 @@ def expected_layer_shapes(
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
+    if spec.family == "gpt_oss":
+        return gpt_oss_tensors.layer_shapes(spec, "fused" if experts == "fused" else "stacked")
     linear = spec.layer_kinds[layer].kind == "linear"
     if linear:
         assert spec.linear is not None
@@ -164,6 +177,8 @@ def _expert_layout(spec: ModelSpec, i: int, tensors: dict[str, TensorEntry]) -> 
     where they hold both or neither."""
     if spec.moe is None or not spec.moe.sparse[i]:
         return None
+    if spec.family == "gpt_oss":
+        return gpt_oss_tensors.layout(tensors)
     fused = "mlp.experts.gate_up_proj" in tensors
     found: list[ExpertLayout] = [
         layout
@@ -237,7 +252,10 @@ def load_index(model_dir: str | Path, require_data: bool = True) -> ModelIndex:
             i = int(m.group(1))
             if i >= spec.num_layers:
                 raise ModelError(f"{f}: tensor {name} beyond num_hidden_layers={spec.num_layers}")
-            layers[i][m.group(2)] = entry
+            short = m.group(2)
+            if spec.family == "gpt_oss":
+                short, entry = gpt_oss_tensors.hf_entry(short, entry)
+            layers[i][short] = entry
     # mlx-lm's rule for a Hugging Face Qwen3.5 checkpoint: a conv weight [C, 1, K]
     hf = any(e.shape[-1] != 1 for t in layers for k, e in t.items() if k.endswith("conv1d.weight"))
     _check(spec, layers, globals_, path, hf)
@@ -255,16 +273,20 @@ def stored_shapes(
 ) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     """The tensors that store a module's weight `name` of logical `shape` ([out, in], or
     [E, out, in] for stacked experts), with the dtypes each may have: the float weight, or
-    packed words plus scales and biases (one per group of input columns)."""
+    packed words plus scales (one per group of input columns): float with as many biases
+    (affine), else uint8 (e8m0 or e4m3: the fp modes) alone."""
     if quant is None or len(shape) not in (2, 3) or not name.endswith(".weight"):
         return {name: (shape, FLOAT_DTYPES)}
     *rows, cols = shape
     module = name.removesuffix(".weight")
-    return {
+    groups = (*rows, quant.groups(cols))
+    stored = {
         name: ((*rows, quant.packed_cols(cols)), ("U32",)),
-        f"{module}.scales": ((*rows, quant.groups(cols)), FLOAT_DTYPES),
-        f"{module}.biases": ((*rows, quant.groups(cols)), FLOAT_DTYPES),
+        f"{module}.scales": (groups, FLOAT_DTYPES if quant.biases else ("U8",)),
     }
+    if quant.biases:
+        stored[f"{module}.biases"] = (groups, FLOAT_DTYPES)
+    return stored
 
 
 def _check_stored(
@@ -275,6 +297,12 @@ def _check_stored(
     if quant is not None and cols % quant.group_size:
         raise ModelError(
             f"{path}: {prefix}{name} has {cols} columns, not whole groups of {quant.group_size}"
+        )
+    scale = f"{name.removesuffix('.weight')}.global_scale"
+    if quant is not None and scale in tensors:  # mlx-lm's per-expert nvfp4 tensor scale
+        raise ModelError(
+            f"{path}: {prefix}{scale}: nvfp4 with a global scale is not supported (mlx runs "
+            "it on the GPU only); requantize without one"
         )
     for stored, (want, dtypes) in stored_shapes(name, shape, quant).items():
         entry = tensors.get(stored)
@@ -293,7 +321,14 @@ def _check(
     path: Path,
     hf_conv: bool = False,
 ) -> None:
-    embed_quant = spec.quantization.of("model.embed_tokens")
+    # mlx-lm quantizes the modules stored with scales only (`class_predicate`), whatever the
+    # default says: a converted Hugging Face gpt-oss keeps its embedding and attention float
+    def quant_of(tensors: dict[str, TensorEntry], prefix: str, module: str) -> Quant | None:
+        weight = tensors.get(f"{module}.weight")
+        packed = f"{module}.scales" in tensors or (weight is not None and weight.dtype == "U32")
+        return spec.quantization.of(prefix + module) if packed else None
+
+    embed_quant = quant_of(globals_, "", "model.embed_tokens")
     _check_stored(globals_, "model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size),
                   embed_quant, "", path)  # fmt: skip
     if "model.norm.weight" not in globals_:
@@ -305,7 +340,7 @@ def _check(
         prefix = f"model.layers.{i}."
         layout = _expert_layout(spec, i, tensors) or "stacked"
         for short, shape in expected_layer_shapes(spec, i, layout, hf_conv).items():
-            quant = spec.quantization.of(prefix + short.removesuffix(".weight"))
+            quant = quant_of(tensors, prefix, short.removesuffix(".weight"))
             if short.endswith("conv1d.weight"):
                 quant = None  # mlx quantizes linear layers and embeddings only
             _check_stored(tensors, short, shape, quant, prefix, path)

@@ -13,6 +13,7 @@ own keys (layer kinds, two RoPE thetas) are read in `gemma3_config.py`, Qwen3.5'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.gemma3_config import read_gemma3
+from tandem.nodes.model.gpt_oss_config import read_gpt_oss
 from tandem.nodes.model.quant import QuantConfig, parse_quantization
 from tandem.nodes.model.qwen3_5_config import (
     LinearSpec,
@@ -27,14 +29,18 @@ from tandem.nodes.model.qwen3_5_config import (
     read_qwen3_5,
     text_keys,
 )
+from tandem.nodes.model.rope_config import RopeScaling, rope_scaling, rope_theta
 
 Family = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
-]
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+    "gpt_oss",
+]  # fmt: skip
 FAMILIES: tuple[Family, ...] = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe"
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+    "gpt_oss",
 )  # fmt: skip
 
+YARN_FAMILIES = ("gpt_oss",)  # whose prefill scales q and k by YaRN's mscale (`begin`)
 # What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
 # True instead (DESIGN.md trap), so the decode side must be told explicitly.
 _TIE_DEFAULT: dict[Family, bool] = {**dict.fromkeys(FAMILIES, False), "gemma3_text": True}
@@ -47,6 +53,7 @@ _ARCHITECTURES: dict[str, Family] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -57,17 +64,6 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
 )
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3 style frequency scaling (`rope_type: llama3`) or linear position scaling."""
-
-    kind: Literal["llama3", "linear"]
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -169,6 +165,8 @@ class ModelSpec:
     # q_proj [2 * heads * D, H] gives per head [q (D), gate (D)]; the attention output is
     # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     attn_output_gate: bool = False
+    attention_sinks: bool = False  # a learned logit per query head in every softmax (gpt-oss)
+    output_bias: bool = False  # o_proj has a bias (gpt-oss)
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:  # today's families: every layer attends to every position
@@ -211,39 +209,6 @@ def _family(config: dict[str, Any], where: Path) -> Family:
     )
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    params = config.get("rope_parameters") or {}
-    if "rope_theta" in config:
-        return float(config["rope_theta"])
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return 10000.0
-
-
-def _rope_scaling(config: dict[str, Any], where: Path) -> RopeScaling | None:
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return None
-    try:
-        factor = float(scaling["factor"])
-        if kind == "llama3":
-            return RopeScaling(
-                kind="llama3",
-                factor=factor,
-                low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    scaling.get("original_max_position_embeddings", 8192)
-                ),
-            )
-        if kind == "linear":
-            return RopeScaling(kind="linear", factor=factor)
-    except (KeyError, TypeError, ValueError):
-        raise ModelError(f"{where}: malformed rope scaling {scaling!r}") from None
-    raise ModelError(f"{where}: unsupported rope scaling type {kind!r}")
-
-
 def _eos_ids(config: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
     eos = generation.get("eos_token_id", config.get("eos_token_id"))
     if eos is None:
@@ -261,7 +226,7 @@ def _gemma3_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
         "rope_theta": keys.rope_theta,
         "rope_local_theta": keys.rope_local_theta,
         # mlx-lm scales the global layers by the top-level key only
-        "rope_scaling": _rope_scaling({"rope_scaling": config.get("rope_scaling")}, where),
+        "rope_scaling": rope_scaling({"rope_scaling": config.get("rope_scaling")}, where),
         "head_dim": keys.head_dim,
         "num_kv_heads": keys.num_kv_heads,
         "query_pre_attn_scalar": keys.query_pre_attn_scalar,
@@ -281,7 +246,7 @@ def _qwen3_5_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
         "layer_kinds": tuple(LayerKind("linear") if lin else FULL for lin in keys.linear_layers),
         "linear": keys.linear,
         "rope_theta": keys.rope_theta,
-        "rope_scaling": _rope_scaling({"rope_scaling": keys.rope_parameters}, where),
+        "rope_scaling": rope_scaling({"rope_scaling": keys.rope_parameters}, where),
         "partial_rotary_factor": keys.partial_rotary_factor,
         "attn_output_gate": True,
         "qk_norm": True,
@@ -296,10 +261,29 @@ def _qwen3_5_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
     return fields
 
 
+def _gpt_oss_fields(config: dict[str, Any], where: Path) -> dict[str, Any]:
+    """The ModelSpec fields a gpt-oss config sets otherwise than the dense families'."""
+    keys = read_gpt_oss(config, where)
+    return {
+        "layer_kinds": tuple(
+            LayerKind("sliding", keys.window) if s else FULL for s in keys.sliding
+        ),
+        "moe": MoeSpec(
+            keys.experts, keys.top_k, keys.expert_width, True, (True,) * len(keys.sliding)
+        ),
+        "attention_bias": True,
+        "output_bias": True,
+        "attention_sinks": True,
+        "rms_norm_eps": float(config.get("rms_norm_eps") or 1e-5),
+        "max_position_embeddings": int(config.get("max_position_embeddings") or 131072),
+    }
+
+
 def _canonical_quant(quant: QuantConfig) -> QuantConfig:
     """The overrides keyed by canonical module paths (mlx-lm writes `language_model.model.*`)."""
     overrides = {canonical_name(k): q for k, q in quant.overrides.items()}
-    return QuantConfig(quant.default, {k: q for k, q in overrides.items() if k is not None})
+    kept = {k: q for k, q in overrides.items() if k is not None}
+    return dataclasses.replace(quant, overrides=kept)
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:
@@ -313,6 +297,8 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     generation = _read_json(gen_path) if gen_path.exists() else {}
     family = _family(config, where)
     extra = _gemma3_fields(config, where) if family == "gemma3_text" else {}
+    if family == "gpt_oss":
+        extra = _gpt_oss_fields(config, where)
     if family in ("qwen3_5", "qwen3_5_moe"):
         config = text_keys(config)
         config.setdefault("intermediate_size", 14336)  # mlx-lm's default; unused by MoE
@@ -332,8 +318,8 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=extra["rope_theta"] if extra else _rope_theta(config),
-            rope_scaling=_rope_scaling(config, where),
+            rope_theta=extra.get("rope_theta") or rope_theta(config),
+            rope_scaling=rope_scaling(config, where),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", _TIE_DEFAULT[family])),
             attention_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
@@ -350,6 +336,9 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         raise ModelError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise ModelError(f"{where}: malformed value ({e})") from None
+    scaling = spec.rope_scaling
+    if scaling is not None and scaling.kind == "yarn" and family not in YARN_FAMILIES:
+        raise ModelError(f"{where}: unsupported rope scaling type 'yarn' for {family}")
     if spec.num_heads % spec.num_kv_heads:
         raise ModelError(f"{where}: num_attention_heads is not a multiple of num_key_value_heads")
     if spec.num_layers <= 0 or spec.hidden_size <= 0:

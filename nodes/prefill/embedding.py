@@ -24,15 +24,19 @@ class Embedding:
 
     def __call__(self, tokens: Sequence[int]) -> torch.Tensor:
         """[T, H] on the device, in the compute dtype (mlx-lm's embedding dequantizes in the
-        scales' dtype, whatever the model computes in)."""
+        scales' dtype, whatever the model computes in; an fp mode's, whose scales are bytes,
+        in bfloat16: `mx.dequantize`'s default)."""
         weight = self._rows(f"{TABLE}.weight", tokens)
-        quant = self.index.spec.quantization.of(TABLE)
+        quant = self.index.global_quant(TABLE)
         if quant is None:
             return weight.to(self.device, non_blocking=True).to(self.dtype)
         scales = self._rows(f"{TABLE}.scales", tokens).to(self.device, non_blocking=True)
-        biases = self._rows(f"{TABLE}.biases", tokens).to(self.device, non_blocking=True)
+        biases = None
+        if quant.biases:
+            biases = self._rows(f"{TABLE}.biases", tokens).to(self.device, non_blocking=True)
         words = weight.to(self.device, non_blocking=True)
-        rows = dequantize(words, scales, biases, quant, scales.dtype, temp=self.scratch)
+        dtype = scales.dtype if quant.biases else torch.bfloat16
+        rows = dequantize(words, scales, biases, quant, dtype, temp=self.scratch)
         return rows.to(self.dtype)
 
     def _rows(self, name: str, tokens: Sequence[int]) -> torch.Tensor:

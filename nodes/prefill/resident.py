@@ -36,13 +36,14 @@ class ResidentFloats:
                 if quant is None or module == piece.key:
                     continue
                 words = views[at + piece.key]
-                scales, biases = out.pop(at + f"{module}.scales"), out.pop(at + f"{module}.biases")
+                scales = out.pop(at + f"{module}.scales")
+                biases = out.pop(at + f"{module}.biases", None)  # none in an fp mode
                 shape = (*scales.shape[:-1], scales.shape[-1] * quant.group_size)
                 floats = _aligned(shape, self.dtype, words.device)
                 if words.dim() == 3:  # stacked experts [E, out, words]: one by one
                     for e in range(words.shape[0]):
-                        dequantize(words[e], scales[e], biases[e], quant, self.dtype, floats[e],
-                                   self.scratch)  # fmt: skip
+                        dequantize(words[e], scales[e], None if biases is None else biases[e],
+                                   quant, self.dtype, floats[e], self.scratch)  # fmt: skip
                 else:
                     dequantize(words, scales, biases, quant, self.dtype, floats, self.scratch)
                 out[at + piece.key] = floats

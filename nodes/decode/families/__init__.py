@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tandem.nodes.decode.families.base import DecodeFamily
 from tandem.nodes.decode.families.gemma3 import Gemma3Family
+from tandem.nodes.decode.families.gpt_oss import GptOssFamily
 from tandem.nodes.decode.families.llama import DenseFamily, GenericFamily
 from tandem.nodes.decode.families.qwen3_5 import Qwen35Family
 
@@ -22,6 +23,7 @@ FAMILIES: dict[str, DecodeFamily] = {
     "gemma3_text": Gemma3Family(),
     "qwen3_5": Qwen35Family(),
     "qwen3_5_moe": Qwen35Family(),  # the same layers; mlx-lm's MLP routes
+    "gpt_oss": GptOssFamily(),
 }
 
 

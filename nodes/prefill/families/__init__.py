@@ -10,6 +10,7 @@ from __future__ import annotations
 from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.families.base import Pass, PrefillFamily
 from tandem.nodes.prefill.families.gemma3 import Gemma3Family
+from tandem.nodes.prefill.families.gpt_oss import GptOssFamily
 from tandem.nodes.prefill.families.llama import DenseFamily
 from tandem.nodes.prefill.families.qwen3_5 import Qwen35Family
 from tandem.nodes.prefill.families.qwen3_moe import Qwen3MoeFamily
@@ -23,6 +24,7 @@ FAMILIES: dict[str, PrefillFamily] = {
     "qwen3_moe": Qwen3MoeFamily(),
     "qwen3_5": Qwen35Family(),
     "qwen3_5_moe": Qwen35Family(),
+    "gpt_oss": GptOssFamily(),
 }
 
 __all__ = ["FAMILIES", "Pass", "PrefillFamily", "family_for"]

@@ -68,7 +68,7 @@ def _out_rows(
     if quant is None or weight.is_floating_point():  # float, or dequantized already
         out_rows_part(h, state, weight, part.lo, part.hi, part.last, p.chunk)
         return
-    scales, biases = w[f"{module}.scales"], w[f"{module}.biases"]
+    scales, biases = w[f"{module}.scales"], w.get(f"{module}.biases")  # none in an fp mode
     rows, cols = scales.shape[0], scales.shape[1] * quant.group_size
     row_bytes = cols * torch.finfo(p.dtype).bits // 8
     scratch = aligned_front(p.scratch, row_bytes)
@@ -78,8 +78,8 @@ def _out_rows(
         b = min(rows, a + block)
         used = round_up((b - a) * row_bytes, ALIGN)
         dest = scratch[: (b - a) * row_bytes].view(p.dtype).view(b - a, cols)
-        wq = dequantize(weight[a:b], scales[a:b], biases[a:b], quant, p.dtype, dest,
-                        scratch[used:])  # fmt: skip
+        wq = dequantize(weight[a:b], scales[a:b], None if biases is None else biases[a:b],
+                        quant, p.dtype, dest, scratch[used:])  # fmt: skip
         last = part.last and b == rows
         out_rows_part(h, state, wq, part.lo + a, part.lo + b, last, p.chunk)
 
@@ -96,14 +96,12 @@ def matrix_pieces(
     index: ModelIndex, i: int, module: str, rows: tuple[int, int] | None = None
 ) -> list[Piece]:
     """The pieces holding rows of layer i's `module` weight: the float matrix, or its packed
-    words, scales and biases (a quantized matrix's rows are whole rows of all three)."""
+    words, scales and (affine) biases (a quantized matrix's rows are whole rows of each)."""
     t, quant = index.layers[i], index.quant(i, module)
     if quant is None:
         return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows)]
-    return [
-        Piece(f"{module}.{name}", t[f"{module}.{name}"], rows=rows)
-        for name in ("weight", "scales", "biases")
-    ]
+    names = ("weight", "scales", "biases") if quant.biases else ("weight", "scales")
+    return [Piece(f"{module}.{name}", t[f"{module}.{name}"], rows=rows) for name in names]
 
 
 ROW_UNIT = 64  # rows: a cut matrix's ranges start at multiples of this (even GEMM shapes,

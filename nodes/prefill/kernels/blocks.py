@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.spec import ModelSpec
 from tandem.nodes.prefill.kernels.rope import apply_rope, rms_norm
+from tandem.nodes.prefill.kernels.sinks import sink_attention
 from tandem.nodes.prefill.prefix_upload import AHEAD as PREFIX_AHEAD
 
 
@@ -67,10 +68,14 @@ def attention_part(
     fused = fused_attention(h.device.type, h.element_size(), D) and window is None
     q_chunk = T if fused else chunk
     scale = attention_scale(spec)
+    sinks = w["self_attn.sinks"][kv_lo * rep : kv_hi * rep] if spec.attention_sinks else None
     for c0 in range(0, T, q_chunk):
         c1 = min(T, c0 + q_chunk)
-        heads = _attend(q, state, kv_lo, kv_hi, start, c0, c1, scale, window)  # [c, nq, D]
-        if with_o and post_norm is None:  # o_proj: the last weight asked for (see dequant)
+        heads = _attend(q, state, kv_lo, kv_hi, start, c0, c1, scale, window, sinks)  # [c,nq,D]
+        if with_o and spec.output_bias:  # o_proj with its bias, then into the residual
+            o, bias = w["self_attn.o_proj.weight"], w["self_attn.o_proj.bias"]
+            h[c0:c1] += torch.addmm(bias, heads.reshape(c1 - c0, -1), o.t())
+        elif with_o and post_norm is None:  # o_proj: the last weight asked for (see dequant)
             h[c0:c1].addmm_(heads.reshape(c1 - c0, -1), w["self_attn.o_proj.weight"].t())
         elif with_o:
             r = heads.reshape(c1 - c0, -1) @ w["self_attn.o_proj.weight"].t()  # [c, H]
@@ -124,7 +129,7 @@ def _rope_into(
 
 def _attend(
     q: torch.Tensor, state: LayerState, kv_lo: int, kv_hi: int, start: int, c0: int, c1: int,
-    scale: float | None = None, window: int | None = None,
+    scale: float | None = None, window: int | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of queries c0..c1-1 (positions start + c0..) over heads kv_lo..'s keys
     up to the chunk's last query: [c, nq, D], a view. With a `window`, each query attends to
@@ -146,7 +151,11 @@ def _attend(
     k = state.k[:, kv_lo:kv_hi, s_lo:s_end]
     v = state.v[:, kv_lo:kv_hi, s_lo:s_end]
     scale = D**-0.5 if scale is None else scale
-    if "attn_mask" in causal and isinstance(causal["attn_mask"], torch.Tensor):
+    if sinks is not None:  # gpt-oss: each head's sink logit in its softmax (`sinks.py`)
+        band = causal["attn_mask"] if window is not None and s_end > window else None
+        assert band is None or isinstance(band, torch.Tensor)
+        out = sink_attention(q[None, :, c0:c1], k, v, sinks, scale, band)
+    elif "attn_mask" in causal and isinstance(causal["attn_mask"], torch.Tensor):
         out = band_attention(q[None, :, c0:c1], k, v, causal["attn_mask"], scale)
     else:
         out = F.scaled_dot_product_attention(

@@ -1,4 +1,5 @@
-"""MLX affine dequantization in torch, bit for bit as `mx.dequantize` computes it.
+"""MLX dequantization in torch, bit for bit as `mx.dequantize` computes it (mlx's CPU
+backend, the tests' oracle).
 
 A row of a quantized matrix is a little-endian bit stream of `bits`-bit values packed into
 uint32 words from the low bits up (3-, 5- and 6-bit values cross word boundaries); each
@@ -16,10 +17,21 @@ one sum. `out` takes the result in place so a caller's scratch bounds the memory
 temporaries (the windows, and where the scales are widened a float32 copy) go into `temp`,
 free scratch bytes the caller lends, or else into at most `BLOCK_BYTES` allocated here, rows
 in blocks of what that holds.
+
+The fp modes (mxfp4, mxfp8, nvfp4: `quant.py`) store codes, not integers: each byte holds two
+e2m1 values (low nibble first) or one e4m3 value, and each group one uint8 scale (e8m0 or
+e4m3). mlx decodes value and scale to the output dtype and multiplies there, one rounding (so
+a float16 output loses e8m0 scales beyond its range first, as mlx's does); the temporaries are
+an int32 index per packed byte, where the scales' indices and values go after. Here that is two
+lookups in tables of 256 entries (a byte's values, a scale's value) made once per dtype and
+device, and one product: 5 kernels a block at either width (the bytes and the scales widened
+to int32 indices, two gathers, the product). NaNs come out where mlx's do, their sign and
+payload as the device's arithmetic makes them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -91,7 +103,11 @@ def work_dtype(scales: torch.dtype, compute: torch.dtype) -> torch.dtype:
 def temp_bytes_per_row(cols: int, bits: int, scales: torch.dtype, dtype: torch.dtype) -> int:
     """Bytes of temporaries `dequantize` needs per row of `cols` values: the unpacked values
     (a window of one or two bytes each; none at 8 bits, whose values are the packed bytes),
-    and a float32 row where the scales are widened to a compute dtype other than float32."""
+    and a float32 row where the scales are widened to a compute dtype other than float32.
+    uint8 `scales` are an fp mode's: an int32 index per packed byte (the scales' indices and
+    values reuse that room)."""
+    if scales == torch.uint8:
+        return cols * bits // 8 * 4
     work = work_dtype(scales, dtype)
     unpacked = _span(bits) * cols if bits != 8 else 0
     return unpacked + (cols * work.itemsize if work != dtype else 0)
@@ -100,28 +116,35 @@ def temp_bytes_per_row(cols: int, bits: int, scales: torch.dtype, dtype: torch.d
 def dequantize(
     words: torch.Tensor,
     scales: torch.Tensor,
-    biases: torch.Tensor,
+    biases: torch.Tensor | None,
     quant: Quant,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
     temp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float weights [R, C] in `dtype` from packed `words` [R, C·bits/32] (int32 or uint32
-    storage), `scales` and `biases` [R, C/group_size]. `temp`: free uint8 bytes (on the
-    device) for the temporaries; a matrix whose temporaries fit takes one block: at most 11
-    kernels at any width (4 at 8 bits), however many rows."""
+    storage), `scales` and `biases` [R, C/group_size] (an fp mode's: uint8 scales, no
+    biases). `temp`: free uint8 bytes (on the device) for the temporaries; a matrix whose
+    temporaries fit takes one block: at most 11 kernels at any width (4 at 8 bits; 5 in an
+    fp mode), however many rows."""
     rows, groups = scales.shape
     g = quant.group_size
     cols = groups * g
-    if words.shape != (rows, quant.packed_cols(cols)) or biases.shape != scales.shape:
+    described = words.shape == (rows, quant.packed_cols(cols)) and (
+        biases.shape == scales.shape if biases is not None else scales.dtype == torch.uint8
+    )
+    if not described or (biases is None) == quant.biases:
         raise ValueError(
-            f"packed {tuple(words.shape)}, scales {tuple(scales.shape)}, biases "
-            f"{tuple(biases.shape)} do not describe {quant.bits}-bit groups of {g}"
+            f"packed {tuple(words.shape)}, scales {tuple(scales.shape)} {scales.dtype}, biases "
+            f"{None if biases is None else tuple(biases.shape)} do not describe {quant.bits}-bit "
+            f"groups of {g} ({quant.mode})"
         )
     if words.dtype != torch.int32:
         words = words.view(torch.int32)
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype, device=words.device)
+    if biases is None:
+        return _dequantize_fp(words, scales, quant, out, temp)
     work = work_dtype(scales.dtype, dtype)
     per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, dtype)
     temp, step = _blocks(temp, per_row, rows, words.device)
@@ -145,6 +168,64 @@ def dequantize(
         w.add_(biases[r0:r1].unsqueeze(-1))
         if work != dtype:
             out[r0:r1].copy_(w.view(n, cols))
+    return out
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4 codes 0-7; 8-15 the same, negative
+
+
+@functools.cache
+def _tables(mode: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(each byte's values [256, 8/bits], each scale byte's value [256]) in `dtype` on
+    `device`, decoded as mlx decodes them; made on the host once per dtype and device."""
+    byte = torch.arange(256)
+    e2m1 = torch.tensor(E2M1 + tuple(-v for v in E2M1))  # float32 [16]
+    e4m3 = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()  # 0x7f, 0xff: NaN
+    if mode == "mxfp8":
+        values = e4m3[:, None]
+    else:  # a byte's two values, the low nibble's first
+        values = torch.stack([e2m1[byte & 15], e2m1[byte >> 4]], dim=1)
+    if mode == "nvfp4":
+        scale = e4m3
+    else:  # e8m0 as mlx reads it: the bfloat16 of exponent s; 0 its subnormal 2^-127, 255 inf
+        bits = (byte << 7).to(torch.int16)
+        bits[0] = 0x40
+        scale = bits.view(torch.bfloat16)
+    return values.to(dtype).to(device), scale.to(dtype).to(device)
+
+
+def _dequantize_fp(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    quant: Quant,
+    out: torch.Tensor,
+    temp: torch.Tensor | None,
+) -> torch.Tensor:
+    """`dequantize` in an fp mode: per block, the packed bytes widened to int32 indices in
+    the temporaries' room, each byte's values gathered into `out`, then the scales' indices
+    and values in the same room (the bytes' indices are spent), and one product in place."""
+    rows, groups = scales.shape
+    g, dtype = quant.group_size, out.dtype
+    values, scale_of = _tables(quant.mode, dtype, words.device)
+    per_byte = values.shape[1]
+    if temp is not None:  # int32 views need a 4-byte boundary of the storage
+        temp = temp[-temp.storage_offset() % 4 :]
+    per_row = temp_bytes_per_row(groups * g, quant.bits, scales.dtype, dtype)
+    temp, step = _blocks(temp, per_row, rows, words.device)
+    assert temp is not None
+    by = words.view(torch.uint8)  # [R, C/per_byte]
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        n, w = r1 - r0, out[r0:r1]
+        codes = temp[: n * by.shape[1] * 4].view(torch.int32)
+        codes.view(n, -1).copy_(by[r0:r1])
+        torch.index_select(values, 0, codes, out=w.view(-1, per_byte))
+        at = n * groups * 4
+        index = temp[:at].view(torch.int32)
+        index.view(n, groups).copy_(scales[r0:r1])
+        scale = temp[at : at + n * groups * dtype.itemsize].view(dtype)
+        torch.index_select(scale_of, 0, index, out=scale)
+        w.view(n, groups, g).mul_(scale.view(n, groups, 1))  # in `dtype`, as mlx: one rounding
     return out
 
 
@@ -215,7 +296,7 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
             return self._done[key]
         rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
         nbytes = rows * cols * torch.finfo(self._dtype).bits // 8
-        scales, biases = self._views[f"{module}.scales"], self._views[f"{module}.biases"]
+        scales, biases = self._views[f"{module}.scales"], self._views.get(f"{module}.biases")
         per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, self._dtype)
         temps = min(per_row * rows, BLOCK_BYTES)
         start = self._place(key, nbytes, temps, per_row)

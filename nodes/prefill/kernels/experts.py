@@ -58,7 +58,8 @@ def _chunk(p: Pass, chosen: Sequence[Part], views: Views, r: Any, x: torch.Tenso
 
 
 def _tensors(p: Pass, views: Views, part: Part, m: str) -> tuple[torch.Tensor, ...]:
-    """Expert `part.lo`'s `m` matrix: (float [out, in],) or (words, scales, biases)."""
+    """Expert `part.lo`'s `m` matrix: (float [out, in],) or (words, scales, biases), the
+    biases None in an fp mode."""
     at = f"experts:{part.lo}:"
     if at + "mlp.experts.gate_up_proj" in views:  # fused (float): gate rows, then up rows
         if m == "down_proj":
@@ -74,7 +75,8 @@ def _tensors(p: Pass, views: Views, part: Part, m: str) -> tuple[torch.Tensor, .
     if quant is None or words.is_floating_point():  # float, or kept dequantized
         return (words,)
     pick = (lambda t: t[0]) if stacked else (lambda t: t)
-    return words, pick(views[at + f"{module}.scales"]), pick(views[at + f"{module}.biases"])
+    biases = views.get(at + f"{module}.biases")
+    return words, pick(views[at + f"{module}.scales"]), None if biases is None else pick(biases)
 
 
 def _stacked(p: Pass, views: Views, chosen: Sequence[Part], m: str) -> torch.Tensor:
@@ -82,7 +84,8 @@ def _stacked(p: Pass, views: Views, chosen: Sequence[Part], m: str) -> torch.Ten
     each = [_tensors(p, views, pt, m) for pt in chosen]
     if len(each[0]) == 1:
         return _stack([t[0] for t in each])
-    words, scales, biases = (torch.stack([t[i] for t in each]) for i in range(3))
+    words, scales = (torch.stack([t[i] for t in each]) for i in range(2))
+    biases = torch.stack([t[2] for t in each]) if each[0][2] is not None else None
     c, rows = words.shape[:2]
     quant = p.index.quant(chosen[0].layer, _module(views, chosen[0], m))
     assert quant is not None
@@ -90,8 +93,9 @@ def _stacked(p: Pass, views: Views, chosen: Sequence[Part], m: str) -> torch.Ten
     nbytes = c * rows * cols * torch.finfo(p.dtype).bits // 8
     dest = aligned_front(p.scratch, nbytes)
     into = dest[:nbytes].view(p.dtype).view(c * rows, cols)
-    dequantize(words.view(c * rows, -1), scales.view(c * rows, -1), biases.view(c * rows, -1),
-               quant, p.dtype, into, dest[round_up(nbytes, ALIGN) :])  # fmt: skip
+    flat = None if biases is None else biases.view(c * rows, -1)
+    dequantize(words.view(c * rows, -1), scales.view(c * rows, -1), flat, quant, p.dtype, into,
+               dest[round_up(nbytes, ALIGN) :])  # fmt: skip
     return into.view(c, rows, cols)
 
 
@@ -171,3 +175,8 @@ def _fit(p: Pass, chosen: Sequence[Part], views: Views) -> int:
         per_row = temp_bytes_per_row(cols, quant.bits, s.dtype, p.dtype)
         per_expert = max(per_expert, floats + rows * per_row)
     return max(1, min(len(chosen), p.scratch.numel() // per_expert))
+
+
+# what the other families' expert kernels share (`experts_oai.py`)
+grouped_matmul = _grouped
+stack_views = _stack

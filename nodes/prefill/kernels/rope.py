@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.model.spec import ModelSpec, RopeScaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,10 +35,43 @@ def inv_freq(spec: ModelSpec) -> torch.Tensor:
         )
         smooth_periods = scaled / ((1 - smooth) / scaling.factor + smooth)
         periods = torch.where(medium, smooth_periods, scaled)
+    if scaling is not None and scaling.kind == "yarn":
+        periods = _yarn_periods(periods, d, spec.rope_theta, scaling)
     freqs = 1.0 / periods
     if scaling is not None and scaling.kind == "linear":
         freqs = freqs / scaling.factor
     return freqs
+
+
+def _yarn_periods(periods: torch.Tensor, d: int, base: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN's periods [D/2] as mlx-lm's `YarnRoPE` makes them: the interpolated (× factor)
+    and the original blended by a linear ramp over the pairs between the correction range's
+    ends (the pairs that turn `beta_fast` and `beta_slow` times over the original context)."""
+    old, factor = scaling.original_max_position_embeddings, scaling.factor
+
+    def pair(rotations: float) -> float:
+        return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair(scaling.beta_fast)), 0)
+    high = min(math.ceil(pair(scaling.beta_slow)), d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the original period (fast pairs), 0: interpolated
+    inter = factor * periods
+    return inter * periods / (inter * keep + periods * (1 - keep))
+
+
+def rope_mscale(spec: ModelSpec) -> float:
+    """What YaRN scales q and k by before turning them (mlx-lm's `YarnRoPE.mscale`); 1.0
+    for every other RoPE."""
+    scaling = spec.rope_scaling
+    if scaling is None or scaling.kind != "yarn":
+        return 1.0
+
+    def get(scale: float, m: float) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    return get(scaling.factor, scaling.mscale) / get(scaling.factor, scaling.mscale_all_dim)
 
 
 def rope_tables(

@@ -238,6 +238,10 @@ def _layer_slice(
     if spec.qk_norm:
         for name in ("q", "k"):
             w[f"self_attn.{name}_norm.weight"] = torch.ones(D, device=dev, dtype=dtype)
+    if spec.attention_sinks:
+        w["self_attn.sinks"] = torch.zeros(spec.num_heads, device=dev, dtype=dtype)
+    if spec.output_bias:
+        w["self_attn.o_proj.bias"] = torch.zeros(H, device=dev, dtype=dtype)
     return w
 
 

@@ -1,0 +1,88 @@
+"""gpt-oss through real nodes, with the released models' window of 128: a remote prefill (at a
+budget below one layer's experts, so they stream routed) fills mlx-lm's own mixed cache list,
+and greedy tokens equal mlx-lm's own generation for prompts shorter and longer than the
+window, with only each sliding layer's window on the wire; three turns through the prompt
+cache; `kv_bits` refused (mlx-lm attends with sinks over a float cache only)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+from tandem.nodes.contract.bodies import ReplyStats
+from tandem.nodes.model.index import load_index
+
+from tests.conftest import MakeTiny
+from tests.records import stats_of
+from tests.test_gpt_oss import ARGS
+from tests.test_handoff import Cluster, _cluster
+
+WINDOW = 128
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = tiny_model(**{**ARGS, "sliding_window": WINDOW})
+    yield from _cluster(tmp_path_factory.mktemp("gpt_oss"), model)
+
+
+def _ids(cluster: Cluster, prompt: list[int], n: int = 8) -> list[int]:
+    from tandem.nodes.decode.reference import reference_tokens
+
+    return list(reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, n))
+
+
+def _text(cluster: Cluster, ids: list[int]) -> str:
+    """The ids as mlx-lm's server writes them (its streaming detokenizer: a reply's leading
+    space trimmed)."""
+    detok = cluster.tokenizer.detokenizer
+    detok.reset()
+    for t in ids:
+        detok.add_token(t)
+    detok.finalize()
+    return str(detok.text)
+
+
+def _complete(cluster: Cluster, prompt: list[int], n: int = 8) -> tuple[str, ReplyStats]:
+    reply = cluster.client().completions.create(
+        model="m", prompt=prompt, max_tokens=n, temperature=0
+    )
+    return reply.choices[0].text, stats_of(reply)
+
+
+@pytest.mark.parametrize("n", [40, WINDOW + 70])
+def test_remote_prefill_is_exactly_mlx_greedy(cluster: Cluster, n: int) -> None:
+    spec = load_index(cluster.model).spec
+    prompt = [(37 * i + n) % spec.vocab_size for i in range(n)]
+    text, stats = _complete(cluster, prompt)
+    assert stats.prefill == "remote", cluster.decode.output()
+    assert text == _text(cluster, _ids(cluster, prompt))
+    # sliding layers send at most their window: K and V in float32, plus each frame's header
+    per_position = 2 * spec.num_kv_heads * spec.head_dim * 4
+    kept = [n - 1 if k.kind == "full" else min(n - 1, WINDOW) for k in spec.layer_kinds]
+    assert 0 < stats.kv_bytes - per_position * sum(kept) < 1024 * spec.num_layers
+
+
+def test_three_turns_reuse_the_cache_exactly(cluster: Cluster) -> None:
+    vocab = load_index(cluster.model).spec.vocab_size
+    fresh = [[(11 * turn + 5 * i + 3) % vocab for i in range(60)] for turn in range(3)]
+    prompt: list[int] = []
+    held = 0  # positions the decode node keeps after a turn: prompt and reply
+    for turn in range(3):
+        prompt = prompt + fresh[turn]
+        text, stats = _complete(cluster, prompt)
+        ids = _ids(cluster, prompt)
+        assert text == _text(cluster, ids)
+        assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
+        assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
+        held = len(prompt) + len(ids)
+        prompt = prompt + ids
+    assert held > WINDOW
+
+
+def test_quantized_kv_is_refused(cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError, match="sinks"):
+        cluster.client().completions.create(
+            model="m", prompt=[1, 2, 3], max_tokens=2, extra_body={"tandem": {"kv_bits": 8}}
+        )
