@@ -2,7 +2,7 @@
 of dequantization.
 
 - `families`: for each family the node serves (Llama, Gemma 3's windows, Qwen3-MoE routed,
-  Qwen3.5's linear layers, Qwen3.5-MoE), a made model in bf16 streamed at a third of its
+  Qwen3.5's linear layers, Qwen3.5-MoE, gpt-oss), a made model in bf16 streamed at a third of its
   bytes (routed loads, the RAM tier off) on the device against the CPU: every layer's K/V or
   state; and for the mixtures of experts the expert loads' time per pass and their aten ops
   (a few dozen a load whatever it chose, `experts.py`).
@@ -29,6 +29,9 @@ SHAPES: dict[str, Json] = {
     "qwen3_5": {"arch": "qwen3_5", "layout": "hf"},
     "qwen3_5_moe": {"arch": "qwen3_5_moe", "experts": 32, "top_k": 4, "moe_intermediate": 256,
                     "shared_intermediate": 256},
+    # sinks (one more key in flash attention, head dim 72), windows, biased experts, YaRN
+    "gpt_oss": {"arch": "gpt_oss", "experts": 32, "top_k": 4, "moe_intermediate": 256,
+                "sliding_window": 128, "rope_scaling": "yarn"},
 }  # fmt: skip
 
 
