@@ -86,3 +86,20 @@ def test_quantized_kv_is_refused(cluster: Cluster) -> None:
         cluster.client().completions.create(
             model="m", prompt=[1, 2, 3], max_tokens=2, extra_body={"tandem": {"kv_bits": 8}}
         )
+
+
+def test_a_chat_reply_is_mlx_greedy_split_by_harmony(cluster: Cluster) -> None:
+    """Chat: the Harmony template's prompt prefilled remotely; the reply is mlx-lm's greedy
+    text, split by channel as `harmony.parse` splits it (random weights write no channels,
+    so it is all content)."""
+    from tandem.nodes.decode import harmony
+
+    prompt = "Tell me a story about a lighthouse keeper who counted the waves, " * 6
+    ids = cluster.chat_tokens(prompt)
+    assert len(ids) > WINDOW and cluster.tokenizer.decode(ids).endswith("<|start|>assistant")
+    reply = cluster.client().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0
+    )
+    assert stats_of(reply).prefill == "remote"
+    want = harmony.parse(_text(cluster, _ids(cluster, ids)))
+    assert reply.choices[0].message.content == want.content
