@@ -19,6 +19,7 @@ CASES: dict[str, tuple[dict[str, Any], int | None]] = {
     "llama": ({"arch": "llama", "layers": 3}, None),
     "qwen3": ({"arch": "qwen3", "layers": 2}, None),
     "qwen2": ({"arch": "qwen2", "layers": 2}, None),
+    "glm4_moe": ({"arch": "glm4_moe", "layers": 2}, None),  # its MLP routes
     "tied": ({"arch": "llama", "layers": 2, "tie_embeddings": True}, None),
     "bf16": ({"arch": "llama", "layers": 2, "dtype": "bfloat16"}, None),
     "mlx-q4": (

@@ -25,7 +25,7 @@ SLIDING, GLOBAL, LINEAR = ModelLayer("sliding", 4), ModelLayer(), ModelLayer("li
 KINDS = (SLIDING, SLIDING, GLOBAL, SLIDING, SLIDING, GLOBAL)  # every 3rd layer global
 HYBRID = (LINEAR, LINEAR, LINEAR, GLOBAL) * 2  # Qwen3.5: full attention every 4th layer
 # bytes of a 24-token prompt: window 4; a linear layer's state (any prompt)
-FRAME = {"sliding": 4 * 1024, "full": 24 * 1024, "linear": 140 * 1024}
+FRAME = {"sliding": 4 * 1024, "full": 24 * 1024, "linear": 140 * 1024, "latent": 13 * 1024}
 
 
 def gemma_health(kinds: tuple[ModelLayer, ...]) -> Health:
@@ -102,6 +102,13 @@ async def test_the_pipeline_letters_linear_layers_and_shows_their_state_bytes() 
     assert "KV per layer  G 24.0 KiB ×2  L 140.0 KiB ×6 (state, fixed)  · 888.0 KiB in all" in (
         text
     )
+
+
+async def test_the_pipeline_letters_latent_layers() -> None:
+    """DeepSeek V3: every layer a latent one (a latent and a rope key a position)."""
+    text = await show((ModelLayer("latent"),) * 3)
+    assert "  0M    1M    2M " in text and "M latent (MLA)" in text
+    assert "KV per layer  M 13.0 KiB ×3  · 39.0 KiB in all" in text
 
 
 def test_a_node_says_its_qwen3_5_layers_are_linear_or_full(tiny_model: MakeTiny) -> None:

@@ -130,12 +130,12 @@ def test_header_frame_bytes() -> None:
     h = Header(PROTO, "fp", "r1", "F32", layers=2, start=0, count=1, n_kv_heads=1, head_dim=2,
                kinds=("sliding", "full"), windows=(4, 0))  # fmt: skip
     body = (
-        b'{"proto":4,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":2,'
+        b'{"proto":5,"fingerprint":"fp","request_id":"r1","dtype":"F32","layers":2,'
         b'"start":0,"count":1,"n_kv_heads":1,"head_dim":2,"kv_bits":0,"kv_group_size":0,'
-        b'"kinds":["sliding","full"],"windows":[4,0],"state":[]}'
+        b'"kinds":["sliding","full"],"windows":[4,0],"state":[],"latent":[]}'
     )
-    assert encode_header(h) == b"\x01\xcd\x00\x00\x00\x00\x00\x00\x00" + body
-    assert len(body) == 0xCD
+    assert encode_header(h) == b"\x01\xd9\x00\x00\x00\x00\x00\x00\x00" + body
+    assert len(body) == 0xD9
 
 
 def test_a_sliding_layer_crosses_as_its_window_of_positions() -> None:

@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--arch",
         choices=[
             "llama", "qwen3", "qwen2", "mistral", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-            "gpt_oss",
+            "gpt_oss", "glm4_moe", "deepseek_v3",
         ],
         default="llama",
     )  # fmt: skip
@@ -43,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tie-embeddings", action="store_true")
     _add_moe_options(p)
     _add_qwen3_5_options(p)
+    _add_deepseek_options(p)
     p.add_argument(
         "--quantize", type=int, default=None, metavar="BITS",
         help="an MLX quantized checkpoint instead, by mlx-lm's converter (2-8 bits)",
@@ -108,6 +109,23 @@ def _add_qwen3_5_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_deepseek_options(p: argparse.ArgumentParser) -> None:
+    """The DeepSeek-V3 lineage's options: glm4_moe and deepseek_v3 (routing, shared experts),
+    deepseek_v3's multi-head latent attention."""
+    p.add_argument("--first-dense", type=int, default=1, help="layers 0..N-1 keep a dense MLP")
+    p.add_argument("--n-group", type=int, default=1, help="expert groups (noaux_tc routing)")
+    p.add_argument("--topk-group", type=int, default=1, help="groups a token chooses within")
+    p.add_argument("--shared-experts", type=int, default=1, help="n_shared_experts")
+    p.add_argument("--routed-scaling", type=float, default=1.0, help="routed_scaling_factor")
+    p.add_argument("--partial-rotary", type=float, default=0.5, help="glm4_moe: RoPE's share")
+    p.add_argument("--qk-norm", action="store_true", help="glm4_moe: use_qk_norm")
+    p.add_argument("--kv-lora-rank", type=int, default=32, help="deepseek_v3: the latent's width")
+    p.add_argument("--q-lora-rank", type=int, default=48, help="deepseek_v3: 0 for a whole q_proj")
+    p.add_argument("--rope-head-dim", type=int, default=16, help="deepseek_v3: qk_rope_head_dim")
+    p.add_argument("--nope-head-dim", type=int, default=32, help="deepseek_v3: qk_nope_head_dim")
+    p.add_argument("--v-head-dim", type=int, default=32, help="deepseek_v3: v_head_dim")
+
+
 def _layer_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(i) for i in text.split(",") if i.strip())
@@ -164,6 +182,18 @@ def run(a: argparse.Namespace) -> int:
         linear_v_dim=a.linear_v_dim,
         conv_kernel=a.conv_kernel,
         shared_intermediate=a.shared_intermediate,
+        first_dense=a.first_dense,
+        n_group=a.n_group,
+        topk_group=a.topk_group,
+        shared_experts=a.shared_experts,
+        routed_scaling=a.routed_scaling,
+        partial_rotary=a.partial_rotary,
+        qk_norm=a.qk_norm,
+        kv_lora_rank=a.kv_lora_rank,
+        q_lora_rank=a.q_lora_rank,
+        rope_head_dim=a.rope_head_dim,
+        nope_head_dim=a.nope_head_dim,
+        v_head_dim=a.v_head_dim,
         q_mode=a.q_mode,
     )
     out = make_model(a.dir, args)

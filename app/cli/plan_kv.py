@@ -50,8 +50,8 @@ def kv_wire(index: ModelIndex, tokens: int, net_Bps: float) -> list[KVWire]:
 
     all_full = replace(index.spec, layer_kinds=())  # () reads as every layer full
     out = []
-    # attention sinks (gpt-oss): mlx-lm attends with them over a float cache only
-    for bits in BITS[:1] if index.spec.attention_sinks else BITS:
+    # attention sinks (gpt-oss), latents (DeepSeek V3): mlx-lm attends over floats only
+    for bits in BITS[:1] if index.spec.float_kv else BITS:
         kv = wire_kv(index, bits)
         fmt = None if bits == 16 else KVFormat(bits)
         full = kv_bytes(all_full, fmt, ITEMSIZE[index.dtype]).at(tokens)

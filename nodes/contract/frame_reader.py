@@ -189,7 +189,7 @@ class FrameReader:
             obj = _load_json(payload, "header")
             check_proto(obj.get("proto"))  # first: another version may have other keys
             fields = _fields(obj, Header, "header")
-            for name in ("kinds", "windows"):  # JSON lists; anything else fails the check
+            for name in ("kinds", "windows", "latent"):  # JSON lists; else the check fails
                 fields[name] = tuple(v) if isinstance(v := fields[name], list) else v
             fields["state"] = _state(fields["state"])
             header = Header(**fields)

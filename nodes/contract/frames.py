@@ -12,7 +12,11 @@ window w only the last `min(count, w)` of them (what its rotating cache keeps), 
 float (the header's `kv_bits` applies to full layers only); a "linear" layer (linear
 attention) holds no K/V but its fixed-size state after position start+count-1: the tensors
 the header's `state` names (name, dtype, shape), the same for every linear layer (Qwen3.5:
-"conv" [1, K-1, conv_dim] in the model dtype and "recurrent" [1, Hv, Dv, Dk] in F32).
+"conv" [1, K-1, conv_dim] in the model dtype and "recurrent" [1, Hv, Dv, Dk] in F32); a
+"latent" layer (multi-head latent attention, DeepSeek V3) holds per new position its latent
+and its roped key as mlx-lm's cache keeps them: `k` [1, 1, count, latent[0]] and `v`
+[1, 1, count, latent[1]] (the header's `latent`), always in float (mlx-lm attends a latent
+cache in float only).
 
 This module holds the format: the frame records, the header's checks, the encoders and
 `FrameWriter`, which produces a valid stream; `frame_reader.FrameReader` checks one as it is
@@ -41,7 +45,7 @@ PREFIX = struct.Struct("<BQ")  # kind, payload length: 9 bytes
 MAX_JSON_BYTES = 64 * 1024  # header, done and error payloads
 LAYER_EXTRA_BYTES = 64 * 1024  # a layer payload's allowance beyond its K and V bytes
 WIRE_DTYPES = ("F32", "F16", "BF16")
-LAYER_KINDS = ("full", "sliding", "linear")
+LAYER_KINDS = ("full", "sliding", "linear", "latent")
 MAX_STATE_TENSORS, MAX_STATE_DIMS = 8, 8  # a linear layer's state: tensors, dims each
 _HEADER_SIZES = {"layers": 1, "start": 0, "count": 0, "n_kv_heads": 1, "head_dim": 1}  # least
 _NUMPY_DTYPE = {
@@ -72,6 +76,7 @@ class Header:
     windows: tuple[int, ...] = ()  # per layer: a sliding layer's window, 0 for the others
     # a linear layer's state tensors: (name, dtype, shape) each, the same for every such layer
     state: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    latent: tuple[int, ...] = ()  # a latent layer's (latent width, rope key width); (): none
 
     def kind(self, layer: int) -> str:
         return self.kinds[layer] if self.kinds else "full"
@@ -92,12 +97,20 @@ class Header:
         """Shape of each of layer `layer`'s K and V: [1, n_kv_heads, positions, head_dim]."""
         return (1, self.n_kv_heads, self.positions(layer), self.head_dim)
 
+    def latent_shapes(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A latent layer's `k` (its latents) and `v` (its rope keys) shapes."""
+        n = self.positions(layer)
+        return (1, 1, n, self.latent[0]), (1, 1, n, self.latent[1])
+
     def tensors(self, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Name → (dtype, shape) of each tensor in layer `layer`'s blob: K and V, or their
         packed uint32 words [.., head_dim * bits / 32] and scales and biases
         [.., head_dim / group] in the header's dtype; a linear layer's state tensors."""
         if self.kind(layer) == "linear":
             return {name: (dtype, shape) for name, dtype, shape in self.state}
+        if self.kind(layer) == "latent":
+            k, v = self.latent_shapes(layer)
+            return {"k": (self.dtype, k), "v": (self.dtype, v)}
         shape = self.shape(layer)
         if not self.quantized(layer):
             return {"k": (self.dtype, shape), "v": (self.dtype, shape)}
@@ -317,6 +330,13 @@ def _check_kinds(h: Header) -> None:
             raise ProtocolError(f"header layer {i}: kind {kind!r} with window {window}")
     if ("linear" in h.kinds) != bool(h.state):
         raise ProtocolError("header state must name a linear layer's tensors, and only then")
+    if not isinstance(h.latent, tuple) or ("latent" in h.kinds) != bool(h.latent):
+        raise ProtocolError("header latent must give a latent layer's widths, and only then")
+    if h.latent:
+        if len(h.latent) != 2:
+            raise ProtocolError("header latent must be [latent width, rope key width]")
+        for d in h.latent:
+            check_uint(d, "header latent width", 1)
 
 
 def _check_state(h: Header) -> None:

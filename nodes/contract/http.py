@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 # `/health`, `/v1/prefill` and KV frame headers; 2: quantized KV; 3: layer kinds, windows;
-# 4: linear layers' state frames
-PROTO: Final = 4
+# 4: linear layers' state frames; 5: latent layers (multi-head latent attention)
+PROTO: Final = 5
 SERVICE_TYPE: Final = "_tandem._tcp.local."  # mDNS
 
 DEFAULT_PORT: Final = 8470

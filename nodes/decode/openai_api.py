@@ -265,7 +265,7 @@ def kv_format_in(
     alone takes the node's group size, `group_size`, even where the node's own default is
     full precision; a group size alone, the node's bits). A group size must divide the
     model's `head_dim` (groups run along each head's vector). `float_only`: a model with
-    attention sinks, which mlx-lm attends over a float cache only."""
+    attention sinks or latent layers, which mlx-lm attends over a float cache only."""
     extension = body.get("tandem")
     if extension is None:
         return default
@@ -279,7 +279,8 @@ def kv_format_in(
     if asked.get("kv_bits") not in (None, 0, 16):
         asked.setdefault("kv_group_size", default.group_size if default else group_size)
     if float_only and asked.get("kv_bits") not in (None, 0, 16):
-        raise ApiError(400, "tandem: kv_bits: this model's attention sinks need a float KV cache")
+        raise ApiError(400, "tandem: kv_bits: this model's cache is float only (mlx-lm attends "
+                       "with sinks, or over latents, in float)")  # fmt: skip
     try:
         fmt = kv_format_of({**asked, "kv_kernel": kernel})
         if fmt is not None and head_dim is not None:

@@ -118,7 +118,7 @@ class DecodeService:
         self.remote_timeout_s = remote_timeout_s
         self.expect = expect
         # the default of requests that do not say (mlx-lm attends with sinks over floats only)
-        self.kv_format = None if spec.attention_sinks else kv_format
+        self.kv_format = None if spec.float_kv else kv_format
         # a request's bits without a group size take the node's (its own bits may be 16)
         self.kv_group_size = kv_group_size
         self.kv_kernel = lm.device_kernel()  # whose rounding quantized K/V must match
@@ -265,7 +265,7 @@ class DecodeService:
         """A completion body's KV format, this node's defaults filling what it leaves out;
         ApiError (400) for one it cannot serve."""
         return kv_format_in(body, self.kv_format, self.kv_kernel, self.spec.head_dim,
-                            self.kv_group_size, float_only=self.spec.attention_sinks)  # fmt: skip
+                            self.kv_group_size, float_only=self.spec.float_kv)  # fmt: skip
 
     def _remember(self, tokens: list[int], caches: lm.Caches) -> None:
         """On the mlx thread: keep this conversation's KV for its next turn."""

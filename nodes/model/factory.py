@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
+from tandem.nodes.model import factory_deepseek, factory_glm4
 from tandem.nodes.model import factory_gpt_oss as gpt_oss
 from tandem.nodes.model import factory_qwen3_5 as qwen3_5
 from tandem.nodes.model.errors import ModelError
@@ -39,7 +40,7 @@ CHAT_TEMPLATE = (
 )
 Arch = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-    "gpt_oss",
+    "gpt_oss", "glm4_moe", "deepseek_v3",
 ]  # fmt: skip
 ARCHS: tuple[Arch, ...] = get_args(Arch)
 _ARCH = {
@@ -95,6 +96,19 @@ class MakeModelArgs:
     shared_intermediate: int = 64  # Qwen3.5-MoE's shared expert's width
     # mlx's quantization mode (quant.py): mxfp4, mxfp8 and nvfp4 fix the bits and group size
     q_mode: str = "affine"
+    # the DeepSeek-V3 lineage (GLM-4.x MoE, DeepSeek V3): noaux_tc routing, shared experts
+    first_dense: int = 1  # first_k_dense_replace: layers 0..this-1 keep a dense MLP
+    n_group: int = 1  # experts in groups; a token chooses within its best topk_group groups
+    topk_group: int = 1
+    shared_experts: int = 1  # n_shared_experts, each moe_intermediate wide
+    routed_scaling: float = 1.0  # routed_scaling_factor
+    partial_rotary: float = 0.5  # GLM-4.x: RoPE turns this share of head_dim
+    qk_norm: bool = False  # GLM-4.x: use_qk_norm
+    kv_lora_rank: int = 32  # DeepSeek V3 (MLA): the latent's width
+    q_lora_rank: int = 48  # 0: q_proj whole, no low-rank q_a/q_b
+    rope_head_dim: int = 16  # qk_rope_head_dim: the shared roped key's width
+    nope_head_dim: int = 32  # qk_nope_head_dim
+    v_head_dim: int = 32
 
 
 def _weights(a: MakeModelArgs, head_dim: int) -> Iterator[tuple[str, np.ndarray]]:
@@ -264,6 +278,10 @@ def make_model(out_dir: str | Path, args: MakeModelArgs, with_tokenizer: bool = 
     (out / "generation_config.json").write_text(
         _dump({"bos_token_id": bos, "eos_token_id": [im_end, eos], "do_sample": False})
     )
+    if args.arch in ("glm4_moe", "deepseek_v3"):  # mlx-lm's own classes make the weights
+        writer = factory_glm4.write_glm4 if args.arch == "glm4_moe" else factory_deepseek.write
+        writer(out, args, head_dim, im_end, bos)
+        return out
     if args.arch in qwen3_5.ARCHS:
         qwen3_5.write_qwen3_5(out, args, head_dim, im_end, bos)
         return out
@@ -285,6 +303,10 @@ def _check(args: MakeModelArgs) -> None:
     problem = moe_problem(args) or qwen3_5.qwen3_5_problem(args)
     if args.arch == gpt_oss.ARCH:
         problem = gpt_oss.gpt_oss_problem(args, args.head_dim or args.hidden // args.heads)
+    if args.arch == factory_deepseek.ARCH:
+        problem = factory_deepseek.deepseek_problem(args)
+    if args.arch == factory_glm4.ARCH:
+        problem = factory_glm4.glm4_problem(args, args.head_dim or args.hidden // args.heads)
     if problem is not None:
         raise ModelError(problem)
 

@@ -43,6 +43,10 @@ def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
     widths += [args.moe_intermediate] if any(sparse) else []
     if args.arch in qwen3_5.ARCHS:  # its own layers' widths
         widths = qwen3_5.qwen3_5_widths(args, args.head_dim or args.hidden // args.heads)
+    if args.arch == "deepseek_v3":  # every input width mlx-lm quantizes, per-head ones too
+        widths = [args.hidden, args.q_lora_rank, args.kv_lora_rank, args.nope_head_dim,
+                  args.heads * args.v_head_dim, args.moe_intermediate,
+                  args.intermediate]  # fmt: skip
     if args.arch == gpt_oss.ARCH:  # every layer routes; o_proj's input is heads × head dim
         widths = [args.hidden, args.heads * (args.head_dim or 0), args.moe_intermediate]
     if any(w % group for w in widths):

@@ -8,8 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tandem.nodes.model import gpt_oss_tensors
+from tandem.nodes.model import gpt_oss_tensors, mla_tensors
 from tandem.nodes.model.errors import ModelError
+from tandem.nodes.model.noaux_moe_config import (
+    CORRECTION_BIAS,
+    MTP_FAMILIES,
+    noaux,
+    noaux_mlp_shapes,
+)
 from tandem.nodes.model.quant import Quant
 from tandem.nodes.model.qwen3_5_config import canonical_name, linear_shapes
 from tandem.nodes.model.safetensors_format import ITEMSIZE, SafetensorsError, read_header
@@ -21,7 +27,8 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # and `mlp.experts.down_proj` [E, H, I], neither with a `.weight` suffix
 ExpertLayout = Literal["stacked", "per-expert", "fused"]
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-KEPT_FLOAT32 = frozenset({"linear_attn.A_log"})  # float32 in a model of another dtype (Qwen3.5)
+# float32 in a model of another dtype (Qwen3.5's A_log, the DeepSeek-V3 lineage's router bias)
+KEPT_FLOAT32 = frozenset({"linear_attn.A_log", CORRECTION_BIAS})
 
 
 @dataclass(frozen=True)
@@ -101,11 +108,13 @@ class ModelIndex:
 
 
 def expected_layer_shapes(
-    spec: ModelSpec, layer: int = 0, experts: ExpertLayout = "stacked", hf_conv: bool = False
-) -> dict[str, tuple[int, ...]]:
+    spec: ModelSpec, layer: int = 0, experts: ExpertLayout = "stacked", hf_conv: bool = False,
+    hf_mla: bool = False,
+) -> dict[str, tuple[int, ...]]:  # fmt: skip
     """The tensors decoder layer `layer` must hold, with their logical (float) shapes; a
     routed layer's experts in the layout `experts`, a linear-attention layer's conv weight
-    [C, 1, K] where `hf_conv` (else [C, K, 1])."""
+    [C, 1, K] where `hf_conv` (else [C, K, 1]), a latent layer's up-projection whole where
+    `hf_mla` (else split per head: `mla_tensors.py`)."""
     h, hd, nh, nkv, inter = (
         spec.hidden_size,
         spec.head_dim,
@@ -119,8 +128,10 @@ def expected_layer_shapes(
     }
     if spec.family == "gpt_oss":
         return gpt_oss_tensors.layer_shapes(spec, "fused" if experts == "fused" else "stacked")
-    linear = spec.layer_kinds[layer].kind == "linear"
-    if linear:
+    linear = spec.layer_kinds[layer].kind in ("linear", "latent")  # no q/k/v/o of heads
+    if spec.layer_kinds[layer].kind == "latent":
+        shapes.update(mla_tensors.attention_shapes(spec, hf_mla))
+    elif linear:
         assert spec.linear is not None
         shapes.update(linear_shapes(spec.linear, h, hf_conv))
     else:
@@ -129,7 +140,9 @@ def expected_layer_shapes(
         shapes["self_attn.k_proj.weight"] = (nkv * hd, h)
         shapes["self_attn.v_proj.weight"] = (nkv * hd, h)
         shapes["self_attn.o_proj.weight"] = (h, nh * hd)
-    if spec.moe is not None and spec.moe.sparse[layer]:
+    if noaux(spec):  # the DeepSeek-V3 lineage's MLP: dense, or router, shared and experts
+        shapes.update(noaux_mlp_shapes(spec, layer, experts))
+    elif spec.moe is not None and spec.moe.sparse[layer]:
         shapes.update(_expert_shapes(spec, experts))
     else:
         shapes["mlp.gate_proj.weight"] = (inter, h)
@@ -250,6 +263,8 @@ def load_index(model_dir: str | Path, require_data: bool = True) -> ModelIndex:
                 globals_[canonical] = entry
                 continue
             i = int(m.group(1))
+            if i >= spec.num_layers and spec.family in MTP_FAMILIES:
+                continue  # a multi-token-prediction layer, which mlx-lm's sanitize drops
             if i >= spec.num_layers:
                 raise ModelError(f"{f}: tensor {name} beyond num_hidden_layers={spec.num_layers}")
             short = m.group(2)
@@ -339,7 +354,8 @@ def _check(
     for i, tensors in enumerate(layers):
         prefix = f"model.layers.{i}."
         layout = _expert_layout(spec, i, tensors) or "stacked"
-        for short, shape in expected_layer_shapes(spec, i, layout, hf_conv).items():
+        hf_mla = mla_tensors.HF_UP in tensors
+        for short, shape in expected_layer_shapes(spec, i, layout, hf_conv, hf_mla).items():
             quant = quant_of(tensors, prefix, short.removesuffix(".weight"))
             if short.endswith("conv1d.weight"):
                 quant = None  # mlx quantizes linear layers and embeddings only

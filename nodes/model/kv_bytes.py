@@ -2,11 +2,12 @@
 
 A full layer sends every position, so its bytes grow with the prompt; a sliding layer sends
 at most its window (the positions its `RotatingKVCache` keeps), so its bytes stop growing
-once the prompt passes the window; a linear layer sends no K/V but its state, of a fixed
-size whatever the prompt (`state_tensors`: the conv state in the model's dtype, the recurrent
-state in float32). Quantized K/V (`kv_bits`
-8 or 4) applies to full layers only: a sliding layer stays in the model's dtype (it is
-bounded, and mlx-lm cannot quantize a `RotatingKVCache`). Frame headers are not counted.
+once the prompt passes the window; a latent layer (DeepSeek V3) its latent and rope key, one
+of each a position whatever the heads, in the model's dtype; a linear layer sends no K/V but
+its state, of a fixed size whatever the prompt (`state_tensors`: the conv state in the model's
+dtype, the recurrent state in float32). Quantized K/V (`kv_bits` 8 or 4) applies to full
+layers only: a sliding layer stays in the model's dtype (it is bounded, and mlx-lm cannot
+quantize a `RotatingKVCache`). Frame headers are not counted.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def kv_bytes(
         if kv_format is None
         else kv_format.bytes_per_token(1, spec.num_kv_heads, spec.head_dim, size)
     )
+    latent = sum(latent_widths(spec)) * size  # a latent and a rope key a position, in float
     per_token = tuple(
-        {"full": packed, "sliding": dense, "linear": 0}[k.kind] for k in spec.layer_kinds
+        {"full": packed, "sliding": dense, "linear": 0, "latent": latent}[k.kind]
+        for k in spec.layer_kinds
     )
     state = sum(nbytes(dtype, shape, size) for _, dtype, shape in state_tensors(spec, "model"))
     fixed = tuple(state if k.kind == "linear" else 0 for k in spec.layer_kinds)
@@ -90,6 +93,13 @@ def kv_bytes(
 
 
 State = tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) each
+
+
+def latent_widths(spec: ModelSpec) -> tuple[int, ...]:
+    """What a latent layer of `spec` keeps a position (the KV header's `latent`): its latent's
+    and its rope key's widths; () for a model without latent layers."""
+    mla = spec.mla
+    return () if mla is None else (mla.kv_lora_rank, mla.rope_dim)
 
 
 def state_tensors(spec: ModelSpec, dtype: str) -> State:

@@ -56,7 +56,7 @@ def rope_scaling(config: dict[str, Any], where: Path) -> RopeScaling | None:
             )
         if kind == "linear":
             return RopeScaling(kind="linear", factor=factor)
-        if kind == "yarn":  # mlx-lm reads these five keys (`initialize_rope`), else defaults
+        if kind in ("yarn", "deepseek_yarn"):  # mlx-lm reads five keys, else its defaults
             return RopeScaling(
                 kind="yarn",
                 factor=factor,

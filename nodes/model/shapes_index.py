@@ -16,12 +16,14 @@ from pathlib import Path
 
 from tandem.nodes.model.index import (
     FLOAT_DTYPES,
+    KEPT_FLOAT32,
     ExpertLayout,
     ModelIndex,
     TensorEntry,
     expected_layer_shapes,
     stored_shapes,
 )
+from tandem.nodes.model.noaux_moe_config import ROUTER_FLOAT, noaux
 from tandem.nodes.model.quant import Quant
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import load_spec
@@ -46,7 +48,9 @@ def shapes_index(model_dir: str | Path) -> ModelIndex:
             quant = spec.quantization.of(f"model.layers.{i}.{short.removesuffix('.weight')}")
             if short.endswith(("norm.weight", "conv1d.weight", ".bias", "sinks")):
                 quant = None  # mlx quantizes linear layers' weights only
-            tensors.update(entries.stored(short, shape, quant))
+            if noaux(spec) and short in ROUTER_FLOAT:
+                quant = None  # the DeepSeek-V3 lineage's router: no Linear in mlx-lm
+            tensors.update(entries.stored(short, shape, quant, short in KEPT_FLOAT32))
         layers.append(tensors)
     globals_ = entries.stored(
         "model.embed_tokens.weight",
@@ -76,10 +80,12 @@ class _Entries:
         return e
 
     def stored(
-        self, name: str, shape: tuple[int, ...], quant: Quant | None
+        self, name: str, shape: tuple[int, ...], quant: Quant | None, float32: bool = False
     ) -> dict[str, TensorEntry]:
+        """The tensors storing `name` (`float32`: a float one kept float32, `KEPT_FLOAT32`)."""
         out = {}
         for stored, (dims, dtypes) in stored_shapes(name, shape, quant).items():
             dtype = self.dtype if dtypes == FLOAT_DTYPES else dtypes[0]
+            dtype = "F32" if float32 and dtypes == FLOAT_DTYPES else dtype
             out[stored] = self.entry(stored, dims, dtype)
         return out

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tandem.nodes.model.deepseek_config import MlaSpec, deepseek_fields
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.gemma3_config import read_gemma3
+from tandem.nodes.model.glm4_config import glm4_fields
 from tandem.nodes.model.gpt_oss_config import read_gpt_oss
 from tandem.nodes.model.quant import QuantConfig, parse_quantization
 from tandem.nodes.model.qwen3_5_config import (
@@ -33,14 +35,15 @@ from tandem.nodes.model.rope_config import RopeScaling, rope_scaling, rope_theta
 
 Family = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-    "gpt_oss",
+    "gpt_oss", "glm4_moe", "deepseek_v3",
 ]  # fmt: skip
 FAMILIES: tuple[Family, ...] = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-    "gpt_oss",
+    "gpt_oss", "glm4_moe", "deepseek_v3",
 )  # fmt: skip
+ALIASES: dict[str, Family] = {"kimi_k2": "deepseek_v3"}  # as mlx-lm's MODEL_REMAPPING
 
-YARN_FAMILIES = ("gpt_oss",)  # whose prefill scales q and k by YaRN's mscale (`begin`)
+YARN_FAMILIES = ("gpt_oss", "deepseek_v3")  # whose prefill does YaRN (mscale in `begin`)
 # What `transformers` assumes when `tie_word_embeddings` is absent. mlx-lm's llama.py assumes
 # True instead (DESIGN.md trap), so the decode side must be told explicitly.
 _TIE_DEFAULT: dict[Family, bool] = {**dict.fromkeys(FAMILIES, False), "gemma3_text": True}
@@ -54,6 +57,8 @@ _ARCHITECTURES: dict[str, Family] = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -73,10 +78,12 @@ class LayerKind:
     - "full": K/V of every position (decode: a `KVCache`);
     - "sliding": K/V of the last `window` positions only (decode: a
       `RotatingKVCache(max_size=window)`);
-    - "linear": no K/V, a fixed-size state (linear attention: conv and recurrent arrays).
+    - "linear": no K/V, a fixed-size state (linear attention: conv and recurrent arrays);
+    - "latent": multi-head latent attention (DeepSeek V3): per position the normed latent
+      and the shared roped key, as mlx-lm's `KVCache` holds them (keys, values).
     """
 
-    kind: Literal["full", "sliding", "linear"] = "full"
+    kind: Literal["full", "sliding", "linear", "latent"] = "full"
     window: int | None = None  # positions kept: "sliding" only
 
     def __post_init__(self) -> None:
@@ -101,8 +108,16 @@ class MoeSpec:
     norm_topk_prob: bool  # the top-k weights renormalised to sum to 1
     sparse: tuple[bool, ...]  # per layer: its MLP is the experts (else a dense MLP)
     # a shared expert's width (Qwen3.5): every token also goes through one SwiGLU MLP
-    # (`mlp.shared_expert.*`), scaled by sigmoid(`mlp.shared_expert_gate` [1, H] · x); 0: none
+    # (`mlp.shared_expert.*`), scaled by sigmoid(`mlp.shared_expert_gate` [1, H] · x); 0: none.
+    # GLM-4.x, DeepSeek V3: `mlp.shared_experts.*`, n_shared_experts × an expert's width, no gate
     shared_intermediate_size: int = 0
+    # the DeepSeek-V3 lineage's router (`topk_method: noaux_tc`): sigmoid scores, a correction
+    # bias added for the choice only, the choice limited to the best `topk_groups` of `groups`
+    # groups of experts, the chosen weights scaled by `routed_scaling`
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
 
     def expected_share(self, tokens: int) -> float:
         """The share of a layer's experts that `tokens` tokens are expected to choose, each
@@ -166,6 +181,7 @@ class ModelSpec:
     # multiplied by sigmoid(gate) before o_proj (Qwen3.5)
     attn_output_gate: bool = False
     attention_sinks: bool = False  # a learned logit per query head in every softmax (gpt-oss)
+    mla: MlaSpec | None = None  # multi-head latent attention's widths (DeepSeek V3)
     output_bias: bool = False  # o_proj has a bias (gpt-oss)
 
     def __post_init__(self) -> None:
@@ -173,6 +189,12 @@ class ModelSpec:
             object.__setattr__(self, "layer_kinds", (FULL,) * self.num_layers)
         if len(self.layer_kinds) != self.num_layers:
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {self.num_layers} layers")
+
+    @property
+    def float_kv(self) -> bool:
+        """mlx-lm holds this model's cache in float only: attention sinks (gpt-oss) or latent
+        layers (DeepSeek V3) cannot attend a quantized one."""
+        return self.attention_sinks or self.mla is not None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -197,6 +219,8 @@ def _family(config: dict[str, Any], where: Path) -> Family:
     model_type = config.get("model_type")
     if model_type in FAMILIES:
         return model_type
+    if model_type in ALIASES:
+        return ALIASES[model_type]
     # mlx-lm picks the model class by model_type alone; consult `architectures` only when
     # there is none, or the two sides could run different models.
     if model_type is None:
@@ -299,6 +323,10 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     extra = _gemma3_fields(config, where) if family == "gemma3_text" else {}
     if family == "gpt_oss":
         extra = _gpt_oss_fields(config, where)
+    if family == "glm4_moe":
+        extra = glm4_fields(config, where)
+    if family == "deepseek_v3":
+        extra = deepseek_fields(config, where)
     if family in ("qwen3_5", "qwen3_5_moe"):
         config = text_keys(config)
         config.setdefault("intermediate_size", 14336)  # mlx-lm's default; unused by MoE

@@ -53,7 +53,7 @@ from tandem.nodes.contract.http import (
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, load_index
-from tandem.nodes.model.kv_bytes import state_tensors
+from tandem.nodes.model.kv_bytes import latent_widths, state_tensors
 from tandem.nodes.prefill.planning.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
 from tandem.nodes.serve.errors import node_middleware
@@ -322,8 +322,12 @@ def _decode_service(node: Node) -> DecodeService:
     spec, c = node.index.spec, node.config
     dtype = node.index.dtype
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype,
-                     state_tensors(spec, dtype))  # fmt: skip
-    kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if c.kv_bits else None
+                     state_tensors(spec, dtype), latent_widths(spec))  # fmt: skip
+    if c.kv_bits and spec.float_kv:
+        log.warning("%s: mlx-lm holds this model's cache in float only; --kv-bits ignored",
+                    spec.name)  # fmt: skip
+    quantized = c.kv_bits and not spec.float_kv
+    kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if quantized else None
     if kv_format is not None:
         try:
             check_group_size(kv_format.group_size, spec.head_dim)

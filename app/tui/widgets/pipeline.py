@@ -38,9 +38,11 @@ ROW_STYLE = {
 }
 CELL = 4  # columns per layer cell (5 with a kind letter), plus one space between cells
 # a layer's kind (`/health` layer_kinds) → its letter: global (full attention), sliding
-# window, linear (a Gated DeltaNet: a fixed-size state instead of K/V); and the legend's words
-KIND_MARK = {"full": "G", "sliding": "S", "linear": "L"}
-KIND_NAME = {"full": "global", "sliding": "sliding window", "linear": "linear (state)"}
+# window, linear (a Gated DeltaNet: a fixed-size state instead of K/V), latent (multi-head
+# latent attention: a latent and a rope key a position); and the legend's words
+KIND_MARK = {"full": "G", "sliding": "S", "linear": "L", "latent": "M"}
+KIND_NAME = {"full": "global", "sliding": "sliding window", "linear": "linear (state)",
+             "latent": "latent (MLA)"}  # fmt: skip
 LABEL = 9  # columns before the timeline strips
 BUSY = 9  # columns after them: the row's busy time
 

@@ -9,6 +9,7 @@ full-attention layers filled, the last token's step run whole.
 from __future__ import annotations
 
 from tandem.nodes.decode.families.base import DecodeFamily
+from tandem.nodes.decode.families.deepseek_v3 import DeepseekV3Family
 from tandem.nodes.decode.families.gemma3 import Gemma3Family
 from tandem.nodes.decode.families.gpt_oss import GptOssFamily
 from tandem.nodes.decode.families.llama import DenseFamily, GenericFamily
@@ -24,6 +25,8 @@ FAMILIES: dict[str, DecodeFamily] = {
     "qwen3_5": Qwen35Family(),
     "qwen3_5_moe": Qwen35Family(),  # the same layers; mlx-lm's MLP routes
     "gpt_oss": GptOssFamily(),
+    "glm4_moe": DenseFamily(),  # mlx-lm's Model has the dense structure; its MLP routes
+    "deepseek_v3": DeepseekV3Family(),
 }
 
 

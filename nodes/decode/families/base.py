@@ -93,6 +93,7 @@ class KVShape:
     head_dim: int
     dtype: str  # the model's compute dtype, safetensors spelling
     state: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+    latent: tuple[int, ...] = ()  # a latent layer's (latent width, rope key width): `Header.latent`
 
     def held_as(self, kv_format: KVFormat | None) -> str:
         """How a request's KV is held: the model's dtype, or `q8/g64`-style."""
@@ -146,6 +147,8 @@ class KVShape:
             raise ProtocolError(
                 f"frames hold linear layers' state {header.state}, the model's {self.state}"
             )
+        if header.latent != self.latent:
+            raise ProtocolError(f"frames hold latents {header.latent}, the model's {self.latent}")
         if lm.positions(caches) != start:
             raise ProtocolError(f"frames start at {start}, the cache holds {lm.positions(caches)}")
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.families.base import Pass, PrefillFamily
+from tandem.nodes.prefill.families.deepseek_v3 import DeepseekV3Family
 from tandem.nodes.prefill.families.gemma3 import Gemma3Family
+from tandem.nodes.prefill.families.glm4_moe import Glm4MoeFamily
 from tandem.nodes.prefill.families.gpt_oss import GptOssFamily
 from tandem.nodes.prefill.families.llama import DenseFamily
 from tandem.nodes.prefill.families.qwen3_5 import Qwen35Family
@@ -25,6 +27,8 @@ FAMILIES: dict[str, PrefillFamily] = {
     "qwen3_5": Qwen35Family(),
     "qwen3_5_moe": Qwen35Family(),
     "gpt_oss": GptOssFamily(),
+    "glm4_moe": Glm4MoeFamily(),
+    "deepseek_v3": DeepseekV3Family(),
 }
 
 __all__ = ["FAMILIES", "Pass", "PrefillFamily", "family_for"]

@@ -57,7 +57,7 @@ class Routes:
     """Each token's experts and weights (one layer), grouped by expert."""
 
     order: torch.Tensor  # [T·k] int64: the flat (token, slot) entries sorted by expert
-    weights: torch.Tensor  # [T·k] the model dtype: each entry's weight
+    weights: torch.Tensor  # [T·k] each entry's weight: the model dtype (float32: noaux_tc)
     starts: list[int]  # per expert: where its entries begin in `order` (E + 1 values)
     k: int  # experts per token
     out: torch.Tensor  # [T, H] float32: the weighted experts' outputs so far
@@ -188,12 +188,20 @@ def _route(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) 
     if moe.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     state.x_norm = x
+    state.routes = make_routes(experts, weights, moe.num_experts, h)
+
+
+def make_routes(
+    experts: torch.Tensor, weights: torch.Tensor, num_experts: int, h: torch.Tensor
+) -> Routes:
+    """The routes of each token's `experts` [T, k] with their `weights` [T, k], and a zeroed
+    float32 sum shaped as h [T, H]."""
     flat = experts.flatten()  # [T·k]
     # per expert, its entries: the one host read of the layer (CUDA's `bincount` reads the
     # indices' min and max back first: three round trips)
-    counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=h.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=h.device)
     counts = counts.index_add_(0, flat, torch.ones_like(flat)).tolist()
     starts = [0, *itertools.accumulate(counts)]
     out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
     order = torch.argsort(flat, stable=True)
-    state.routes = Routes(order, weights.flatten(), starts, moe.experts_per_token, out)
+    return Routes(order, weights.flatten(), starts, experts.shape[-1], out)

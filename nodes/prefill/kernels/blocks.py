@@ -366,6 +366,9 @@ def activation_bytes(
         # outputs; one expert's SwiGLU over every token at worst (a token picks each once)
         base += T * H * 4 + T * spec.moe.experts_per_token * (8 + itemsize)
         mlp = max(mlp, T * (2 * H + 2 * spec.moe.intermediate_size) * itemsize + T * H * 4)
+    if (m := spec.mla) is not None:  # every head's keys and values decompressed, q, scores
+        widths = m.q_dim + m.v_dim + m.nope_dim  # keys, values, keys before the rope joins
+        attn = nq * (S * widths + T * (m.q_dim + m.v_dim) + 2 * c * S) * itemsize
     if spec.attention_sinks:  # gpt-oss: the queries, keys and values copied a dim wider
         dp, q_at_once = -(-(D + 1) // 8) * 8, T if fused_attention(device_type, itemsize, D) else c
         attn += (q_at_once * nq + 2 * nkv * (S + 1)) * dp * itemsize

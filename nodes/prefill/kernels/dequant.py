@@ -32,6 +32,7 @@ payload as the device's arithmetic makes them.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -294,9 +295,13 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
             return view
         if key in self._done:
             return self._done[key]
-        rows, cols = view.shape[0], view.shape[1] * 32 // quant.bits
+        *lead, words = view.shape  # [.., R, W]: a 3-D one is per head (MLA's embed_q)
+        rows, cols = math.prod(lead), words * 32 // quant.bits
         nbytes = rows * cols * torch.finfo(self._dtype).bits // 8
         scales, biases = self._views[f"{module}.scales"], self._views.get(f"{module}.biases")
+        if len(lead) > 1:
+            view, scales = view.reshape(rows, words), scales.reshape(rows, -1)
+            biases = None if biases is None else biases.reshape(rows, -1)
         per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, self._dtype)
         temps = min(per_row * rows, BLOCK_BYTES)
         start = self._place(key, nbytes, temps, per_row)
@@ -304,7 +309,7 @@ class DequantizedWeights(Mapping[str, torch.Tensor]):
         self._cursor = start + round_up(nbytes, ALIGN)
         free = self._scratch[self._cursor :]  # holds nothing asked for: the temporaries' room
         out = dequantize(view, scales, biases, quant, self._dtype, dest.view(rows, cols), free)
-        self._done[key] = out
+        self._done[key] = out = out.view(*lead, cols)
         return out
 
     def _place(self, key: str, nbytes: int, temps: int = 0, least: int = 0) -> int:

@@ -86,6 +86,9 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [h, T, D]; rotate_half form == mlx `traditional=False`
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:  # partial RoPE (GLM-4.x): the first `rot` dims turn, the rest pass
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

@@ -12,6 +12,7 @@ slot: its bytes *land* at their file offset modulo `DIRECT_ALIGN` (`landing`), a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -36,25 +37,30 @@ class Piece:
     entry: TensorEntry
     rows: tuple[int, int] | None = None
 
-    @property
+    # cached: a plan of a model with thousands of experts asks for them millions of times
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
         shape = list(self.entry.shape)
         if self.rows is not None:
             shape[0] = self.rows[1] - self.rows[0]
         return tuple(shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.entry.itemsize
 
-    def span(self) -> tuple[int, int]:
-        """(absolute file offset, byte count) of this piece in its file."""
+    @functools.cached_property
+    def _span(self) -> tuple[int, int]:
         e = self.entry
         if self.rows is None:
             return e.offset, e.nbytes
         row_bytes = math.prod(e.shape[1:]) * e.itemsize
         r0, r1 = self.rows
         return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
+
+    def span(self) -> tuple[int, int]:
+        """(absolute file offset, byte count) of this piece in its file."""
+        return self._span
 
 
 Op = Literal[
@@ -248,7 +254,8 @@ def dequantized_sizes(index: ModelIndex, part: Part, itemsize: int) -> list[int]
     for piece in part.pieces:
         quant = index.quant(part.layer, piece.key.removesuffix(".weight"))
         if quant is not None and piece.key.endswith(".weight"):
-            rows, words = piece.shape[-2:]  # stacked experts: one expert's, used in turn
+            *lead, words = piece.shape  # stacked experts: one expert's, used in turn; a
+            rows = lead[-1] if part.op == "experts" else math.prod(lead)  # per-head one: all
             sizes.append(round_up(rows * words * 32 // quant.bits * itemsize, ALIGN))
     return sizes
 

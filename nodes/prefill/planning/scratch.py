@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.prefill.dtypes import TORCH_DTYPES
 from tandem.nodes.prefill.kernels.dequant import BLOCK_BYTES, temp_bytes_per_row
@@ -65,7 +67,8 @@ def temp_room(
             quant = index.quant(part.layer, module)
             if quant is None or piece.key == module:
                 continue
-            rows, words = piece.shape[-2:]
+            *lead, words = piece.shape
+            rows = lead[-1] if part.op == "experts" else math.prod(lead)  # MLA's per head
             scales = TORCH_DTYPES[index.layers[part.layer][f"{module}.scales"].dtype]
             per_row = temp_bytes_per_row(words * 32 // quant.bits, quant.bits, scales, dtype)
             block = min(rows, rows_at_once or 1) * per_row

@@ -136,21 +136,27 @@ def out_rows_work(inner: int, rows: int, tokens: int, itemsize: int) -> Work:
 
 def router_work(spec: ModelSpec, tokens: int, itemsize: int) -> Work:
     """A sparse layer's router (`qwen3_moe._route`): the post-attention norm, the gate
-    [T, H] x [H, E], its float32 softmax and top-k, and the experts' float32 sum zeroed."""
+    [T, H] x [H, E], its float32 softmax and top-k, and the experts' float32 sum zeroed; the
+    DeepSeek-V3 lineage's (`deepseek_moe.route`, sigmoid scores) also a biased copy of the
+    scores, and where experts come in groups, the groups' scores and the zeroed groups."""
     moe = spec.moe
     assert moe is not None
     H, E, T = spec.hidden_size, moe.num_experts, tokens
-    elementwise = T * H * (itemsize + FLOAT32) + T * E * (itemsize + 2 * FLOAT32)
+    per_expert = itemsize + 2 * FLOAT32
+    if moe.scoring == "sigmoid":
+        per_expert += 2 * FLOAT32 * (2 if moe.groups > 1 else 1)
+    elementwise = T * H * (itemsize + FLOAT32) + T * E * per_expert
     return Work(2.0 * T * H * E, 0.0, float(elementwise))
 
 
-def shared_work(spec: ModelSpec, cols: int, tokens: int, itemsize: int) -> Work:
-    """Qwen3.5-MoE's shared expert (`qwen3_5._shared`): a SwiGLU MLP `cols` wide over every
-    token, and its gate [T, H] x [H, 1]; the output scaled by sigmoid(gate), widened and
-    added into the experts' float32 sum."""
+def shared_work(spec: ModelSpec, cols: int, tokens: int, itemsize: int, gated: bool = True) -> Work:
+    """A shared expert: a SwiGLU MLP `cols` wide over every token, its output widened and
+    added into the experts' float32 sum; `gated` (Qwen3.5-MoE's, `qwen3_5._shared`) also its
+    gate [T, H] x [H, 1] and the output scaled by sigmoid(gate) (the DeepSeek-V3 lineage's
+    shared experts have none: `deepseek_moe.shared_experts`)."""
     H, T = spec.hidden_size, tokens
-    elementwise = T * cols * itemsize + T * H * (itemsize + 2 * FLOAT32)
-    return Work(2.0 * T * H * (3 * cols + 1), 0.0, float(elementwise))
+    elementwise = T * cols * itemsize + T * H * (itemsize + (2 if gated else 1) * FLOAT32)
+    return Work(2.0 * T * H * (3 * cols + (1 if gated else 0)), 0.0, float(elementwise))
 
 
 def recurrence_work(lin: LinearSpec, tokens: int, block: int) -> float:
@@ -204,7 +210,8 @@ def part_work(
             routed = math.ceil(tokens * moe.experts_per_token * width / moe.num_experts)
             return mlp_work(spec, moe.intermediate_size, routed, False, itemsize, True)
         case "shared":
-            return shared_work(spec, width, tokens, itemsize)
+            gated = any(pc.key.startswith("mlp.shared_expert_gate.") for pc in part.pieces)
+            return shared_work(spec, width, tokens, itemsize, gated)
         case "linear":
             return linear_work(spec, tokens, itemsize, chunk)
         case "mlp" | "gate_up":

@@ -31,7 +31,7 @@ from tandem.nodes.contract.http import (
     ApiError,
     check_group_size,
 )
-from tandem.nodes.model.kv_bytes import state_tensors
+from tandem.nodes.model.kv_bytes import latent_widths, state_tensors
 from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import PrefillEngine
 from tandem.nodes.prefill.errors import PrefillError, PromptTooLong
@@ -203,6 +203,7 @@ class PrefillService:
             kinds=tuple(kind.kind for kind in spec.layer_kinds),
             windows=tuple(kind.window or 0 for kind in spec.layer_kinds),
             state=state_tensors(spec, SAFETENSORS_DTYPES[self.engine.dtype]),
+            latent=latent_widths(spec),
         )
         writer = FrameWriter(header)
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
