@@ -21,6 +21,7 @@ from tandem.nodes.prefill.engine import PrefillEngine
 
 from tests.conftest import MakeTiny
 from tests.test_gemma3_prefill import mlx_prefill
+from tests.test_glm4_moe import mlx_choices
 from tests.test_prefill_engine import greedy
 
 ARGS: dict[str, Any] = {
@@ -121,33 +122,6 @@ def test_a_short_prompt_streams_exactly_the_routed_experts(
     used = {i: len(chosen) for i, chosen in mlx_choices(model, tokens).items()}
     assert engine.last_stats.experts_streamed == used and max(used.values()) < 8
     assert engine.last_stats.bytes_streamed < all_bytes
-
-
-def mlx_choices(model: Any, tokens: list[int]) -> dict[int, set[int]]:
-    """Per routed layer, the experts mlx-lm's own router picks for any of `tokens`."""
-    import mlx.core as mx
-
-    seen: dict[int, Any] = {}
-
-    class Recording:
-        def __init__(self, i: int, gate: Any) -> None:
-            self.i, self.gate = i, gate
-
-        def __call__(self, x: Any) -> Any:
-            inds, scores = self.gate(x)
-            seen[self.i] = inds
-            return inds, scores
-
-    layers = model.model.layers
-    routed = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
-    for i in routed:
-        layers[i].mlp.gate = Recording(i, layers[i].mlp.gate)
-    try:
-        model(mx.array([tokens]))
-    finally:
-        for i in routed:
-            layers[i].mlp.gate = layers[i].mlp.gate.gate
-    return {i: set(inds.flatten().tolist()) for i, inds in seen.items()}
 
 
 def test_a_4bit_build_matches_mlx_lm(

@@ -2,10 +2,10 @@
 same architecture).
 
 The weights are made by mlx-lm's own model class (`mlx_lm.models.deepseek_v3`), randomly
-initialised from `seed`, the RMSNorm weights redrawn as 1 + 0.1·N(0, 1) and the router's
-correction bias as 0.1·N(0, 1) (`router_bias` B > 0 adds B to experts 0..top_k-1's, so a
-short prompt chooses few). `first_dense` = `layers` makes every layer's MLP dense. Two
-layouts:
+initialised from `seed`, the RMSNorm weights redrawn as 1 + 0.1·N(0, 1), the router (zeros in
+mlx-lm) as N(0, 1/H) and its correction bias as 0.1·N(0, 1), kept float32 (`router_bias` B > 0
+adds B to experts 0..top_k-1's, so a short prompt chooses few). `first_dense` = `layers`
+makes every layer's MLP dense. Two layouts:
 
 - "mlx": as mlx-lm saves it: the latent's up-projection split per head into `embed_q`
   [heads, kv_lora, nope] and `unembed_out` [heads, v, kv_lora]; experts stacked
@@ -143,8 +143,11 @@ def _mlx_weights(a: DeepseekArgs, config: dict[str, Any]) -> dict[str, mx.array]
     for name, value in tree_flatten(model.parameters()):
         if name.endswith(("norm.weight", "layernorm.weight")):
             value = 1.0 + 0.1 * mx.random.normal(value.shape)
-        elif name.endswith("e_score_correction_bias"):
-            value = 0.1 * mx.random.normal(value.shape) + boost
+        elif name.endswith("mlp.gate.weight"):  # mlx-lm starts the router at zeros
+            value = mx.random.normal(value.shape) * a.hidden**-0.5
+        elif name.endswith("e_score_correction_bias"):  # float32, as mlx-lm keeps it
+            weights[name] = 0.1 * mx.random.normal(value.shape) + boost
+            continue
         weights[name] = value.astype(dtype)
     mx.eval(weights)
     return weights

@@ -47,6 +47,10 @@ def quantize_model(out_dir: str | Path, args: MakeModelArgs) -> Path:
         widths = [args.hidden, args.q_lora_rank, args.kv_lora_rank, args.nope_head_dim,
                   args.heads * args.v_head_dim, args.moe_intermediate,
                   args.intermediate]  # fmt: skip
+    if args.arch == "glm4_moe":  # o_proj's input is heads × head dim; dense first layers
+        head_dim = args.head_dim or args.hidden // args.heads
+        widths = [args.hidden, args.heads * head_dim, args.moe_intermediate]
+        widths += [args.intermediate] if args.first_dense else []
     if args.arch == gpt_oss.ARCH:  # every layer routes; o_proj's input is heads × head dim
         widths = [args.hidden, args.heads * (args.head_dim or 0), args.moe_intermediate]
     if any(w % group for w in widths):
