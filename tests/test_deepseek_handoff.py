@@ -13,7 +13,6 @@ import pytest
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
-from tests.records import stats_of
 from tests.test_deepseek_v3 import ARGS
 from tests.test_gpt_oss_handoff import _complete, _ids, _text
 from tests.test_handoff import Cluster, _cluster

@@ -68,7 +68,7 @@ def mla_attention(
     state.k[0, 0, start:] = latent
     state.v[0, 0, start:] = rope_pairs(kv[:, mla.kv_lora_rank :], cos, sin)
     keys, values = _decompressed(spec, state, w)  # [1, nh, S, nope + rope], [1, nh, S, v]
-    scale = spec.query_pre_attn_scalar ** -0.5 if spec.query_pre_attn_scalar else mla.q_dim**-0.5
+    scale = spec.query_pre_attn_scalar**-0.5 if spec.query_pre_attn_scalar else mla.q_dim**-0.5
     out = torch.empty(T, nh * mla.v_dim, dtype=h.dtype, device=h.device)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
@@ -77,7 +77,10 @@ def mla_attention(
             "attn_mask": _causal_lower_right()(c1 - c0, s_end)
         }  # fmt: skip
         heads = F.scaled_dot_product_attention(
-            q[None, :, c0:c1], keys[:, :, :s_end], values[:, :, :s_end], scale=scale,
+            q[None, :, c0:c1],
+            keys[:, :, :s_end],
+            values[:, :, :s_end],
+            scale=scale,
             **mask,  # type: ignore[arg-type]
         )  # fmt: skip  [1, nh, c, v]
         out[c0:c1] = heads[0].transpose(0, 1).reshape(c1 - c0, -1)
