@@ -312,3 +312,23 @@ def test_routed_experts_enter_the_tier_from_short_prompts(
         assert 0 < more.disk_bytes < first.disk_bytes  # only experts never chosen before
     finally:
         engine.close()
+
+
+def test_a_tier_of_uneven_loads_fills_its_budget_spread_through_the_cycle() -> None:
+    """A MoE model's cycle: a small attention load before each layer's large expert loads.
+    An even spread by count that fits takes mostly the small ones; the rest of the tier then
+    goes to the others, spread by bytes (GLM-4.5-Air bf16: 10.2 of 60 GiB used before)."""
+    from types import SimpleNamespace
+
+    from tandem.nodes.prefill.planning.plan import host_set
+
+    loads = [
+        SimpleNamespace(seq=i, resident=False, nbytes=250 if i % 4 == 0 else 2000)
+        for i in range(4 * 40)
+    ]
+    total = sum(ld.nbytes for ld in loads)
+    chosen = host_set(loads, total // 3)  # type: ignore[arg-type]
+    held = sum(loads[i].nbytes for i in chosen)
+    assert 0.9 * (total // 3) <= held <= total // 3
+    halves = [sum(1 for i in chosen if (i < 80) == first) for first in (True, False)]
+    assert min(halves) >= 0.7 * max(halves)  # spread, not bunched at the start

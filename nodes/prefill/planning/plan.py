@@ -150,9 +150,29 @@ def host_set(loads: tuple[Load, ...] | list[Load], budget: int) -> frozenset[int
     while count:
         spread = [streamed[j * n // count] for j in range(count)]
         if sum(ld.nbytes for ld in spread) <= budget:
-            return frozenset(ld.seq for ld in spread)
+            return frozenset(ld.seq for ld in spread) | _fill(streamed, spread, budget)
         count -= 1  # uneven loads: fewer, until an even spread fits
-    return frozenset()
+    return _fill(streamed, [], budget)
+
+
+def _fill(streamed: list[Load], chosen: list[Load], budget: int) -> frozenset[int]:
+    """More of the streamed loads for the room an even spread of uneven loads left (small
+    attention loads between large expert loads: the spread that fits takes a fraction of the
+    tier), spread by bytes: each load earns its share of the room, and joins once its earnings
+    cover it (Bresenham's spread, by bytes instead of by count)."""
+    taken = {ld.seq for ld in chosen}
+    room = budget - sum(ld.nbytes for ld in chosen)
+    rest = [ld for ld in streamed if ld.seq not in taken]
+    total = sum(ld.nbytes for ld in rest)
+    if room <= 0 or not total:
+        return frozenset()
+    share, credit, more = min(1.0, room / total), 0.0, set()
+    for ld in rest:
+        credit += ld.nbytes * share
+        if credit >= ld.nbytes and ld.nbytes <= room:
+            more.add(ld.seq)
+            credit, room = credit - ld.nbytes, room - ld.nbytes
+    return frozenset(more)
 
 
 def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
