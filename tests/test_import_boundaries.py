@@ -1,4 +1,5 @@
-"""Dependencies point one way (README "Layout"): each folder imports only what its row names.
+"""Dependencies point one way (docs/internals.md, "Layout"): each folder imports only what its
+row names.
 
 One row per folder. Every module found on disk under a folder is imported (new modules are
 covered without a new row), and the top-level packages in `sys.modules` are checked after
@@ -28,14 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # dependencies along, which are not checked); a stdlib-only row allows nothing outside stdlib
 DEPENDENCIES = frozenset({
     "aiohttp", "zeroconf", "safetensors", "numpy", "isal", "cryptography", "torch", "mlx",
-    "mlx_lm", "transformers", "tokenizers", "gguf", "textual", "accelerate",
+    "mlx_lm", "transformers", "tokenizers", "gguf", "textual", "accelerate", "prometheus_client",
+    "huggingface_hub",
 })  # fmt: skip
 STDLIB: frozenset[str] = frozenset()
 MODEL = frozenset({"safetensors", "numpy"})
 FRAMES = frozenset({"numpy", "isal"})  # the KV frame codec: numpy views, isal's crc32
-HF = frozenset({"transformers", "tokenizers"})
+HF = frozenset({"transformers", "tokenizers", "huggingface_hub"})  # transformers loads the hub
 TRUST = frozenset({"aiohttp", "cryptography"})
-SERVE = TRUST | FRAMES | {"zeroconf"}
+SERVE = TRUST | FRAMES | {"zeroconf", "prometheus_client"}  # /metrics: serve/metrics.py
 PREFILL = MODEL | FRAMES | {"torch"}  # the bare-CUDA-box bench path: no aiohttp
 DECODE = SERVE | MODEL | HF | {"mlx", "mlx_lm"}
 CLI = SERVE | MODEL  # roles import their framework only when started

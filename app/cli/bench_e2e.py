@@ -40,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+from tandem.app.cli.args import add_model_arguments, model_path
 from tandem.app.cli.bare_stream import raw_transfer
 from tandem.app.cli.demo import DemoCluster, DemoError
 from tandem.nodes.contract.events import LinkEvent, event_from_json
@@ -241,7 +242,7 @@ def table(r: dict[str, object]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem bench e2e", description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    add_model_arguments(p)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--net-gbps", type=float, default=None, help="cap the KV link (Gbit/s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per run")
@@ -250,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tls", action="store_true", help="both nodes serve HTTPS (on loopback)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    a.model = model_path(a.model, a.models_dir)
     try:
         result = asyncio.run(
             bench_e2e(a.model, a.tokens, a.net_gbps, a.max_tokens, a.repeat, a.kv_bits, a.tls)

@@ -8,14 +8,16 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+
+from tandem.app.cli.args import MODEL_HELP, add_models_dir_argument, model_path
 
 log = logging.getLogger("tandem")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench group", description=__doc__)
-    p.add_argument("model", type=Path)
+    p.add_argument("model", metavar="ID|DIR", help=MODEL_HELP)
+    add_models_dir_argument(p)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--split", default=None, help="layers per rank, rank 0 first: e.g. 3,1")
@@ -30,7 +32,7 @@ def main(argv: Sequence[str]) -> int:
 
     split = [int(n) for n in a.split.split(",")] if a.split else None
     try:
-        report = bench(a.model, a.prompt_tokens, a.tokens, split)
+        report = bench(model_path(a.model, a.models_dir), a.prompt_tokens, a.tokens, split)
     except (GroupError, ValueError, OSError) as e:
         log.error("tandem bench group: %s", e)
         return 2

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+from tandem.app.cli.args import add_model_arguments, model_path
 from tandem.app.cli.demo import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/cli/bench_serve.py
@@ -258,7 +259,7 @@ def _eos(model: Path) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, required=True)
+    add_model_arguments(p)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
@@ -266,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.concurrency < 1 or a.repeat < 1 or a.max_tokens < 2:
         p.error("--concurrency and --repeat must be at least 1, --max-tokens at least 2")
+    a.model = model_path(a.model, a.models_dir)
     try:
         result = asyncio.run(
             bench_serve(a.model, a.concurrency, a.max_tokens, a.repeat, _eos(a.model))

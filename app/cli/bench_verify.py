@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from tandem.app.cli.args import MODEL_HELP, add_models_dir_argument, model_path
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import load_index
 from tandem.nodes.model.page_cache import evict_page_cache
@@ -24,7 +25,8 @@ from tandem.nodes.model.verify import verify_weights
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench verify", description=__doc__)
-    p.add_argument("model", type=Path)
+    p.add_argument("model", metavar="ID|DIR", help=MODEL_HELP)
+    add_models_dir_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     return p
 
@@ -63,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
-        result = bench(a.model)
+        result = bench(model_path(a.model, a.models_dir))
     except ModelError as e:
         print(f"tandem bench verify: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,18 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from tandem.app.cli import bench, demo, make_model, node, pair_cmd, plan_cmd, prefill, real_model
+from tandem.app.cli import (
+    bench,
+    demo,
+    make_model,
+    models_cmd,
+    node,
+    pair_cmd,
+    plan_cmd,
+    prefill,
+    pull_cmd,
+    real_model,
+)
 from tandem.app.cli.errors import UsageError
 from tandem.app.tui.command import add_tui_parser
 from tandem.nodes.model.errors import ModelError
@@ -22,6 +33,8 @@ ADDERS: list[Callable[[argparse._SubParsersAction], None]] = [
     node.add_parser,
     bench.add_parser,
     plan_cmd.add_parser,
+    models_cmd.add_parser,
+    pull_cmd.add_parser,
     pair_cmd.add_parser,
     demo.add_parser,
     real_model.add_parser,

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tandem.app.cli.args import MAX_PROMPT_HELP, size
+from tandem.app.cli.args import MAX_PROMPT_HELP, add_model_arguments, model_path, size
 from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract import http
 from tandem.nodes.prefill.planning.ram import (
@@ -29,7 +29,7 @@ VERIFIED_CACHE = "verified-weights.json"  # in the user's cache dir: the model d
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="run a prefill and/or decode node")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
-    p.add_argument("--model", type=Path, required=True)
+    add_model_arguments(p)
     p.add_argument("--port", type=int, default=http.DEFAULT_PORT)
     p.add_argument("--host", default="127.0.0.1", help="non-loopback needs a token")
     p.add_argument("--budget", type=size, default=None, help="weights and activations")
@@ -179,6 +179,7 @@ def run(a: argparse.Namespace) -> int:
     from tandem.nodes.serve.node import ListenError, serve
     from tandem.nodes.trust.auth import AuthError
 
+    a.model = model_path(a.model, a.models_dir)  # an id: its directory, found offline
     group = launched_rank()
     if group is not None and a.role != "decode":
         raise UsageError("under mlx.launch a node is a decode group: use --role decode")

@@ -12,11 +12,12 @@ import argparse
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandem.app.cli.args import add_model_arguments, model_path
 from tandem.app.cli.plan_hardware import DEFAULT_NET_GBPS, PlanUsageError, hardware
 from tandem.app.cli.plan_kv import KVWire, kv_wire, render_kv, wire_kv
+from tandem.app.cli.plan_link import PcieLink, pcie_link, render_link
 from tandem.app.cli.plan_model import ModelSummary, model_summary
 from tandem.app.cli.plan_tiers import Tiers, add_host_budget_argument, render_tiers, with_tiers
 from tandem.nodes.contract.units import format_bytes, parse_size
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True)
+    add_model_arguments(p)
     p.add_argument(
         "--budget", default=None, help="device memory, weights and activations, e.g. 24GiB"
     )
@@ -124,6 +125,7 @@ class Report:
     break_even_limit: int  # searched up to this many tokens
     kv_wire: list[KVWire]  # the prompt's KV over the network at 16, 8 and 4 bits
     batch: BatchCost | None = None  # one pass serving `batch` such prompts (issue 46)
+    pcie_link: PcieLink | None = None  # this machine's card's link (NVML); None: not read
 
 
 @dataclass(frozen=True)
@@ -149,8 +151,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 
 def run_plan(a: argparse.Namespace) -> int:
-    if not a.model.is_dir():
-        raise PlanUsageError(f"{a.model}: no such model directory")
+    a.model = model_path(a.model, a.models_dir)  # an id: its directory, found offline
     for flag in POSITIVE:
         if getattr(a, flag) is not None and not getattr(a, flag) > 0:
             raise PlanUsageError(f"--{flag.replace('_', '-')} must be positive")
@@ -204,6 +205,8 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
     plan, tiers = with_tiers(plan, a.host_budget, device, here, held)
     reserve = plan.reserve_bytes
     hw, source = hardware(index, a, device, here)
+    busy = "measured" in (source["copy_Bps"], source["flops"])  # the card just worked
+    link = pcie_link(busy, hw.copy_Bps) if device == "cuda" and here else None
     main = cost.predict(plan, index, a.tokens, hw)
     remote_s, local_s = _router(index, plan, hw)
     limit = longest or max(spec.max_position_embeddings, *a.table)  # for the break-even
@@ -231,6 +234,7 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         break_even_limit=limit,
         kv_wire=kv_wire(index, a.tokens, hw.net_Bps),
         batch=_batch_cost(plan, index, a.batch, a.tokens, hw, main.wall_s),
+        pcie_link=link,
     )
 
 
@@ -320,6 +324,7 @@ def render(r: Report) -> str:
         f"  activations {format_bytes(p.activation_reserve_bytes)} reserved ({longest})",
         f"  hardware    {link} {_GBps(hw.copy_Bps)}{tag['copy_Bps']}, disk {_GBps(hw.disk_Bps)}"
         f"{tag['disk_Bps']}, {hw.flops / 1e12:.3g} TFLOP/s{tag['flops']}",
+        *render_link(r.pcie_link),
         f"  network     {_GBps(hw.net_Bps)}{tag['net_Bps']} to a Mac that prefills "
         f"{hw.mac_tok_s:.0f} tok/s{tag['mac_tok_s']}",
         f"  prefill     {r.tokens} tokens in {r.predicted_wall_s:.3g} s "

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from tandem.app.cli.args import MAX_PROMPT_HELP, size
+from tandem.app.cli.args import MAX_PROMPT_HELP, add_model_arguments, model_path, size
 from tandem.app.cli.errors import UsageError
 from tandem.nodes.contract import http
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
@@ -18,7 +18,7 @@ log = logging.getLogger("tandem")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prefill", help="layer-streamed prefill of a token list into a KV cache")
-    p.add_argument("--model", type=Path, required=True)
+    add_model_arguments(p)
     p.add_argument("--tokens-file", type=Path, required=True, help="JSON list of token ids")
     p.add_argument("--out", type=Path, required=True, help="mlx-lm prompt cache .safetensors")
     p.add_argument("--budget", type=size, default=None, help="device memory, e.g. 512MiB")
@@ -89,6 +89,7 @@ def run(a: argparse.Namespace) -> int:
     from tandem.nodes.prefill.engine import PrefillEngine
     from tandem.nodes.prefill.errors import PrefillError
 
+    a.model = model_path(a.model, a.models_dir)  # an id: its directory, found offline
     spec = load_spec(a.model)
     tokens = _checked_tokens(a, spec.vocab_size)
     kv_format = _kv_format(a, spec.head_dim)

@@ -18,6 +18,7 @@ from typing import ClassVar, TypeVar
 import aiohttp
 import zeroconf
 from tandem.app.tui.browse import browse
+from tandem.app.tui.card import below_max, card_text
 from tandem.app.tui.client import NodeClient, NodeError, normalize
 from tandem.app.tui.cluster import ClusterModel
 from tandem.app.tui.messages import NodeFound, NodeProbed, NodeRecord, NodeStreaming
@@ -202,6 +203,9 @@ class TandemApp(App[None]):
         if table is None or pipeline is None:
             return
         table.show(rows)
+        gpus = [r.health.gpu for r in self.cluster.trusted() if r.health and r.health.gpu]
+        if (bandwidth := self.dashboard(BandwidthPanel)) is not None:
+            bandwidth.show_card(card_text(gpus), any(map(below_max, gpus)))
         pipeline.layers_hint = max((r.layers for r in rows), default=0)
         trusted = self.cluster.trusted()
         # trusted nodes serve one model (fingerprints match): its layers as any of them says

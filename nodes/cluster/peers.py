@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
-from tandem.nodes.contract.cluster import Health, Peer
+from tandem.nodes.contract.cluster import Health, Peer, model_label
 from tandem.nodes.contract.http import PROTO, Reason
 from tandem.nodes.trust.hello import HelloError, Post, hello_over, prove
 from tandem.nodes.trust.signing import Query, sign
@@ -52,10 +52,16 @@ class PeerTable:
     """The peers this node knows, keyed by address; a background task keeps them fresh."""
 
     def __init__(
-        self, own_id: str, fingerprint: str, token: str | None, proto: int = PROTO
+        self,
+        own_id: str,
+        fingerprint: str,
+        token: str | None,
+        proto: int = PROTO,
+        model: str = "",
     ) -> None:
         self.own_id = own_id
         self.fingerprint = fingerprint
+        self.model = model  # this node's model as a mismatch names it (`model_label`)
         self.token = token
         self.proto = proto
         self._watchers: dict[str, set[asyncio.Event]] = {}  # see until_untrusted
@@ -295,7 +301,11 @@ class PeerTable:
             device=health.device,
             mem_bytes=health.mem_bytes,
             budget_bytes=health.budget_bytes,
-            model={"name": health.model_name, "fingerprint": health.fingerprint},
+            model={
+                "name": health.model_name,
+                "fingerprint": health.fingerprint,
+                "revision": health.model_revision,
+            },
             proto=health.proto,
             instance=health.instance,
             group=health.group,
@@ -325,15 +335,29 @@ class PeerTable:
                 self._refused[peer.address] = str(e)
                 log.warning("peer %s not trusted: %s", peer.address, e)
             return replace(peer, trusted=False, reason=e.reason)
-        self._refused.pop(peer.address, None)
+        said = self._refused.pop(peer.address, None)
         if proven.id != peer.id:
             log.warning("peer %s proved id %s, not %s: untrusted", peer.address, proven.id, peer.id)
             return replace(peer, trusted=False, reason="unauthorized")
         if proven.fingerprint != self.fingerprint:
+            self._mismatch(peer, proven.fingerprint, said)
             return replace(peer, trusted=False, reason="model_mismatch")
         if not peer.trusted:
             log.info("peer %s (%s) trusted", peer.address, peer.name or proven.id)
         return replace(peer, cert_fingerprint=proven.cert_fingerprint, trusted=True, reason=None)
+
+    def _mismatch(self, peer: Peer, theirs: str, said: str | None) -> None:
+        """Say in one line that `peer` serves another model (once, unless it differs from
+        what was `said` last): both sides' Hugging Face revisions where known, else their
+        directories' names."""
+        model = model_label(peer.model.get("name", "?"), peer.model.get("revision", ""))
+        why = (
+            f"serves another model: {model} (fingerprint {theirs[:12]}), here "
+            f"{self.model or 'this model'} (fingerprint {self.fingerprint[:12]})"
+        )
+        self._refused[peer.address] = why
+        if said != why:
+            log.warning("peer %s not trusted: %s", peer.address, why)
 
 
 class _Watched(dict[str, Peer]):

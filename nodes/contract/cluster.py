@@ -17,6 +17,7 @@ from tandem.nodes.contract.fields import read_object as _object
 from tandem.nodes.contract.fields import read_rate as _rate
 from tandem.nodes.contract.fields import read_roles as _roles
 from tandem.nodes.contract.fields import read_str as _str
+from tandem.nodes.contract.gauges import Gauges, read_gauges
 from tandem.nodes.contract.http import ContractError, Reason
 
 Source = Literal["static", "mdns"]  # `--peer URL`, or found by mDNS (nodes/cluster/discovery)
@@ -218,6 +219,10 @@ class Health:
     group: DecodeGroup | None = None  # a decode node run as a group of ranks
     batching: Batching | None = None  # a decode node's replies at once; None: not said
     queue: PrefillQueue | None = None  # a prefill node's queue; None: not said
+    # the Hugging Face snapshot its model directory is (the commit hash); "": another folder
+    model_revision: str = ""
+    gpu: Gauges | None = None  # the card's own counters (contract/gauges.py); None: not said
+    mlx_memory: Gauges | None = None  # mlx's memory on a decode node; None: not said
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -225,13 +230,14 @@ class Health:
             "proto": self.proto, "version": self.version, "device": self.device,
             "mem_bytes": self.mem_bytes, "budget_bytes": self.budget_bytes,
             "model": {"name": self.model_name, "fingerprint": self.fingerprint,
-                      "layers": self.layers,
+                      "layers": self.layers, "revision": self.model_revision,
                       "layer_kinds": [k.to_json() for k in self.layer_kinds]},
             "instance": self.instance, "cert_fingerprint": self.cert_fingerprint,
             "tiers": self.tiers.to_json() if self.tiers is not None else None,
             "group": self.group.to_json() if self.group is not None else None,
             "batching": self.batching.to_json() if self.batching is not None else None,
             "queue": self.queue.to_json() if self.queue is not None else None,
+            "gpu": self.gpu, "mlx_memory": self.mlx_memory,
         }  # fmt: skip
 
     @classmethod
@@ -246,10 +252,21 @@ class Health:
             device=_str(obj, "device", w), mem_bytes=_int(obj, "mem_bytes", w),
             budget_bytes=_int(obj, "budget_bytes", w), model_name=_str(model, "name", w),
             fingerprint=_str(model, "fingerprint", w), layers=_int(model, "layers", w),
+            model_revision=_str(model, "revision", w),
             instance=_str(obj, "instance", w), cert_fingerprint=_str(obj, "cert_fingerprint", w),
             layer_kinds=_layers(model, w), tiers=_tiers(obj, w), group=_group(obj, w),
-            batching=_batching(obj, w), queue=_queue(obj, w),
+            batching=_batching(obj, w), queue=_queue(obj, w), gpu=read_gauges(obj, "gpu", w),
+            mlx_memory=read_gauges(obj, "mlx_memory", w),
         )  # fmt: skip
+
+
+MODEL_KEYS = ("name", "fingerprint", "revision")  # a Peer's `model`; "revision" optional
+
+
+def model_label(name: str, revision: str) -> str:
+    """A node's model as a mismatch names it: `org/name@<commit>` for a Hugging Face
+    snapshot (`revision`: `/health`'s `model.revision`), else `local directory <name>`."""
+    return f"{name}@{revision[:12]}" if revision else f"local directory {name}"
 
 
 @dataclass(frozen=True)
@@ -265,7 +282,7 @@ class Peer:
     device: str = ""
     mem_bytes: int = 0
     budget_bytes: int = 0
-    model: dict[str, str] = field(default_factory=dict)  # {"name", "fingerprint"}
+    model: dict[str, str] = field(default_factory=dict)  # {"name", "fingerprint", "revision"?}
     proto: int = 0
     trusted: bool = False
     reason: Reason | None = "unreachable"
@@ -316,7 +333,7 @@ class Peer:
             address=_str(obj, "address", w), id=_str(obj, "id", w), name=_str(obj, "name", w),
             roles=_roles(obj, w), device=_str(obj, "device", w),
             mem_bytes=_int(obj, "mem_bytes", w), budget_bytes=_int(obj, "budget_bytes", w),
-            model={k: _str(model, k, w) for k in ("name", "fingerprint") if k in model},
+            model={k: _str(model, k, w) for k in MODEL_KEYS if k in model},
             proto=_int(obj, "proto", w), trusted=obj.get("trusted", False),
             reason=cast(Reason, _str(obj, "reason", w) or None),
             last_seen=_rate(obj, "last_seen", w) or 0.0,

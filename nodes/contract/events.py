@@ -2,7 +2,8 @@
 
 Producers may run on any thread (the prefill device thread, the mlx thread); `publish` is
 thread-safe. Async subscribers get records through their event loop; `?since=T` replays
-from the ring first.
+from the ring first. A listener (`listen`: the node's metrics) gets every record at once, on
+the publishing thread, and loses none.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -131,6 +132,7 @@ class EventBus:
         self._ring: collections.deque[Event] = collections.deque(maxlen=ring_size)
         self._lock = threading.Lock()
         self._queues: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]]] = []
+        self._listeners: tuple[Callable[[Event], None], ...] = ()
 
     def publish(self, event: Event) -> Event:
         """Stamp, remember and deliver one record. Safe from any thread."""
@@ -140,10 +142,18 @@ class EventBus:
         with self._lock:
             self._ring.append(event)
             queues = list(self._queues)
+        for listener in self._listeners:
+            listener(event)
         for loop, queue in queues:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(_offer, queue, event)
         return event
+
+    def listen(self, listener: Callable[[Event], None]) -> None:
+        """Call `listener` with every record from now on, stamped, on the publishing thread
+        (a device thread too): it must be quick, thread-safe and never raise."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
 
     def replay(self, since: float | None = None) -> list[Event]:
         """Records in the ring newer than `since` (all of them when None)."""

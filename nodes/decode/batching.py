@@ -160,8 +160,14 @@ class ReplyStream:
 class Batcher:
     """The scheduler of the node's replies (see the module doc)."""
 
-    def __init__(self, host: ModelHost, flush_s: float = TEXT_FLUSH_S) -> None:
+    def __init__(
+        self,
+        host: ModelHost,
+        flush_s: float = TEXT_FLUSH_S,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
         self.host, self.flush_s = host, flush_s
+        self.on_step = on_step  # each batch step's size, on the mlx thread (the node's metrics)
         self._members: list[_Member] = []
         self._batch: Any = None  # mlx-lm's BatchGenerator, made when a reply first joins one
         self._in_batch: dict[int, _Member] = {}  # by uid
@@ -295,6 +301,8 @@ class Batcher:
             self._batch = None
             return
         self.batch_sizes = [*self.batch_sizes[-63:], len(responses)]
+        if self.on_step is not None:
+            self.on_step(len(responses))
         for r in responses:
             m = self._in_batch.get(r.uid)
             if m is None or m.reply is None:

@@ -50,6 +50,7 @@ from tandem.nodes.decode.ticker import TokenTicker
 from tandem.nodes.model.kv_bytes import kv_bytes
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
+from tandem.nodes.serve.metrics import DecodeMetrics
 
 log = logging.getLogger(__name__)
 # what steps beside the batch, a step a tick, in each batching mode (`/health`)
@@ -108,8 +109,10 @@ class DecodeService:
         remote_timeout_s: float = DEFAULT_REMOTE_TIMEOUT_S,
         kv_format: KVFormat | None = None,
         kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self.host = host
+        self.metrics = DecodeMetrics(spec.name) if metrics is None else metrics  # None: unread
         self.spec = spec
         self.events = events
         self.peers = peers
@@ -127,7 +130,8 @@ class DecodeService:
                                     kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
-        self.batcher = Batcher(host)  # every running reply steps in one batch
+        # every running reply steps in one batch
+        self.batcher = Batcher(host, on_step=self.metrics.batch_size)
         self.model_name = spec.name
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -228,13 +232,16 @@ class DecodeService:
             await self.host.thread.call(self._remember, req.tokens + result.token_ids, caches)
         except (asyncio.CancelledError, GeneratorExit, ConnectionResetError, Cancelled):
             publish(RequestEvent(rid, phase="cancelled", detail="client went away"))
+            self.metrics.aborted()
             raise
         except GroupGone as e:  # the group said so (it logged why): no traceback to add
             publish(RequestEvent(rid, phase="failed", detail=str(e)))
+            self.metrics.failed()
             raise GenerationFailed(str(e), 503, "group_broken") from e
         except Exception as e:
             log.exception("request %s failed", rid)
             publish(RequestEvent(rid, phase="failed", detail=f"{type(e).__name__}: {e}"))
+            self.metrics.failed()
             if self.host.group is not None:  # the ranks are out of step: the group is done
                 lost = self.host.group.lose(
                     f"the decode group lost a rank ({type(e).__name__}: {e})"
@@ -245,6 +252,7 @@ class DecodeService:
             info.seconds = result.first_token_s
         publish(RequestEvent(rid, phase="done", tokens=result.tokens, where=info.where))
         ttft = (result.first_token_at or time.perf_counter()) - t0
+        self.metrics.finished(len(req.tokens), result, info, ttft, time.perf_counter() - t0)
         yield Finished(result, self._tandem(req, info, result, ttft))
 
     def batching(self) -> Batching:

@@ -24,6 +24,7 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.gemma3_config import read_gemma3
 from tandem.nodes.model.glm4_config import glm4_fields
 from tandem.nodes.model.gpt_oss_config import read_gpt_oss
+from tandem.nodes.model.locate import model_name
 from tandem.nodes.model.quant import QuantConfig, parse_quantization
 from tandem.nodes.model.qwen3_5_config import (
     LinearSpec,
@@ -336,7 +337,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
         heads = int(config["num_attention_heads"])
         fields: dict[str, Any] = dict(
             path=path,
-            name=path.name,
+            name=model_name(path),  # a hub snapshot's id, not its commit-hash folder
             family=family,
             num_layers=int(config["num_hidden_layers"]),
             hidden_size=hidden,

@@ -34,6 +34,7 @@ from tandem.nodes.contract.cluster import (
     ModelLayer,
     Peer,
     WeightTiers,
+    model_label,
 )
 from tandem.nodes.contract.events import EventBus
 from tandem.nodes.contract.http import (
@@ -54,9 +55,12 @@ from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.fingerprint import fingerprint
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.kv_bytes import latent_widths, state_tensors
+from tandem.nodes.model.locate import source_of
 from tandem.nodes.prefill.planning.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
 from tandem.nodes.serve.errors import node_middleware
+from tandem.nodes.serve.metrics import NodeMetrics
+from tandem.nodes.serve.readings import NodeReadings
 from tandem.nodes.serve.routes import NodeRoutes
 from tandem.nodes.trust.auth import Gate, check_bind, is_loopback
 from tandem.nodes.trust.hello import HelloResponder
@@ -135,6 +139,7 @@ class Node:
         self.config = config
         self.index = index
         self.fingerprint = fp
+        self.revision = source_of(config.model).revision  # "": not a hub snapshot
         self.id = config.node_id or uuid.uuid4().hex[:16]
         self.instance = secrets.token_hex(8)  # this process: peers see a restart in /health
         self.identity = identity  # the TLS certificate it serves; None: plain HTTP
@@ -142,7 +147,11 @@ class Node:
         self.hello = HelloResponder(config.token, self.id, fp, self.cert_fingerprint)
         self.name = config.name or f"{socket.gethostname()}:{config.port}"
         self.events = EventBus(self.id)
-        self.peers = PeerTable(self.id, fp, config.token, PROTO)
+        # `/metrics`: this node's own registry, fed by its bus, its services and its health
+        self.metrics = NodeMetrics(self.health, config.roles, index.spec.name)
+        self.events.listen(self.metrics.on_event)
+        label = model_label(index.spec.name, self.revision)
+        self.peers = PeerTable(self.id, fp, config.token, PROTO, model=label)
         self.session: aiohttp.ClientSession | None = None
         self.prefill: PrefillService | None = None
         self.decode: DecodeService | None = None
@@ -150,6 +159,7 @@ class Node:
         self.device = "cpu"
         self.budget_bytes = 0
         self.tiers: WeightTiers | None = None  # the prefill engine's, once it has started
+        self.readings = NodeReadings()  # the card's counters, mlx's memory: once roles run
         self.address = url_for(config.host, config.port, identity is not None)
         self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 
@@ -160,10 +170,12 @@ class Node:
             version=__version__, device=self.device, mem_bytes=_mem_bytes(),
             budget_bytes=self.budget_bytes, model_name=spec.name, fingerprint=self.fingerprint,
             layers=spec.num_layers, instance=self.instance, cert_fingerprint=self.cert_fingerprint,
+            model_revision=self.revision,
             layer_kinds=tuple(ModelLayer(k.kind, k.window) for k in spec.layer_kinds),
             tiers=self.tiers, group=self.group,
             batching=self.decode.batching() if self.decode is not None else None,
             queue=self.prefill.queue() if self.prefill is not None else None,
+            gpu=self.readings.gpu(), mlx_memory=self.readings.mlx_memory(),
         )  # fmt: skip
 
     @property
@@ -186,7 +198,11 @@ class Node:
             device=self.device,
             mem_bytes=_mem_bytes(),
             budget_bytes=self.budget_bytes,
-            model={"name": self.index.spec.name, "fingerprint": self.fingerprint},
+            model={
+                "name": self.index.spec.name,
+                "fingerprint": self.fingerprint,
+                "revision": self.revision,
+            },
             proto=PROTO,
             trusted=True,
             reason=None,
@@ -271,6 +287,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if node.prefill is not None:
             await node.prefill.stop()
             await asyncio.get_running_loop().run_in_executor(None, node.prefill.close)
+        await asyncio.get_running_loop().run_in_executor(None, node.readings.close)
         await node.session.close()
 
 
@@ -294,7 +311,7 @@ def _prefill_service(node: Node) -> PrefillService:
         )
 
     return PrefillService(build, node.fingerprint, node.events, c.queue_limit, c.net_gbps,
-                          c.stall_timeout_s, c.max_batch_tokens)  # fmt: skip
+                          c.stall_timeout_s, c.max_batch_tokens, node.metrics.prefill)  # fmt: skip
 
 
 async def _start_prefill(node: Node) -> None:
@@ -304,6 +321,7 @@ async def _start_prefill(node: Node) -> None:
     node.budget_bytes = engine.budget
     plan = engine.plan
     node.tiers = WeightTiers(plan.resident_bytes, plan.ram_bytes, plan.disk_bytes)
+    await node.readings.watch_gpu(node.device)
 
 
 def keep_torch_out() -> None:
@@ -338,13 +356,14 @@ def _decode_service(node: Node) -> DecodeService:
         c.remote_prefill, max_tokens_limit=spec.max_position_embeddings,
         max_concurrent=c.max_concurrent, max_queue=c.max_queue,
         remote_timeout_s=c.remote_timeout_s, kv_format=kv_format,
-        kv_group_size=c.kv_group_size,
+        kv_group_size=c.kv_group_size, metrics=node.metrics.decode,
     )  # fmt: skip
 
 
 async def _start_decode(node: Node) -> None:
     assert node.decode is not None
     await node.decode.start()
+    await node.readings.watch_mlx()
     if node.decode.mode == "auto":  # only `auto` weighs the local rate (`always`/`never` don't)
         await node.decode.calibrate()
     node.tasks.append(asyncio.create_task(node.decode.probe_peers(), name="probe-peers"))

@@ -1,5 +1,5 @@
-"""The routes every node serves, whatever its roles: `/health`, the hello pair, `/v1/events`
-and `/v1/cluster` (the roles add theirs: `/v1/prefill`, the OpenAI routes).
+"""The routes every node serves, whatever its roles: `/health`, the hello pair, `/v1/events`,
+`/v1/cluster` and `/metrics` (the roles add theirs: `/v1/prefill`, the OpenAI routes).
 
 A refusal raises `ApiError`; the node's middleware (`errors.py`) answers it.
 """
@@ -13,7 +13,8 @@ from aiohttp import web
 from tandem.nodes.contract.events import sse
 from tandem.nodes.contract.http import ApiError
 from tandem.nodes.serve.errors import read_json_body
-from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH
+from tandem.nodes.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tandem.nodes.trust.auth import CONFIRM_PATH, HELLO_PATH, METRICS_PATH
 from tandem.nodes.trust.hello import HelloRefused
 
 # a hello's body: nonces, ids and a proof (a few hundred bytes); no token is needed to send
@@ -36,6 +37,7 @@ class NodeRoutes:
         app.router.add_post(CONFIRM_PATH, self.hello_confirm)
         app.router.add_get("/v1/events", self.events)
         app.router.add_get("/v1/cluster", self.cluster)
+        app.router.add_get(METRICS_PATH, self.metrics)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response(self.node.health().to_json())
@@ -85,6 +87,11 @@ class NodeRoutes:
         node = self.node
         peers = [p.to_json() for p in node.peers.peers.values()]
         return web.json_response({"self": node.self_peer().to_json(), "peers": peers})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus's scrape (`metrics.py`): guarded by the token as `/v1/*` is."""
+        body = self.node.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def _sockname(request: web.Request) -> Any:

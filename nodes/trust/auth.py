@@ -3,8 +3,8 @@
 A client's request carries `Authorization: Bearer TOKEN` (compared in constant time): the
 token is the user's to give to the OpenAI API, the dashboard and tests. A node never sends
 it: its requests to a peer are signed for that peer (`signing.py`), and peers prove the
-token to each other in a hello (`hello.py`). Every `/v1/*` route but the hello accepts
-either, once a token is configured.
+token to each other in a hello (`hello.py`). Every `/v1/*` route but the hello, and
+`/metrics`, accepts either, once a token is configured (`guarded`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 HELLO_PATH = "/v1/hello"
 CONFIRM_PATH = "/v1/hello/confirm"
 OPEN_PATHS = frozenset({"/health", HELLO_PATH, CONFIRM_PATH})
+METRICS_PATH = "/metrics"  # Prometheus's usual path, outside /v1/: guarded all the same
 
 
 class AuthError(Exception):
@@ -110,16 +111,21 @@ def bearer_ok(header: str | None, token: str) -> bool:
     return hmac.compare_digest(header.encode("utf-8", "surrogatepass"), want)
 
 
+def guarded(path: str) -> bool:
+    """Whether a request to `path` needs the token: `/metrics` and every `/v1/*` route but
+    the hello (`/health` reveals no secret)."""
+    return path == METRICS_PATH or (path.startswith("/v1/") and path not in OPEN_PATHS)
+
+
 def auth_headers(token: str | None) -> dict[str, str]:
     """A client's header; a node calling a peer signs instead (`PeerTable.signed`)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class Gate:
-    """Who may call a route: every `/v1/*` route but the hello needs, once a token is
-    configured, the bearer token (a client) or a request signed for `own_id` (a peer: fresh,
-    and never seen before). Without a token the node serves loopback only (`check_bind`)
-    and lets every request in."""
+    """Who may call a route: every `guarded` one needs, once a token is configured, the bearer
+    token (a client) or a request signed for `own_id` (a peer: fresh, and never seen before).
+    Without a token the node serves loopback only (`check_bind`) and lets every request in."""
 
     def __init__(self, token: str | None, own_id: str) -> None:
         self.token = token
@@ -134,7 +140,7 @@ class Gate:
         (aiohttp keeps the bytes for the handler; past the size limit, aiohttp's 413)."""
         if not self.token or self.verifier is None:  # no token: a loopback-only node
             return
-        if request.path in OPEN_PATHS or not request.path.startswith("/v1/"):
+        if not guarded(request.path):
             return
         if bearer_ok(request.headers.get("Authorization"), self.token):
             return

@@ -39,6 +39,10 @@ class RateRow(Horizontal):
         with Vertical(classes="rate-text"):
             yield Label(TITLES[self.series_name], classes="rate-name")
             yield Static("", classes="rate-value")
+            if self.series_name == "h2d":  # the card's own count beside ours, once said
+                card = Static("", classes="rate-card")
+                card.display = False
+                yield card
         yield Sparkline([0.0], classes="rate-spark")
 
     def show(self, series: RateSeries) -> None:
@@ -58,3 +62,10 @@ class BandwidthPanel(Vertical):
     def show(self, bandwidth: Bandwidth) -> None:
         for row in self.query(RateRow):
             row.show(bandwidth.series[row.series_name])
+
+    def show_card(self, text: str, degraded: bool) -> None:
+        """The cards' own PCIe count under host→device (app/tui/card.py); '' hides it."""
+        for card in self.query(".rate-card").results(Static):
+            card.display = bool(text)
+            card.set_class(degraded, "-degraded")
+            card.update(text)

@@ -4,6 +4,7 @@ node's batch, a prefill node's queue); a decode group's ranks on rows under its 
 from __future__ import annotations
 
 from rich.text import Text
+from tandem.app.tui.card import below_max, link_text
 from tandem.app.tui.cluster import NodeRow
 from tandem.app.tui.fmt import format_binary, format_link, format_size, format_tok_s
 from tandem.nodes.contract.cluster import DecodeGroup, GroupRank, WeightTiers
@@ -67,9 +68,12 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
         memory += f" / {format_size(row.budget_bytes)}"
     if row.tiers is not None:
         memory += f" · {tiers_text(row.tiers)}"
-    device = row.device or "–"
+    device: str | Text = row.device or "–"
     if row.group is not None:  # its ranks are mlx: the group says more
         device = group_text(row.group)
+    gpu = row.health.gpu if row.health is not None else None
+    if gpu is not None and (link := link_text(gpu)):  # the card's PCIe link, as NVML says
+        device = Text(f"{device} · {link}", style="yellow" if below_max(gpu) else "")
     return (
         Text(row.label.removeprefix("http://"), style="bold"),
         "+".join(row.roles) or "–",

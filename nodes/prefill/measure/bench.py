@@ -42,6 +42,7 @@ from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.contract.units import parse_size
 from tandem.nodes.model.errors import ModelError
 from tandem.nodes.model.index import ModelIndex, load_index
+from tandem.nodes.model.locate import locate
 from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 from tandem.nodes.prefill.measure.bench_batch import vs_lone
@@ -332,8 +333,10 @@ def make_random_model(spec: str, out: Path, dtype: str) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench prefill", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path)
+    src.add_argument("--model", metavar="ID|DIR", help="a directory, or an id found offline")
     src.add_argument("--random", metavar="LAYERSxHIDDEN", help="bench a fresh random model")
+    p.add_argument("--models-dir", type=Path, action="append", default=[], metavar="DIR",
+                   help="also look for a model id as DIR/org/name or DIR/name")  # fmt: skip
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--budget", type=parse_size, required=True)
@@ -374,7 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-            model = a.model or make_random_model(a.random, Path(tmp) / "model", a.dtype)
+            if a.model:
+                model = locate(a.model, a.models_dir)
+            else:
+                model = make_random_model(a.random, Path(tmp) / "model", a.dtype)
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
                 a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident", a.experts,

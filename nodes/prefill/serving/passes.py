@@ -34,6 +34,9 @@ PassWork = Callable[
     [Sequence[PrefillBody], Sequence[threading.Event]],
     Generator[tuple[int, Handed], None, list[int]],
 ]
+# told of each pass that ran (the node's metrics): its requests, its seconds, the positions
+# each computed
+PassDone = Callable[[Sequence[PrefillBody], float, list[int]], None]
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,15 @@ class Waiter:
 class Passes:
     """Requests in, passes run one at a time on the device thread (see the module doc)."""
 
-    def __init__(self, device: DeviceThread, events: EventBus, queue_limit: int) -> None:
+    def __init__(
+        self,
+        device: DeviceThread,
+        events: EventBus,
+        queue_limit: int,
+        on_pass: PassDone | None = None,
+    ) -> None:
         self.device, self.events, self.queue_limit = device, events, queue_limit
+        self.on_pass = on_pass
         self.work: PassWork | None = None  # set once the engine is built
         self.max_batch_tokens = 0  # set with it: 0 takes one request a pass
         self._waiting: deque[Waiter] = deque()
@@ -161,9 +171,12 @@ class Passes:
             return
         self.passes += 1
         self.pass_sizes = [*self.pass_sizes[-63:], len(batch)]
-        self.served_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.served_s += seconds
         for w, n in zip(batch, counts or [0] * len(batch), strict=True):
             w.computed = n
             self.served_tokens += n
             self.last_reused = len(w.req.tokens) - n
             w.items.put_nowait(_END)
+        if self.on_pass is not None:
+            self.on_pass(reqs, seconds, [w.computed for w in batch])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -42,6 +42,7 @@ from tandem.nodes.prefill.stream.streamer import DEVICE_NICE, lower_this_thread
 from tandem.nodes.serve.device import DeviceThread
 from tandem.nodes.serve.errors import read_json_body
 from tandem.nodes.serve.kv_link import tune_sender
+from tandem.nodes.serve.metrics import PrefillMetrics
 from tandem.nodes.serve.throttle import PacedSender
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,10 @@ class PrefillService:
         net_gbps: float | None = None,
         stall_s: float = DEFAULT_STALL_TIMEOUT_S,
         max_batch_tokens: int | None = None,
+        metrics: PrefillMetrics | None = None,
     ) -> None:
         self._build = build
+        self.metrics = PrefillMetrics() if metrics is None else metrics  # None: read by nobody
         self.stall_s = stall_s
         self._engine: PrefillEngine | None = None
         self.fingerprint = fingerprint
@@ -81,7 +84,7 @@ class PrefillService:
         self.queue_limit = queue_limit
         self._building = False  # `start` sets the thread's priority once the device is known
         self.device_thread = DeviceThread("tandem-device", self._device_thread_started)
-        self.passes = Passes(self.device_thread, events, queue_limit)
+        self.passes = Passes(self.device_thread, events, queue_limit, self._pass_done)
         self.max_batch_tokens = max_batch_tokens  # None: the engine's longest prompt
         self._throttle = PacedSender(net_gbps)
         self.prefix_cache = PrefixCache()
@@ -184,6 +187,11 @@ class PrefillService:
     def queue(self) -> PrefillQueue:
         """What a prefill that arrives now would wait behind (`/health`)."""
         return self.passes.queue()
+
+    def _pass_done(self, reqs: Sequence[PrefillBody], seconds: float, computed: list[int]) -> None:
+        """A pass ran (on the loop, the device thread done with it): its metrics, with the
+        engine's stats of it (the pass's last request's: the streamer's bytes are the pass's)."""
+        self.metrics.pass_done(reqs, seconds, computed, self.engine.last_stats)
 
     async def _serve(self, request: web.Request, waiter: Waiter) -> web.StreamResponse:
         req, spec = waiter.req, self.engine.spec
