@@ -13,8 +13,9 @@ import pytest
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
+from tests.handoff_checks import assert_three_turns_reuse_the_cache, greedy_ids, served_text
 from tests.test_deepseek_v3 import ARGS
-from tests.test_gpt_oss_handoff import _complete, _ids, _text
+from tests.test_gpt_oss_handoff import _complete
 from tests.test_handoff import Cluster, _cluster
 
 
@@ -30,7 +31,7 @@ def test_remote_prefill_is_exactly_mlx_greedy_and_sends_latents(cluster: Cluster
         prompt = [(29 * i + n) % spec.vocab_size for i in range(n)]
         text, stats = _complete(cluster, prompt)
         assert stats.prefill == "remote", cluster.decode.output()
-        assert text == _text(cluster, _ids(cluster, prompt))
+        assert text == served_text(cluster, greedy_ids(cluster, prompt))
         # per position and layer one latent and one rope key (float32), plus frame headers
         latent = (spec.mla.kv_lora_rank + spec.mla.rope_dim) * 4 * spec.num_layers
         assert 0 < stats.kv_bytes - latent * (n - 1) < 1024 * spec.num_layers
@@ -41,17 +42,7 @@ def test_remote_prefill_is_exactly_mlx_greedy_and_sends_latents(cluster: Cluster
 def test_three_turns_reuse_the_cache_exactly(cluster: Cluster) -> None:
     vocab = load_index(cluster.model).spec.vocab_size
     fresh = [[(7 * turn + 3 * i + 1) % vocab for i in range(20)] for turn in range(3)]
-    prompt: list[int] = []
-    held = 0
-    for turn in range(3):
-        prompt = prompt + fresh[turn]
-        text, stats = _complete(cluster, prompt)
-        ids = _ids(cluster, prompt)
-        assert text == _text(cluster, ids)
-        assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
-        assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
-        held = len(prompt) + len(ids)
-        prompt = prompt + ids
+    assert_three_turns_reuse_the_cache(cluster, fresh)
 
 
 def test_quantized_kv_is_refused(cluster: Cluster) -> None:

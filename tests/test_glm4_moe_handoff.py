@@ -11,11 +11,10 @@ import pytest
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
-from tests.handoff_checks import assert_completion_is_mlx
+from tests.handoff_checks import assert_completion_is_mlx, assert_three_turns_reuse_the_cache
 from tests.nodeproc import remote_pair
 from tests.records import stats_of
 from tests.test_glm4_moe import experts_bytes, glm4_args
-from tests.test_gpt_oss_handoff import _text
 from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
 
 
@@ -25,12 +24,6 @@ def cluster(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> I
     budget = str(experts_bytes(load_index(model), 1) * 2 // 3)
     with remote_pair(tmp_path_factory.mktemp("glm4"), model, budget, TOKEN) as (prefill, decode):
         yield Cluster(model, prefill, decode)
-
-
-def _ids(cluster: Cluster, prompt: list[int], n: int = 8) -> list[int]:
-    from tandem.nodes.decode.reference import reference_tokens
-
-    return list(reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, n))
 
 
 def test_remote_chat_is_exactly_mlx_greedy(cluster: Cluster) -> None:
@@ -47,16 +40,4 @@ def test_completions_equal_mlx(cluster: Cluster) -> None:
 def test_three_turns_reuse_the_cache_exactly(cluster: Cluster) -> None:
     vocab = load_index(cluster.model).spec.vocab_size
     fresh = [[(11 * turn + 5 * i + 3) % vocab for i in range(30)] for turn in range(3)]
-    prompt: list[int] = []
-    held = 0  # positions the decode node keeps after a turn: prompt and reply
-    for turn in range(3):
-        prompt = prompt + fresh[turn]
-        reply = cluster.client().completions.create(
-            model="m", prompt=prompt, max_tokens=8, temperature=0
-        )
-        stats, ids = stats_of(reply), _ids(cluster, prompt)
-        assert reply.choices[0].text == _text(cluster, ids), turn
-        assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
-        assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
-        held = len(prompt) + len(ids)
-        prompt = prompt + ids
+    assert_three_turns_reuse_the_cache(cluster, fresh)

@@ -14,6 +14,7 @@ from tandem.nodes.contract.bodies import ReplyStats
 from tandem.nodes.model.index import load_index
 
 from tests.conftest import MakeTiny
+from tests.handoff_checks import assert_three_turns_reuse_the_cache, greedy_ids, served_text
 from tests.records import stats_of
 from tests.test_gpt_oss import ARGS
 from tests.test_handoff import Cluster, _cluster
@@ -25,23 +26,6 @@ WINDOW = 128
 def cluster(tiny_model: MakeTiny, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = tiny_model(**{**ARGS, "sliding_window": WINDOW})
     yield from _cluster(tmp_path_factory.mktemp("gpt_oss"), model)
-
-
-def _ids(cluster: Cluster, prompt: list[int], n: int = 8) -> list[int]:
-    from tandem.nodes.decode.reference import reference_tokens
-
-    return list(reference_tokens(cluster.mlx_model, cluster.tokenizer, prompt, n))
-
-
-def _text(cluster: Cluster, ids: list[int]) -> str:
-    """The ids as mlx-lm's server writes them (its streaming detokenizer: a reply's leading
-    space trimmed)."""
-    detok = cluster.tokenizer.detokenizer
-    detok.reset()
-    for t in ids:
-        detok.add_token(t)
-    detok.finalize()
-    return str(detok.text)
 
 
 def _complete(cluster: Cluster, prompt: list[int], n: int = 8) -> tuple[str, ReplyStats]:
@@ -57,7 +41,7 @@ def test_remote_prefill_is_exactly_mlx_greedy(cluster: Cluster, n: int) -> None:
     prompt = [(37 * i + n) % spec.vocab_size for i in range(n)]
     text, stats = _complete(cluster, prompt)
     assert stats.prefill == "remote", cluster.decode.output()
-    assert text == _text(cluster, _ids(cluster, prompt))
+    assert text == served_text(cluster, greedy_ids(cluster, prompt))
     # sliding layers send at most their window: K and V in float32, plus each frame's header
     per_position = 2 * spec.num_kv_heads * spec.head_dim * 4
     kept = [n - 1 if k.kind == "full" else min(n - 1, WINDOW) for k in spec.layer_kinds]
@@ -67,18 +51,7 @@ def test_remote_prefill_is_exactly_mlx_greedy(cluster: Cluster, n: int) -> None:
 def test_three_turns_reuse_the_cache_exactly(cluster: Cluster) -> None:
     vocab = load_index(cluster.model).spec.vocab_size
     fresh = [[(11 * turn + 5 * i + 3) % vocab for i in range(60)] for turn in range(3)]
-    prompt: list[int] = []
-    held = 0  # positions the decode node keeps after a turn: prompt and reply
-    for turn in range(3):
-        prompt = prompt + fresh[turn]
-        text, stats = _complete(cluster, prompt)
-        ids = _ids(cluster, prompt)
-        assert text == _text(cluster, ids)
-        assert (stats.cached_tokens, stats.cache_fallback) == (held, False)
-        assert stats.prefill == "remote" and stats.prefill_tokens == len(prompt) - 1 - held
-        held = len(prompt) + len(ids)
-        prompt = prompt + ids
-    assert held > WINDOW
+    assert assert_three_turns_reuse_the_cache(cluster, fresh) > WINDOW
 
 
 def test_quantized_kv_is_refused(cluster: Cluster) -> None:
@@ -101,5 +74,5 @@ def test_a_chat_reply_is_mlx_greedy_split_by_harmony(cluster: Cluster) -> None:
         model="m", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0
     )
     assert stats_of(reply).prefill == "remote"
-    want = harmony.parse(_text(cluster, _ids(cluster, ids)))
+    want = harmony.parse(served_text(cluster, greedy_ids(cluster, ids)))
     assert reply.choices[0].message.content == want.content

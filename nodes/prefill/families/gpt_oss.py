@@ -19,7 +19,6 @@ mlx-lm's layout or OpenAI's fused MXFP4 one (`model/gpt_oss_tensors.py`).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -28,7 +27,12 @@ from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
 from tandem.nodes.prefill.families.base import Groups, Pass, Weights
 from tandem.nodes.prefill.families.llama import DenseFamily, attn_parts, dequantized, matrix_pieces
-from tandem.nodes.prefill.families.qwen3_moe import MoeState, Routes, _attention_loads
+from tandem.nodes.prefill.families.qwen3_moe import (
+    MoeState,
+    Qwen3MoeFamily,
+    _attention_loads,
+    make_routes,
+)
 from tandem.nodes.prefill.kernels.blocks import LayerState, attention_part
 from tandem.nodes.prefill.kernels.experts_oai import compute_oai_experts
 from tandem.nodes.prefill.kernels.rope import rms_norm, rope_mscale
@@ -75,11 +79,7 @@ class GptOssFamily(DenseFamily):
         cos, sin = p.rope
         return dataclasses.replace(p, rope=(cos * m, sin * m))
 
-    def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
-        if part.op != "router":
-            return None
-        assert isinstance(state, MoeState) and state.routes is not None
-        return state.routes.used
+    routing = Qwen3MoeFamily.routing  # the experts the router chose, as Qwen3-MoE's
 
     def compute(
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
@@ -174,10 +174,4 @@ def _route(p: Pass, part: Part, w: Weights, h: torch.Tensor, state: LayerState) 
     top, experts = torch.topk(logits, moe.experts_per_token, dim=-1)  # [T, k]
     weights = torch.softmax(top.float(), dim=-1).to(h.dtype)
     state.x_norm = x
-    flat = experts.flatten()  # [T·k]
-    counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=h.device)
-    counts = counts.index_add_(0, flat, torch.ones_like(flat)).tolist()
-    starts = [0, *itertools.accumulate(counts)]
-    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    order = torch.argsort(flat, stable=True)
-    state.routes = Routes(order, weights.flatten(), starts, moe.experts_per_token, out)
+    state.routes = make_routes(experts, weights, moe.num_experts, h)
