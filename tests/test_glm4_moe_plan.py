@@ -64,7 +64,8 @@ def test_plan_on_a_24_gb_card_with_64_gb_of_ram(
     if "quantization" in json.loads((air / "config.json").read_text()):
         assert tiers["disk_bytes"] == 0 and tiers["ram_bytes"] > 40 * GIB
     else:
-        assert tiers["disk_bytes"] > 150 * GIB  # 199 GiB: the most of it read each pass
+        # 199 GiB: the RAM tier full (spread by bytes: plan._fill), the rest read each pass
+        assert tiers["ram_bytes"] > 55 * GIB and tiers["disk_bytes"] > 120 * GIB
     wire = {w["bits"]: w for w in plan["kv_wire"]}
     assert wire[16]["bytes_per_token"] == 2 * 46 * 8 * 128 * 2  # every layer full attention
 
