@@ -207,6 +207,28 @@ async def test_health_says_the_card_and_mlx_memory(
     assert fake.calls["nvmlShutdown"] == 1
 
 
+async def test_each_new_reading_is_an_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`/v1/events` carries the card's readings as they land (a `ReadingEvent`, no request),
+    and a reader of the stream gets them back typed, non-numbers left out."""
+    from tandem.nodes.contract.events import EventBus, ReadingEvent, event_from_json
+
+    monkeypatch.setattr(nvml, "reader_for", lambda device: NvmlReader(0, nvml=fake_nvml()))
+    bus = EventBus("n1")
+    seen: list[object] = []
+    bus.listen(seen.append)
+    readings = NodeReadings(bus.publish)
+    try:
+        await readings.watch_gpu("cuda:0")
+    finally:
+        readings.close()
+    (event,) = [e for e in seen if isinstance(e, ReadingEvent)]
+    assert event.source == "gpu" and event.request_id == "" and event.node == "n1"
+    assert event.values["pcie_rx_Bps"] == 20 * GIB
+    wire = json.loads(json.dumps({**event.to_dict(), "values": {**event.values, "x": "no"}}))
+    back = event_from_json(wire)
+    assert isinstance(back, ReadingEvent) and back.values == event.values
+
+
 def test_older_and_newer_health_bodies_still_read() -> None:
     old = {"id": "n", "proto": PROTO, "model": {"name": "m", "layers": 2}}
     h = Health.from_json(old)

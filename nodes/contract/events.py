@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -76,8 +77,20 @@ class TokenEvent(Event):
     kind: str = "token"
 
 
+@dataclass(frozen=True)
+class ReadingEvent(Event):
+    """A node's gauges as a new reading lands (no request: `request_id` ""): `source` "gpu"
+    (the card's own counters, NVML) or "mlx_memory", `values` as `/health` carries them
+    (nodes/contract/gauges.py)."""
+
+    source: str = "gpu"
+    values: dict[str, float] = dataclasses.field(default_factory=dict)
+    kind: str = "reading"
+
+
 _KINDS: dict[str, type[Event]] = {
     "layer": LayerEvent, "link": LinkEvent, "request": RequestEvent, "token": TokenEvent,
+    "reading": ReadingEvent,
 }  # fmt: skip
 
 
@@ -121,7 +134,15 @@ def _typed(value: object, kind: str) -> object:
         return value if isinstance(value, bool) else _BAD
     if kind == "str":
         return value if isinstance(value, str) else _BAD
+    if kind == "dict[str, float]":  # gauges: finite numbers by name, others left out
+        if not isinstance(value, dict):
+            return _BAD
+        return {k: float(v) for k, v in value.items() if isinstance(k, str) and _finite(v)}
     return value if value in _LITERALS[kind] else _BAD
+
+
+def _finite(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
 
 
 class EventBus:

@@ -159,7 +159,7 @@ class Node:
         self.device = "cpu"
         self.budget_bytes = 0
         self.tiers: WeightTiers | None = None  # the prefill engine's, once it has started
-        self.readings = NodeReadings()  # the card's counters, mlx's memory: once roles run
+        self.readings = NodeReadings(self.events.publish)  # the card's, mlx's gauges: events too
         self.address = url_for(config.host, config.port, identity is not None)
         self.tasks: list[asyncio.Task[None]] = []  # background work, cancelled on shutdown
 

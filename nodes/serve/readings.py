@@ -5,7 +5,8 @@ prefill node, mlx's memory on a decode node.
 `/metrics`), while one NVML reading takes 40 ms (two 20 ms PCIe samples). So each source is
 `Sampled`: read on its own worker thread, at most once per `REFRESH_S`, and `latest()` hands
 back the last reading at once, starting the next read when that one is stale. Nothing polls:
-no health check, no read. The readers are imported only for their role, as node.py does
+no health check, no read. Each new reading is also published as a `ReadingEvent`. The
+readers are imported only for their role, as node.py does
 (NVML with the prefill role, mlx with the decode one).
 """
 
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from tandem.nodes.contract.events import Event, ReadingEvent
 from tandem.nodes.contract.gauges import Gauges
 
 log = logging.getLogger(__name__)
@@ -37,9 +39,11 @@ class Sampled:
         close: Callable[[], None] | None = None,
         every_s: float = REFRESH_S,
         clock: Callable[[], float] = time.monotonic,
+        on_reading: Callable[[Gauges], None] | None = None,
     ) -> None:
         self.name = name
         self._read, self._close, self.every_s, self._clock = read, close, every_s, clock
+        self._on_reading = on_reading  # each new reading (the node's events), on this thread
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
         self._lock = threading.Lock()
         self._value: Gauges | None = None
@@ -81,15 +85,24 @@ class Sampled:
             value = None
         with self._lock:
             self._value, self._at, self._pending = value, self._clock(), None
+        if value is not None and self._on_reading is not None:
+            self._on_reading(value)
 
 
 class NodeReadings:
     """The gauges one node has: `gpu` once a CUDA prefill engine runs, `mlx_memory` once the
     decode role runs; None where the node has none."""
 
-    def __init__(self) -> None:
+    def __init__(self, publish: Callable[[Event], object] | None = None) -> None:
         self._gpu: Sampled | None = None
         self._mlx: Sampled | None = None
+        self._publish = publish  # each new reading as a `ReadingEvent` (`/v1/events`)
+
+    def _announce(self, source: str) -> Callable[[Gauges], None] | None:
+        publish = self._publish
+        if publish is None:
+            return None
+        return lambda values: publish(ReadingEvent("", source=source, values=dict(values)))
 
     def gpu(self) -> Gauges | None:
         return self._gpu.latest() if self._gpu is not None else None
@@ -109,13 +122,16 @@ class NodeReadings:
             reading = reader.read()
             return reading.to_json() if reading is not None else None
 
-        self._gpu = Sampled(read, "tandem-nvml", close=reader.close)
+        self._gpu = Sampled(
+            read, "tandem-nvml", close=reader.close, on_reading=self._announce("gpu")
+        )
         await self._gpu.prime()
 
     async def watch_mlx(self) -> None:
         from tandem.nodes.decode.memory import mlx_memory
 
-        self._mlx = Sampled(mlx_memory, "tandem-mlx-memory")
+        self._mlx = Sampled(mlx_memory, "tandem-mlx-memory",
+                            on_reading=self._announce("mlx_memory"))  # fmt: skip
         await self._mlx.prime()
 
     def close(self) -> None:
