@@ -2,10 +2,10 @@
 of dequantization.
 
 - `families`: for each family the node serves (Llama, Gemma 3's windows, Qwen3-MoE routed,
-  Qwen3.5's linear layers, Qwen3.5-MoE, gpt-oss), a made model in bf16 streamed at a third of its
-  bytes (routed loads, the RAM tier off) on the device against the CPU: every layer's K/V or
-  state; and for the mixtures of experts the expert loads' time per pass and their aten ops
-  (a few dozen a load whatever it chose, `experts.py`).
+  Qwen3.5's linear layers, Qwen3.5-MoE, gpt-oss, GLM-4.x MoE, DeepSeek V3), a made model in
+  bf16 streamed at a third of its bytes (routed loads, the RAM tier off) on the device
+  against the CPU: every layer's K/V or state; and for the mixtures of experts the expert
+  loads' time per pass and their aten ops (a few dozen a load whatever it chose).
 - `dequant`: a 70B-wide matrix dequantized at 3, 4 and 6 bits: the kernels launched (≤ 12)
   and the time, median of 5.
 """
@@ -32,6 +32,14 @@ SHAPES: dict[str, Json] = {
     # sinks (one more key in flash attention, head dim 72), windows, biased experts, YaRN
     "gpt_oss": {"arch": "gpt_oss", "experts": 32, "top_k": 4, "moe_intermediate": 256,
                 "sliding_window": 128, "rope_scaling": "yarn"},
+    # the noaux_tc router over groups, a shared expert; DeepSeek's latent attention (its SDPA
+    # has values narrower than its keys: which kernel CUDA picks is worth seeing)
+    "glm4_moe": {"arch": "glm4_moe", "experts": 32, "top_k": 4, "moe_intermediate": 256,
+                 "n_group": 4, "topk_group": 2},
+    "deepseek_v3": {"arch": "deepseek_v3", "experts": 32, "top_k": 4, "moe_intermediate": 256,
+                    "n_group": 4, "topk_group": 2, "kv_lora_rank": 128, "q_lora_rank": 128,
+                    "rope_head_dim": 32, "nope_head_dim": 64, "v_head_dim": 64,
+                    "rope_scaling": "yarn"},
 }  # fmt: skip
 
 
