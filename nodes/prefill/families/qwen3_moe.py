@@ -134,8 +134,25 @@ def _sparse(index: ModelIndex, layer: int) -> bool:
     return moe is not None and moe.sparse[layer]
 
 
+_MADE: dict[tuple[int, int], tuple[ModelIndex, list[Part]]] = {}  # (index, layer) → parts
+_MADE_MOST = 4096
+
+
 def moe_parts(index: ModelIndex, i: int) -> list[Part]:
-    """The router, then one part per expert."""
+    """The router, then one part per expert. Made once per layer of an index: a plan tries
+    dozens of slot sizes, and the same parts (their pieces' sizes and spans cached) make a
+    256-expert layer's packing several times cheaper than new ones each time."""
+    made = _MADE.get((id(index), i))
+    if made is not None and made[0] is index:
+        return list(made[1])
+    if len(_MADE) >= _MADE_MOST:
+        _MADE.clear()
+    parts = _moe_parts(index, i)
+    _MADE[id(index), i] = (index, parts)
+    return list(parts)
+
+
+def _moe_parts(index: ModelIndex, i: int) -> list[Part]:
     moe = index.spec.moe
     assert moe is not None
     t = index.layers[i]
