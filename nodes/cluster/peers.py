@@ -52,18 +52,10 @@ class PeerTable:
     """The peers this node knows, keyed by address; a background task keeps them fresh."""
 
     def __init__(
-        self,
-        own_id: str,
-        fingerprint: str,
-        token: str | None,
-        proto: int = PROTO,
-        model: str = "",
+        self, own_id: str, fingerprint: str, token: str | None, proto: int = PROTO, model: str = ""
     ) -> None:
-        self.own_id = own_id
-        self.fingerprint = fingerprint
+        self.own_id, self.fingerprint, self.token, self.proto = own_id, fingerprint, token, proto
         self.model = model  # this node's model as a mismatch names it (`model_label`)
-        self.token = token
-        self.proto = proto
         self._watchers: dict[str, set[asyncio.Event]] = {}  # see until_untrusted
         self._listeners: set[asyncio.Event] = set()  # see on_change
         self.peers: dict[str, Peer] = _Watched(self._changed)
@@ -347,9 +339,7 @@ class PeerTable:
         return replace(peer, cert_fingerprint=proven.cert_fingerprint, trusted=True, reason=None)
 
     def _mismatch(self, peer: Peer, theirs: str, said: str | None) -> None:
-        """Say in one line that `peer` serves another model (once, unless it differs from
-        what was `said` last): both sides' Hugging Face revisions where known, else their
-        directories' names."""
+        """Say once (unless not what was `said`) that `peer` serves another model."""
         model = model_label(peer.model.get("name", "?"), peer.model.get("revision", ""))
         why = (
             f"serves another model: {model} (fingerprint {theirs[:12]}), here "

@@ -21,9 +21,10 @@ from tandem.nodes.contract.http import SSE_DONE, ApiError, error_body, sse_encod
 from tandem.nodes.decode import harmony
 from tandem.nodes.decode import openai_api as oa
 from tandem.nodes.decode import openai_shapes as shapes
+from tandem.nodes.decode.completion import Finished, GenerationFailed
 from tandem.nodes.decode.openai_api import Completion
 from tandem.nodes.decode.openai_tools import split_tool_calls, tools_of
-from tandem.nodes.decode.service import DecodeService, Finished, GenerationFailed
+from tandem.nodes.decode.service import DecodeService
 from tandem.nodes.serve.errors import read_json_body
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -38,6 +38,7 @@ from tandem.nodes.contract.http import (
 )
 from tandem.nodes.decode import lm
 from tandem.nodes.decode.batching import Batcher, Cancelled, GroupGone, Join
+from tandem.nodes.decode.completion import Finished, GenerationFailed, PrefillInfo
 from tandem.nodes.decode.families import family_for
 from tandem.nodes.decode.families.base import KVShape, LayerStepper
 from tandem.nodes.decode.host import ModelHost
@@ -60,35 +61,6 @@ UNBATCHED = {
     "interleaved": "every reply: each takes a step in turn",
 }
 MAX_ATTEMPTS = 5  # a busy prefill node is asked this many times at most
-
-
-class GenerationFailed(Exception):
-    """The generation broke after the request was accepted; the message says how (500, or
-    503 where a decode group lost a rank)."""
-
-    def __init__(self, message: str, status: int = 500, code: str = "generation_failed") -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-@dataclass
-class PrefillInfo:
-    where: str = "local"
-    node: str | None = None
-    tokens: int = 0
-    seconds: float = 0.0
-    kv_bytes: int = 0
-    first: LayerStepper | None = None  # the last prompt token's pass, already run
-    cached: int = 0  # positions the prompt cache held
-    cache_fallback: bool = False  # a window could not be cut back: an earlier exact point
-
-
-@dataclass(frozen=True)
-class Finished:
-    """The last item of a completion: what was generated and the reply's `tandem` object."""
-
-    generation: Generation
-    tandem: dict[str, Any]
 
 
 class DecodeService:
@@ -130,8 +102,7 @@ class DecodeService:
                                     kinds=spec.layer_kinds)  # fmt: skip
         self.local = LocalRate()  # measured mlx prefill rate and floor
         self.prompt_cache = PromptCache()
-        # every running reply steps in one batch
-        self.batcher = Batcher(host, on_step=self.metrics.batch_size)
+        self.batcher = Batcher(host, on_step=self.metrics.batch_size)  # every reply, one batch
         self.model_name = spec.name
         self.max_concurrent, self.max_queue = max_concurrent, max_queue
         self._slots = asyncio.Semaphore(max_concurrent)

@@ -31,8 +31,8 @@ from tandem.nodes.contract.events import Event, LinkEvent
 if TYPE_CHECKING:
     from tandem.nodes.contract.bodies import PrefillBody
     from tandem.nodes.contract.cluster import Health
+    from tandem.nodes.decode.completion import PrefillInfo
     from tandem.nodes.decode.reply import Generation
-    from tandem.nodes.decode.service import PrefillInfo
     from tandem.nodes.prefill.stats import PrefillStats
 
 # the classic text format (Prometheus's `text/plain; version=0.0.4`), which every scraper reads

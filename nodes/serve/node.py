@@ -341,10 +341,7 @@ def _decode_service(node: Node) -> DecodeService:
     dtype = node.index.dtype
     expect = KVShape(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype,
                      state_tensors(spec, dtype), latent_widths(spec))  # fmt: skip
-    if c.kv_bits and spec.float_kv:
-        log.warning("%s: mlx-lm holds this model's cache in float only; --kv-bits ignored",
-                    spec.name)  # fmt: skip
-    quantized = c.kv_bits and not spec.float_kv
+    quantized = c.kv_bits and not spec.float_kv  # sinks, latents: mlx-lm holds floats only
     kv_format = KVFormat(c.kv_bits, c.kv_group_size, device_kernel()) if quantized else None
     if kv_format is not None:
         try:

@@ -377,10 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-            if a.model:
-                model = locate(a.model, a.models_dir)
-            else:
-                model = make_random_model(a.random, Path(tmp) / "model", a.dtype)
+            model = (locate(a.model, a.models_dir) if a.model
+                     else make_random_model(a.random, Path(tmp) / "model", a.dtype))  # fmt: skip
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
                 a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident", a.experts,
