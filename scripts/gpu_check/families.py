@@ -6,8 +6,9 @@ of dequantization.
   bf16 streamed at a third of its bytes (routed loads, the RAM tier off) on the device
   against the CPU: every layer's K/V or state; and for the mixtures of experts the expert
   loads' time per pass and their aten ops (a few dozen a load whatever it chose).
-- `dequant`: a 70B-wide matrix dequantized at 3, 4 and 6 bits: the kernels launched (≤ 12)
-  and the time, median of 5.
+- `dequant`: a 70B-wide matrix dequantized at 3, 4 and 6 bits: the torch path's kernels
+  launched (≤ 12) and its time, median of 5; and (`triton`) the Triton kernel's time on the
+  same matrix, and that it gives the torch path's bits.
 """
 
 from __future__ import annotations
@@ -169,21 +170,63 @@ def dequant_case(ctx: Ctx, bits: int) -> Json:
     temp = torch.empty(rows * per_row + 256, dtype=torch.uint8, device=ctx.device)
     quant = Quant(bits, 64)
     ops = _Ops()
-    with ops:
-        dequantize(words, scales, biases, quant, torch.bfloat16, out, temp)
+    with ops:  # the torch path (on CUDA `dequantize` takes the Triton kernel where it can)
+        dequantize(words, scales, biases, quant, torch.bfloat16, out, temp, triton=False)
+    s = _median(ctx, lambda: dequantize(words, scales, biases, quant, torch.bfloat16, out, temp,
+                                        triton=False))  # fmt: skip
+    say(f"dequant {bits}-bit {rows}x{cols}: {ops.count} ops, {s * 1e3:.2f} ms")
+    fast = attempt(dequant_triton_case, ctx, bits, (words, scales, biases), out, s)
+    return {"rows": rows, "cols": cols, "ops": ops.count, "median_s": s,
+            "GBps_out": rows * cols * 2 / s / 1e9, "triton": fast,
+            "ok": ops.count <= 12 and fast.get("ok") is not False}  # fmt: skip
+
+
+def dequant_triton_case(
+    ctx: Ctx, bits: int, parts: tuple[Any, ...], want: Any, torch_s: float
+) -> Json:
+    """The Triton kernel on the same matrix: the torch path's bits (`want`), its time, and
+    how much faster it is."""
+    if not ctx.cuda:
+        return {"ok": None, "skipped": "needs CUDA"}
+    import torch
+
+    try:
+        from tandem.nodes.prefill.kernels import dequant_triton
+    except ImportError:
+        return {"ok": None, "skipped": "triton is not installed"}
+    if not dequant_triton.usable(want.device):
+        return {"ok": False, "error": "triton is installed but its kernel does not run here"}
+    words, scales, biases = parts
+    rows, cols = want.shape
+    out = torch.full_like(want, float("nan"))
+
+    def run() -> None:
+        dequant_triton.dequantize_affine(words, scales, biases, bits, 64, out, torch.bfloat16)
+
+    run()  # compiled here, once a width
+    same = torch.equal(out.view(torch.int16), want.view(torch.int16))
+    s = _median(ctx, run)
+    bits_said = "the same bits" if same else "OTHER BITS than the torch path"
+    say(f"dequant {bits}-bit {rows}x{cols} triton: {s * 1e3:.2f} ms "
+        f"({torch_s / s:.1f}x the torch path), {bits_said}")  # fmt: skip
+    return {"median_s": s, "GBps_out": rows * cols * 2 / s / 1e9, "speedup": torch_s / s,
+            "same_bits": same, "ok": same}  # fmt: skip
+
+
+def _median(ctx: Ctx, fn: Any, n: int = 5) -> float:
+    """`fn`'s time, median of `n` runs (on CUDA, each to its end)."""
+    import torch
+
     times = []
-    for _ in range(5):
+    for _ in range(n):
         if ctx.cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dequantize(words, scales, biases, quant, torch.bfloat16, out, temp)
+        fn()
         if ctx.cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    s = statistics.median(times)
-    say(f"dequant {bits}-bit {rows}x{cols}: {ops.count} ops, {s * 1e3:.2f} ms")
-    return {"rows": rows, "cols": cols, "ops": ops.count, "median_s": s,
-            "GBps_out": rows * cols * 2 / s / 1e9, "ok": ops.count <= 12}  # fmt: skip
+    return statistics.median(times)
 
 
 def packed(rows: int, cols: int, bits: int) -> Any:

@@ -13,10 +13,11 @@ width: 8 values of b bits fill exactly b bytes, and each value lies within one b
 bits) or two adjacent ones (3, 5, 6 bits: its window), so one gather takes every value's
 window, read as uint8 or int16, and one broadcast shift and one mask leave the values
 (`_unpack`; 8-bit values are the bytes themselves); then one conversion, one product and
-one sum. `out` takes the result in place so a caller's scratch bounds the memory; the
-temporaries (the windows, and where the scales are widened a float32 copy) go into `temp`,
-free scratch bytes the caller lends, or else into at most `BLOCK_BYTES` allocated here, rows
-in blocks of what that holds.
+one sum (on CUDA where `triton` imports, one Triton kernel instead: `dequant_triton.py`,
+with these ops as its oracle). `out` takes the result in place so a caller's scratch bounds
+the memory; the temporaries (the windows, and where the scales are widened a float32 copy) go
+into `temp`, free scratch bytes the caller lends, or else into at most `BLOCK_BYTES`
+allocated here, rows in blocks of what that holds.
 
 The fp modes (mxfp4, mxfp8, nvfp4: `quant.py`) store codes, not integers: each byte holds two
 e2m1 values (low nibble first) or one e4m3 value, and each group one uint8 scale (e8m0 or
@@ -34,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 
 import torch
 from tandem.nodes.model.quant import Quant
@@ -122,12 +124,15 @@ def dequantize(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
     temp: torch.Tensor | None = None,
+    *,
+    triton: bool = True,
 ) -> torch.Tensor:
     """Float weights [R, C] in `dtype` from packed `words` [R, C·bits/32] (int32 or uint32
     storage), `scales` and `biases` [R, C/group_size] (an fp mode's: uint8 scales, no
     biases). `temp`: free uint8 bytes (on the device) for the temporaries; a matrix whose
     temporaries fit takes one block: at most 11 kernels at any width (4 at 8 bits; 5 in an
-    fp mode), however many rows."""
+    fp mode), however many rows. On CUDA where `triton` imports, an affine matrix whose rows
+    are contiguous is one Triton kernel, no temporaries; `triton=False`: the torch ops."""
     rows, groups = scales.shape
     g = quant.group_size
     cols = groups * g
@@ -147,6 +152,9 @@ def dequantize(
     if biases is None:
         return _dequantize_fp(words, scales, quant, out, temp)
     work = work_dtype(scales.dtype, dtype)
+    rowwise = all(t.stride(-1) == 1 for t in (words, scales, biases, out))
+    if triton and words.is_cuda and rowwise and (fast := _triton(words.device)) is not None:
+        return fast.dequantize_affine(words, scales, biases, quant.bits, g, out, work)
     per_row = temp_bytes_per_row(cols, quant.bits, scales.dtype, dtype)
     temp, step = _blocks(temp, per_row, rows, words.device)
     layout = _layout(quant.bits, words.device) if quant.bits != 8 else None  # once a matrix
@@ -170,6 +178,17 @@ def dequantize(
         if work != dtype:
             out[r0:r1].copy_(w.view(n, cols))
     return out
+
+
+@functools.cache
+def _triton(device: torch.device) -> ModuleType | None:
+    """`dequant_triton` where `triton` imports and its kernel runs on `device`, else None:
+    asked once a device (imported here, so a node without triton never loads it)."""
+    try:
+        from tandem.nodes.prefill.kernels import dequant_triton
+    except ImportError:
+        return None
+    return dequant_triton if dequant_triton.usable(device) else None
 
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4 codes 0-7; 8-15 the same, negative
