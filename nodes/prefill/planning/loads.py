@@ -3,10 +3,14 @@
 A *load* is what one slot holds at a time: a whole layer, or one part of it (attention or
 MLP), or a slice of a part when even parts do not fit (the model's family cuts,
 `families/`; `plan.py` places).
-Every piece is one run of its file, and starts `ALIGN`-aligned in slot memory (safetensors
-only promises 8 bytes in the file; cuBLASLt's fast kernels want 16, TMA more). Laid out for
-O_DIRECT (`Load.direct`), a piece's span is whole aligned blocks, read straight into the
-slot: its bytes *land* at their file offset modulo `DIRECT_ALIGN` (`landing`), at most
+A piece is a tensor, a range of its rows (dim 0), a range of its columns (the last dim:
+a tensor-parallel rank's share of o_proj or down_proj), or both. A whole tensor or a row range
+is one run of its file; a column range is one run per line of the last dim, `stride` apart
+(`Piece.runs`), read by a strided copy (`reads.py`), never by O_DIRECT. In slot memory every
+piece is contiguous, laid out as its `shape`, and starts `ALIGN`-aligned (safetensors only
+promises 8 bytes in the file; cuBLASLt's fast kernels want 16, TMA more). Laid out for
+O_DIRECT (`Load.direct`), a one-run piece's span is whole aligned blocks, read straight into
+the slot: its bytes *land* at their file offset modulo `DIRECT_ALIGN` (`landing`), at most
 `ALIGN` - 1 bytes past the piece's offset, and the mover moves them down (`moves`).
 """
 
@@ -16,7 +20,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from tandem.nodes.model.index import ModelIndex, TensorEntry
 
@@ -29,13 +33,36 @@ def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+class Runs(NamedTuple):
+    """Where a piece's bytes are in its file: `count` runs of `size` bytes, each `stride`
+    bytes after the one before, the first at `first` (absolute file offset)."""
+
+    first: int
+    size: int
+    stride: int
+    count: int
+
+
 @dataclass(frozen=True)
 class Piece:
-    """A tensor, or a row range of it, as it lands in slot memory: one run of its file."""
+    """A tensor, or a range of its rows (dim 0) and/or of its columns (its last dim), as it
+    lands in slot memory: contiguous, laid out as `shape`. `cols` counts elements of the
+    stored dtype (an MLX-packed matrix's uint32 words, its scales' and biases' groups); on a
+    3-D tensor `rows` cut dim 0 and `cols` the last, the middle dims whole."""
 
     key: str  # short name, e.g. "self_attn.q_proj.weight"
     entry: TensorEntry
     rows: tuple[int, int] | None = None
+    cols: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cols is None:
+            return
+        shape, (c0, c1) = self.entry.shape, self.cols
+        if not shape or not 0 <= c0 < c1 <= shape[-1]:
+            raise ValueError(f"{self.key}: columns {self.cols} of a tensor of shape {shape}")
+        if len(shape) == 1 and self.rows is not None:
+            raise ValueError(f"{self.key}: rows and columns of a 1-D tensor")
 
     # cached: a plan of a model with thousands of experts asks for them millions of times
     @functools.cached_property
@@ -43,6 +70,8 @@ class Piece:
         shape = list(self.entry.shape)
         if self.rows is not None:
             shape[0] = self.rows[1] - self.rows[0]
+        if self.cols is not None:
+            shape[-1] = self.cols[1] - self.cols[0]
         return tuple(shape)
 
     @functools.cached_property
@@ -50,16 +79,42 @@ class Piece:
         return math.prod(self.shape) * self.entry.itemsize
 
     @functools.cached_property
-    def _span(self) -> tuple[int, int]:
+    def _runs(self) -> Runs:
         e = self.entry
-        if self.rows is None:
-            return e.offset, e.nbytes
-        row_bytes = math.prod(e.shape[1:]) * e.itemsize
-        r0, r1 = self.rows
-        return e.offset + r0 * row_bytes, (r1 - r0) * row_bytes
+        if self.cols is None:
+            if self.rows is None:
+                return Runs(e.offset, e.nbytes, e.nbytes, 1)
+            row_bytes = math.prod(e.shape[1:]) * e.itemsize
+            r0, r1 = self.rows
+            n = (r1 - r0) * row_bytes
+            return Runs(e.offset + r0 * row_bytes, n, n, 1)
+        line = e.shape[-1] * e.itemsize  # bytes of one line of the last dim
+        per_row = math.prod(e.shape[1:-1])  # lines per row of dim 0 (1-D: the one line)
+        r0, r1 = (self.rows or (0, e.shape[0])) if len(e.shape) > 1 else (0, 1)
+        c0, c1 = self.cols
+        first = e.offset + r0 * per_row * line + c0 * e.itemsize
+        size, count = (c1 - c0) * e.itemsize, (r1 - r0) * per_row
+        if size == line or count == 1:  # whole lines, or a single one: one run after all
+            return Runs(first, size * count, size * count, 1)
+        return Runs(first, size, line, count)
+
+    def runs(self) -> Runs:
+        """Where this piece's bytes are in its file: one run, or one per line (`strided`)."""
+        return self._runs
+
+    @property
+    def strided(self) -> bool:
+        """More than one run of its file (a column range): read by a strided copy."""
+        return self._runs.count > 1
+
+    @functools.cached_property
+    def _span(self) -> tuple[int, int]:
+        first, size, stride, count = self._runs
+        return first, (count - 1) * stride + size
 
     def span(self) -> tuple[int, int]:
-        """(absolute file offset, byte count) of this piece in its file."""
+        """(absolute file offset, byte count) of the file range this piece's runs enclose:
+        its bytes, unless it is `strided` (then the other columns' too)."""
         return self._span
 
 
@@ -141,6 +196,7 @@ def _direct_ok(piece: Piece) -> bool:
     """Whether a direct layout gives `piece` an O_DIRECT span of its own."""
     return (
         piece.nbytes >= DIRECT_MIN
+        and not piece.strided  # a column range: many runs, read by a strided copy
         and piece.span()[0] % piece.entry.itemsize == 0  # typed views stay valid
     )
 

@@ -2,12 +2,16 @@
 
 Reads go straight into preallocated memory with `preadv` at the safetensors offsets — no
 tensor per layer (glibc keeps freed per-layer buffers) and no lazy mmap of the weights (which
-only moves the disk reads into compute time). Every piece is one run of its file (the plan
-cuts matrices by rows only). Loads laid out for it (`Load.direct`) are read with O_DIRECT,
-several reads in flight (`READ_THREADS`): the disk DMAs into the destination, and the page
-cache neither costs a copy nor fills with weights the cyclic access would evict anyway.
-Whatever did pass through the page cache is dropped after the read (`POSIX_FADV_DONTNEED`),
-except for the host tier's loads, which are kept in memory instead.
+only moves the disk reads into compute time). A whole tensor or a row range is one run of its
+file; loads laid out for it (`Load.direct`) are read with O_DIRECT, several reads in flight
+(`READ_THREADS`): the disk DMAs into the destination, and the page cache neither costs a copy
+nor fills with weights the cyclic access would evict anyway. A column range (a
+tensor-parallel rank's share of o_proj or down_proj: one run per line, `Piece.runs`) is the
+loader's strided copy out of a read-only mapping of its file that reads no page ahead
+(`MADV_RANDOM`), after `POSIX_FADV_WILLNEED` on exactly the pages its runs touch: the other
+columns' pages are never read. Whatever did pass through the page cache is dropped after the
+read (`POSIX_FADV_DONTNEED`), except for the host tier's loads, which are kept in memory
+instead.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 from tandem.nodes.prefill.planning.loads import (
     DIRECT_ALIGN,
@@ -37,14 +43,32 @@ READ_THREADS = 4  # reads in flight per load: NVMe wants a queue, one preadv at 
 READ_CHUNK = 8 << 20  # bytes: O_DIRECT spans are cut into reads of at most this
 
 
+def page_ranges(piece: Piece, lines: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """(file offset, bytes) of the whole pages that `piece`'s runs touch (its runs [a, b) with
+    `lines`), neighbours merged: one range for a piece that is one run, or whose runs leave
+    no page out between them."""
+    first, size, stride, count = piece.runs()
+    a, b = lines or (0, count)
+    if b - a == 1:  # most pieces: no arrays for them
+        start = first + a * stride
+        lo = start // PAGE * PAGE
+        return [(lo, -(-(start + size) // PAGE) * PAGE - lo)]
+    starts = first + stride * np.arange(a, b, dtype=np.int64)
+    lo, hi = starts // PAGE, -(-(starts + size) // PAGE)  # page numbers, [lo, hi) per run
+    cut = np.flatnonzero(lo[1:] > hi[:-1]) + 1  # runs after a page left out
+    begins, ends = lo[np.r_[0, cut]], hi[np.r_[cut - 1, len(lo) - 1]]
+    return [(int(x) * PAGE, int(y - x) * PAGE) for x, y in zip(begins, ends, strict=True)]
+
+
 def advise(
     fds: dict[str, int], load: Load, advice: int, skip: Callable[[Piece, int], bool] | None = None
 ) -> None:
-    """posix_fadvise over the file range of each of a load's pieces (not those `skip` names)."""
+    """posix_fadvise over the pages of each of a load's pieces (not those `skip` names): a
+    column range's own pages, never the other columns' between them."""
     for piece, off in zip(load.pieces, load.offsets, strict=True):
         if skip is None or not skip(piece, off):
-            start, n = piece.span()
-            os.posix_fadvise(fds[str(piece.entry.file)], start, n, advice)
+            for start, n in page_ranges(piece):
+                os.posix_fadvise(fds[str(piece.entry.file)], start, n, advice)
 
 
 def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
@@ -52,11 +76,7 @@ def drop_from_page_cache(fds: dict[str, int], load: Load) -> None:
     drops only the pages a range covers whole, and a row range of a cut matrix mostly ends
     inside a page it shares with the next range (which, if still to come, reads that one page
     again)."""
-    for piece in load.pieces:
-        start, n = piece.span()
-        lo = start // PAGE * PAGE
-        hi = -(-(start + n) // PAGE) * PAGE
-        os.posix_fadvise(fds[str(piece.entry.file)], lo, hi - lo, os.POSIX_FADV_DONTNEED)
+    advise(fds, load, os.POSIX_FADV_DONTNEED)
 
 
 def open_direct(files: list[str]) -> dict[str, int]:
@@ -79,37 +99,61 @@ def read_load(
     direct_fds: dict[str, int] | None = None,
     pool: ThreadPoolExecutor | None = None,
     settle: bool = True,
+    maps: dict[str, mmap.mmap] | None = None,
 ) -> int:
     """Read every piece of `load` into `dest` (host memory) at its slot offset. Returns bytes.
 
     With `direct_fds`, the pieces of a `direct` load go by O_DIRECT when `dest` is aligned,
     cut into `READ_CHUNK` reads; a file that refuses (EINVAL) drops back to the page cache for
-    good. With `pool`, the reads run in its threads, several in flight. The bytes land where
-    `loads.landing` says; `settle` then moves them to their offsets (in place), else the
-    caller's copy does (`loads.moves`).
+    good. A column range is copied out of its file's mapping in `maps` (mapped there when
+    missing; without `maps`, mapped for this call only). With `pool`, the reads run in its
+    threads, several in flight. The bytes land where `loads.landing` says; `settle` then moves
+    them to their offsets (in place), else the caller's copy does (`loads.moves`).
     """
-    mem = memoryview(dest.numpy()).cast("B")
+    array = dest.numpy()
+    mem = memoryview(array).cast("B")
     direct = direct_fds if load.direct and dest.data_ptr() % DIRECT_ALIGN == 0 else None
+    own = maps is None
+    maps = {} if maps is None else maps
     reads: list[Callable[[], None]] = []
-    for piece, off in zip(load.pieces, load.offsets, strict=True):
-        name = str(piece.entry.file)
-        land = landing(piece, off, load.direct)
-        span = direct_span(piece, off) if direct and name in direct else None
-        if span is not None:
-            reads += _direct_reads(
-                fds, direct, name, mem, span, land - span[1] + piece.nbytes, land
-            )
+    try:
+        for piece, off in zip(load.pieces, load.offsets, strict=True):
+            name = str(piece.entry.file)
+            land = landing(piece, off, load.direct)
+            span = direct_span(piece, off) if direct and name in direct else None
+            if piece.strided:
+                if name not in maps:
+                    maps[name] = map_file(fds[name])
+                reads += _strided_reads(fds[name], maps[name], piece, array, land)
+            elif span is not None:
+                reads += _direct_reads(
+                    fds, direct, name, mem, span, land - span[1] + piece.nbytes, land
+                )
+            else:
+                reads.append(_buffered_read(fds[name], mem, *piece.span(), land))
+        if pool is None or len(reads) < 2:
+            for read in reads:
+                read()
         else:
-            reads.append(_buffered_read(fds[name], mem, *piece.span(), land))
-    if pool is None or len(reads) < 2:
-        for read in reads:
-            read()
-    else:
-        for done in [pool.submit(read) for read in reads]:
-            done.result()  # every read finished (or raised) before the load is called in
+            futures = [pool.submit(read) for read in reads]
+            wait(futures)  # every read finished (or raised) before the load is called in, and
+            for done in futures:  # none goes on writing into `dest` after a failed one
+                done.result()
+    finally:
+        if own:
+            for mapped in maps.values():
+                mapped.close()
     if settle:
         settle_in_place(load, dest)
     return load.weight_bytes
+
+
+def map_file(fd: int) -> mmap.mmap:
+    """A read-only mapping of a whole weight file whose faults read no page ahead: a column
+    range's strided copy then reads only its own pages (what `page_ranges` advised)."""
+    mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    mapped.madvise(mmap.MADV_RANDOM)
+    return mapped
 
 
 def settle_in_place(load: Load, dest: torch.Tensor) -> None:
@@ -128,6 +172,32 @@ def _buffered_read(
         _pread_exact(fd, mem[at : at + n], file_offset)
 
     return read
+
+
+def _strided_reads(
+    fd: int, mapped: mmap.mmap, piece: Piece, dest: np.ndarray, at: int
+) -> list[Callable[[], None]]:
+    """The copies that gather a column range's runs out of its file's mapping into `dest`
+    (uint8) at `at`, contiguous: its lines cut into reads of about `READ_CHUNK` file bytes,
+    each asking the kernel for its pages first (the mapping reads none ahead by itself)."""
+    first, size, line, count = piece.runs()
+    lead = (first - piece.entry.offset) % line  # bytes in a line before the run
+    step = max(1, READ_CHUNK // line)
+
+    def chunk(a: int, b: int) -> Callable[[], None]:
+        def read() -> None:
+            for start, n in page_ranges(piece, (a, b)):
+                os.posix_fadvise(fd, start, n, os.POSIX_FADV_WILLNEED)
+            src = np.frombuffer(mapped, np.uint8, (b - a) * line, first - lead + a * line)
+            try:  # [lines, line bytes][:, run] → [lines, run bytes]
+                dst = dest[at + a * size : at + b * size].reshape(b - a, size)
+                np.copyto(dst, src.reshape(b - a, line)[:, lead : lead + size])
+            finally:
+                del src  # the mapping closes only once no array holds it
+
+        return read
+
+    return [chunk(a, min(a + step, count)) for a in range(0, count, step)]
 
 
 def _direct_reads(
@@ -196,6 +266,7 @@ class Reader:
             # an earlier load took and dropped, and they would stay cached
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.direct = open_direct(files) if direct else {}
+        self.maps: dict[str, mmap.mmap] = {}  # per file, once a column range is read from it
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tandem-read")
 
     def read(
@@ -204,7 +275,7 @@ class Reader:
         """Read `load` into host memory `dest` (`settle`: see `read_load`); drop what went
         through the page cache unless `dest` is the host tier's (then the tier is where the
         bytes are kept)."""
-        n = read_load(self.fds, load, dest, self.direct, self.pool, settle)
+        n = read_load(self.fds, load, dest, self.direct, self.pool, settle, self.maps)
         if tier is None or load.seq not in tier.members:
             drop_from_page_cache(self.fds, load)
         return n
@@ -225,6 +296,8 @@ class Reader:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        for mapped in self.maps.values():
+            mapped.close()
         for fd in [*self.fds.values(), *self.direct.values()]:
             os.close(fd)
-        self.fds, self.direct = {}, {}
+        self.fds, self.direct, self.maps = {}, {}, {}
