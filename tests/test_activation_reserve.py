@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from tandem.nodes.prefill.kernels.blocks import math_attention_bytes
+from tandem.nodes.prefill.planning.activations import math_attention_bytes
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 

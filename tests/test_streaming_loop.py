@@ -75,11 +75,8 @@ def test_attention_takes_all_queries_at_once_only_where_a_fused_kernel_runs(
     [heads, T, S] score matrix, so it is chunked as on a CPU, and reserved for what that
     kernel holds (float32 scores, K/V repeated to every head), plus CUDA's own slack and the
     K/V in flight to the host."""
-    from tandem.nodes.prefill.kernels.blocks import (
-        CUDA_SLACK,
-        fused_attention,
-        math_attention_bytes,
-    )
+    from tandem.nodes.prefill.kernels.blocks import fused_attention
+    from tandem.nodes.prefill.planning.activations import CUDA_SLACK, math_attention_bytes
 
     assert fused_attention("cuda", 2, 128) and fused_attention("cuda", 2, 256)
     assert not fused_attention("cuda", 4, 128)  # float32: no flash kernel

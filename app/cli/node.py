@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--chunk-tokens", type=int, default=http.DEFAULT_CHUNK_TOKENS)
     p.add_argument("--device", choices=["cuda", "mps", "cpu"], default=None)
+    p.add_argument(
+        "--devices", default=None, metavar="LIST",
+        help="prefill on several devices at once, each its share of every layer "
+        "(cuda:0,cuda:1; cpu,cpu): starts torchrun with a rank per device",
+    )  # fmt: skip
     p.add_argument("--peer", action="append", default=[], metavar="URL")
     p.add_argument("--no-mdns", action="store_true")
     p.add_argument("--token-file", type=Path, default=None)
@@ -171,15 +177,69 @@ def follow_rank0(model: Path, group: Any) -> int:
         raise UsageError(str(e)) from None
 
 
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """This process's (rank, ranks, local rank) where torchrun started it; None otherwise."""
+    if "MLX_RANK" in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    from tandem.nodes.prefill.ranks.collective import world_from_env
+
+    return world_from_env()
+
+
+def start_ranks(devices: str, role: str) -> int:
+    """`--devices cuda:0,cuda:1` (or cpu,cpu): this command again under torchrun, a rank per
+    device (each sees its own card as cuda:LOCAL_RANK), in this process's place."""
+    listed = [d.strip() for d in devices.split(",") if d.strip()]
+    cuda = [d for d in listed if d.startswith("cuda:") and d[5:].isdigit()]
+    if role != "prefill" or len(listed) < 2:
+        raise UsageError("--devices takes two devices or more, for --role prefill")
+    if (cuda and len(cuda) != len(listed)) or (not cuda and set(listed) != {"cpu"}):
+        raise UsageError(f"--devices {devices}: list CUDA devices (cuda:0,cuda:1) or cpu,cpu")
+    argv, skip = [], False
+    for arg in sys.argv[1:]:  # this command without --devices, on the ranks' --device
+        if skip or arg.startswith("--devices="):
+            skip = False
+            continue
+        skip = arg == "--devices"
+        if not skip:
+            argv.append(arg)
+    env = dict(os.environ)
+    if cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(d[5:] for d in cuda)
+    else:  # ranks on one machine: gloo over loopback
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={len(listed)}", "-m", "tandem.app", *argv,
+           "--device", "cuda" if cuda else "cpu"]  # fmt: skip
+    os.execvpe(sys.executable, cmd, env)
+
+
+def follow_prefill_rank(config: NodeConfig) -> int:
+    """A prefill rank other than 0: its share of every layer, rank 0's passes until it stops."""
+    from tandem.nodes.model.index import load_index
+    from tandem.nodes.serve.prefill_side import follow_prefill
+
+    return follow_prefill(load_index(config.model), config)
+
+
 def run(a: argparse.Namespace) -> int:
     """Serve until interrupted; a port, token or model file problem is a UsageError, weights
     that fail `--verify-weights` a ModelError (before the port is taken)."""
-    import asyncio
-
-    from tandem.nodes.serve.node import ListenError, serve
-    from tandem.nodes.trust.auth import AuthError
-
     a.model = model_path(a.model, a.models_dir)  # an id: its directory, found offline
+    ranks = torchrun_rank()
+    if a.devices is not None and ranks is None:
+        return start_ranks(a.devices, a.role)  # torchrun, in this process's place
+    if ranks is not None:  # torchrun: one prefill node, a rank per device
+        from tandem.nodes.serve.parent import die_with_parent
+
+        die_with_parent()  # (torchrun's agent: its ranks go with it)
+        if a.role != "prefill":
+            raise UsageError("under torchrun a node is a prefill node of several devices: "
+                             "use --role prefill")  # fmt: skip
+        config = replace(node_config(a), ranks=ranks)
+        if ranks[0] > 0:  # no port: rank 0's passes, on this rank's share, until it stops
+            return follow_prefill_rank(config)
+        return _serve(a, config)
     group = launched_rank()
     if group is not None and a.role != "decode":
         raise UsageError("under mlx.launch a node is a decode group: use --role decode")
@@ -190,6 +250,15 @@ def run(a: argparse.Namespace) -> int:
         return follow_rank0(a.model, group)
     if group is not None:
         config = replace(config, group=group)
+    return _serve(a, config)
+
+
+def _serve(a: argparse.Namespace, config: NodeConfig) -> int:
+    import asyncio
+
+    from tandem.nodes.serve.node import ListenError, serve
+    from tandem.nodes.trust.auth import AuthError
+
     if a.verify_weights:
         verify_model(a.model)
     try:

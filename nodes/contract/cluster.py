@@ -19,6 +19,7 @@ from tandem.nodes.contract.fields import read_roles as _roles
 from tandem.nodes.contract.fields import read_str as _str
 from tandem.nodes.contract.gauges import Gauges, read_gauges
 from tandem.nodes.contract.http import ContractError, Reason
+from tandem.nodes.contract.ranks import PrefillRanks, read_prefill_ranks
 
 Source = Literal["static", "mdns"]  # `--peer URL`, or found by mDNS (nodes/cluster/discovery)
 
@@ -223,6 +224,7 @@ class Health:
     model_revision: str = ""
     gpu: Gauges | None = None  # the card's own counters (contract/gauges.py); None: not said
     mlx_memory: Gauges | None = None  # mlx's memory on a decode node; None: not said
+    prefill_ranks: PrefillRanks | None = None  # a prefill node of several devices (ranks.py)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -238,6 +240,7 @@ class Health:
             "batching": self.batching.to_json() if self.batching is not None else None,
             "queue": self.queue.to_json() if self.queue is not None else None,
             "gpu": self.gpu, "mlx_memory": self.mlx_memory,
+            "prefill_ranks": self.prefill_ranks.to_json() if self.prefill_ranks else None,
         }  # fmt: skip
 
     @classmethod
@@ -257,6 +260,7 @@ class Health:
             layer_kinds=_layers(model, w), tiers=_tiers(obj, w), group=_group(obj, w),
             batching=_batching(obj, w), queue=_queue(obj, w), gpu=read_gauges(obj, "gpu", w),
             mlx_memory=read_gauges(obj, "mlx_memory", w),
+            prefill_ranks=read_prefill_ranks(obj, w),
         )  # fmt: skip
 
 

@@ -77,7 +77,9 @@ class ModelIndex:
 
     def quant(self, layer: int, module: str) -> Quant | None:
         """How `model.layers.{layer}.{module}` is stored; None for float (norms always are:
-        mlx quantizes only linear layers and embeddings)."""
+        mlx quantizes only linear layers and embeddings). `module@tag` (a second range of one
+        matrix in one part) is `module`."""
+        module = module.partition("@")[0]
         if f"{module}.scales" not in self.layers[layer]:
             return None
         return self.spec.quantization.of(f"model.layers.{layer}.{module}")

@@ -15,10 +15,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
+from tandem.nodes.contract.events import EventBus, LinkEvent
 from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS, KVFormat
 from tandem.nodes.model.index import ModelIndex, load_index
 from tandem.nodes.model.safetensors_format import ITEMSIZE
@@ -52,6 +52,7 @@ from tandem.nodes.prefill.planning.loads import ALIGN, Load, Part
 from tandem.nodes.prefill.planning.plan import Plan
 from tandem.nodes.prefill.planning.ram import HostBudget, beside_tier, request_tokens
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, PrefixUpload, State
+from tandem.nodes.prefill.ranks.shard import WHOLE, sharded
 from tandem.nodes.prefill.resident import ResidentFloats
 from tandem.nodes.prefill.stats import ComputeClock, PrefillStats
 from tandem.nodes.prefill.stream.host import host_tier
@@ -63,11 +64,13 @@ from tandem.nodes.prefill.stream.streamer import (
     part_weights,
 )
 
+if TYPE_CHECKING:  # torch.distributed is imported by a node of several ranks only
+    from tandem.nodes.prefill.ranks.collective import Collective
+
 __all__ = [  # what the node, the bench and the cost model take from here
     "DEFAULT_CHUNK_TOKENS", "DEFAULT_MAX_PROMPT_TOKENS", "Handed", "LayerKV", "LinearState",
-    "PrefillEngine",
-    "PrefillError", "PrefillStats", "PromptTooLong", "default_budget", "default_device",
-    "plan_for_prompts", "prompt_activations", "quantized_parts",
+    "PrefillEngine", "PrefillError", "PrefillStats", "PromptTooLong", "default_budget",
+    "default_device", "plan_for_prompts", "prompt_activations", "quantized_parts",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class PrefillEngine:
         max_prompt_tokens: int | None = None,
         mover: Callable[[list[str], torch.device, float | None], Mover] = make_mover,
         prefix_cache: HostBudget | None = None,  # the node's prefix cache (None: not sized here)
+        collective: Collective | None = None,  # one of several ranks (`ranks/`)
     ) -> None:
         self.index = model if isinstance(model, ModelIndex) else load_index(model)
         self.spec = self.index.spec
@@ -101,15 +105,22 @@ class PrefillEngine:
             raise ValueError("chunk_tokens must be at least 1")
         self.chunk_tokens = chunk_tokens
         self.events = events or EventBus()
+        self.collective = collective
+        shard = collective.shard if collective is not None else WHOLE
+        # what each layer computes and hands over: this rank's share of it
+        self.family = sharded(family_for(self.spec.family), shard)
         # the budget holds the activations of the longest prompt taken, then the weights
         self.max_prompt_tokens = longest_prompt(self.spec, self.device.type, max_prompt_tokens)
         whole_ops = self._activations(self.max_prompt_tokens or 0, 0, cut_ops=False)
         self.budget = (
-            budget if budget is not None else default_budget(self.index, self.device, whole_ops)
+            budget
+            if budget is not None
+            else default_budget(self.index, self.device, whole_ops, self.family)
         )
         self.plan: Plan = plan_for_prompts(
-            self.index, self.budget, self.max_prompt_tokens, self.device.type, chunk_tokens
-        )
+            self.index, self.budget, self.max_prompt_tokens, self.device.type, chunk_tokens,
+            self.family,
+        )  # fmt: skip
         self.activation_reserve = self.plan.reserve_bytes
         files = [str(f) for f in self.index.files]
         moving = mover(files, self.device, link_gbps)
@@ -133,27 +144,15 @@ class PrefillEngine:
         self._scratch = scratch[-scratch.data_ptr() % ALIGN :][:nbytes]
         self.embedding = Embedding(self.index, self.device, self.dtype, self._scratch)
         self._freqs = inv_freq(self.spec)
-        self.family = family_for(self.spec.family)  # what each layer computes, hands over
         # MoE: read only the experts a layer's router chose, while waiting for routers pays
         # ("always": even where it does not; False: every expert)
         self.route_experts: Route = True
-        dequantized = bool(self.plan.resident_floats)
-        floats = ResidentFloats(self.index, self.dtype, self._scratch) if dequantized else None
-        self._floats = floats
+        floats = bool(self.plan.resident_floats)
+        self._floats = ResidentFloats(self.index, self.dtype, self._scratch) if floats else None
         self._handovers: list[Handover] = []  # one per place in a pass, kept across passes
         self.last_stats = PrefillStats()
-        self._log_plan(moving.pinned_bytes)
-
-    def _log_plan(self, pinned: int) -> None:
-        log.info(
-            "plan: %s granularity, %d ring slots of %d B, resident layers %s, pool %d B "
-            "+ scratch %d B + activations %d B (prompts up to %s tokens) of %d; %d B pinned; "
-            "per pass %d B from the RAM tier, %d B from disk",
-            self.plan.granularity, self.plan.n_slots, self.plan.slot_bytes,
-            list(self.plan.resident_layers), self.plan.pool_bytes, self.plan.scratch_bytes,
-            self.activation_reserve, self.max_prompt_tokens or "any", self.budget,
-            pinned, self.plan.ram_bytes, self.plan.disk_bytes,
-        )  # fmt: skip
+        log.info("%s", self.plan.describe(self.activation_reserve, self.max_prompt_tokens,
+                                          moving.pinned_bytes))  # fmt: skip
 
     def _activations(self, count: int, start: int, cut_ops: bool | None = None) -> int:
         """Device bytes of activations for `count` new tokens after `start` (0 for none), with
@@ -177,6 +176,8 @@ class PrefillEngine:
             )
 
     def close(self) -> None:
+        if self.collective is not None:  # rank 0 stops the others (whose it is closes it)
+            self.collective.stop()
         self.streamer.close()
         for handover in self._handovers:
             handover.close()
@@ -190,10 +191,6 @@ class PrefillEngine:
             raise PrefillError(
                 f"token id {bad[0]!r} outside the vocabulary [0, {self.spec.vocab_size})"
             )
-
-    def embed(self, tokens: Sequence[int]) -> torch.Tensor:
-        """The prompt's embedding rows [T, H] on the device (`embedding.py`)."""
-        return self.embedding(tokens)
 
     def prefill(
         self,
@@ -228,6 +225,8 @@ class PrefillEngine:
             if ask.start and (ask.prefix is None or len(ask.prefix) != self.spec.num_layers):
                 raise PrefillError("start > 0 needs the prefix K/V of every layer")
             self.check_fits(ask.count, ask.start)
+        if self.collective is not None:  # the ranks run every pass in step, to its end
+            self.collective.follow(asks)
         members = [self._member(i, ask) for i, ask in enumerate(asks)]
         clock = ComputeClock(self.device)
         kinds, family = self.spec.layer_kinds, self.family
@@ -235,10 +234,10 @@ class PrefillEngine:
         with torch.inference_mode(), self._stream(members, count, synchronous) as run:
             # the loader is already filling the ring while the prompts' rows are read
             for m in members:
-                m.h = self.embed(m.ask.tokens)
+                m.h = self.embedding(m.ask.tokens)  # its rows [T, H] on the device
                 rope = rope_tables(self._freqs, m.ask.start, m.ask.count, self.device)
                 p = Pass(self.index, m.ask.start, self.chunk_tokens, rope, self._scratch,
-                         self.dtype)  # fmt: skip
+                         self.dtype, **self._ranked())  # fmt: skip
                 m.p = family.begin(p, m.h)  # its embedding scale, its other kinds' RoPE
             for load, views in run:
                 live = [m for m in members if m.live]
@@ -254,7 +253,10 @@ class PrefillEngine:
                         m.state = family.new_state(m.p, kinds[i], i, m.ask.count, m.prefix_of(i))
                 with clock.timing(i):
                     self._compute_load(live, load, views, run)
-                self._released(live, run, load)
+                run.release(load)  # its kernels are queued: the loader may refill the slot
+                if not load.resident:
+                    for m in live:
+                        self.pass_events.publish(m.ask.request_id, load, "evicted")
                 if load.last_of_layer:
                     for m in live:
                         yield from ((m.index, item) for item in m.handover.take())
@@ -262,6 +264,8 @@ class PrefillEngine:
                 if m.live:
                     yield from ((m.index, item) for item in m.handover.take(last=True))
         per_layer = clock.per_layer(self.spec.num_layers)
+        if self.collective is not None:
+            self.collective.recorded(self.streamer.last_stats.bytes_streamed, sum(per_layer))
         for m in members:
             m.stats.layer_compute_s = per_layer
             m.stats.compute_busy_s = sum(per_layer)
@@ -325,9 +329,19 @@ class PrefillEngine:
         hooks = self.pass_events.hooks([m.ask.request_id for m in members])
         return self.streamer.stream(hooks, synchronous, self.route_experts, many)
 
+    def _ranked(self) -> dict[str, Any]:
+        """A rank's pass computes with the sum over the ranks and its share (`ranks/`)."""
+        c = self.collective
+        return {} if c is None else {"reduce": c.reduce, "shard": c.shard}
+
     def _hand_over(self, handover: Handover, out: KV | State, i: int) -> None:
         """Layer i's handover: K/V (a full layer's quantized where asked; the others cross
-        in float), or a linear layer's state."""
+        in float), or a linear layer's state. Of several ranks, rank 0 hands over the sum of
+        their shares."""
+        if self.collective is not None:
+            out = self.collective.to_rank0(out)
+            if self.collective.rank:
+                return
         if isinstance(out, dict):
             handover.state_done(i, out)
         else:
@@ -337,13 +351,8 @@ class PrefillEngine:
         """Layer `layer`'s router chose `used`: the loader reads only those experts."""
         total = self.spec.moe.num_experts if self.spec.moe else len(used)
         run.route(layer, used, total)
-        streamed = [p for ld in self.plan.loads if ld.layer == layer and ld.routed
-                    and not ld.resident for p in ld.parts if p.lo in used]  # fmt: skip
-        nbytes = sum(piece.nbytes for part in streamed for piece in part.pieces)
-        for m in live:
-            self.events.publish(LayerEvent(m.ask.request_id, layer=layer, state="routed",
-                                           bytes=nbytes, experts=len(used),
-                                           experts_total=total))  # fmt: skip
+        rids = [m.ask.request_id for m in live]
+        self.pass_events.routed(rids, self.plan.loads, layer, used, total)
 
     def stream_weights(self, request_id: str | None = None) -> PrefillStats:
         """Every load streamed through the ring once, nothing computed (bench `load_s`)."""
@@ -363,28 +372,19 @@ class PrefillEngine:
         """A request's stats so far, its layers announced; (stats, its start time)."""
         plan, dev = self.plan, self.device
         stats = PrefillStats(
-            tokens=count,
-            start=start,
-            layers=self.spec.num_layers,
-            budget_bytes=self.budget,
+            tokens=count, start=start, layers=self.spec.num_layers, budget_bytes=self.budget,
             peak_weight_bytes=plan.device_bytes,
             peak_activation_bytes=self._activations(count, start),
             pinned_bytes=self.streamer.mover.pinned_bytes,
             activation_reserve_bytes=self.activation_reserve,
             resident_layers=list(plan.resident_layers),
-        )
+        )  # fmt: skip
         self.last_stats = stats
         self.pass_events.queued(rid, self.spec.num_layers, plan.resident_layers)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)  # this thread's current device: streams, events, kernels
             torch.cuda.reset_peak_memory_stats(dev)
         return stats, time.perf_counter()
-
-    def _released(self, live: list[Member], run: Any, load: Load) -> None:
-        run.release(load)  # its kernels are queued: the loader may refill the slot
-        if not load.resident:
-            for m in live:
-                self.pass_events.publish(m.ask.request_id, load, "evicted")
 
     def _finish(self, rid: str, stats: PrefillStats, t_start: float, link: bool = True) -> None:
         """The streamer's side of a finished request's stats (and on CUDA, with `link`, the

@@ -4,7 +4,7 @@ each layer queued, loading, ready, computing and evicted, and the bytes the load
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tandem.nodes.contract.events import EventBus, LayerEvent, LinkEvent
 from tandem.nodes.prefill.planning.loads import Load
@@ -29,6 +29,18 @@ class PassEvents:
 
     def publish(self, rid: str, load: Load, state: str) -> None:
         self.events.publish(self.layer(rid, load, state))
+
+    def routed(
+        self, rids: list[str], loads: Sequence[Load], layer: int, used: frozenset[int], total: int
+    ) -> None:
+        """Layer `layer`'s router chose experts `used` of `total`: the bytes its streamed loads
+        read of them, to every request of the pass."""
+        nbytes = sum(pc.nbytes for ld in loads if ld.layer == layer and ld.routed
+                     and not ld.resident for p in ld.parts if p.lo in used
+                     for pc in p.pieces)  # fmt: skip
+        for rid in rids:
+            self.events.publish(LayerEvent(rid, layer=layer, state="routed", bytes=nbytes,
+                                           experts=len(used), experts_total=total))  # fmt: skip
 
     def queued(self, rid: str, layers: int, resident: tuple[int, ...]) -> None:
         """Every layer of a new request, queued (a resident layer pinned)."""

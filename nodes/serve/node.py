@@ -60,6 +60,7 @@ from tandem.nodes.prefill.planning.ram import DEFAULT_HOST_BUDGET, HostBudget
 from tandem.nodes.serve.connections import EdgeLimits, EdgeRunner
 from tandem.nodes.serve.errors import node_middleware
 from tandem.nodes.serve.metrics import NodeMetrics
+from tandem.nodes.serve.prefill_side import prefill_service, start_prefill
 from tandem.nodes.serve.readings import NodeReadings
 from tandem.nodes.serve.routes import NodeRoutes
 from tandem.nodes.trust.auth import Gate, check_bind, is_loopback
@@ -110,6 +111,7 @@ class NodeConfig:
     tls_dir: Path | None = None  # where this node's certificate and key live (per port)
     limits: EdgeLimits = field(default_factory=EdgeLimits)  # what one client connection holds
     group: Any = None  # decode: rank 0 of a group mlx.launch started (group/launch.GroupLaunch)
+    ranks: tuple[int, int, int] | None = None  # prefill: (rank, ranks, local rank) of torchrun's
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -176,6 +178,7 @@ class Node:
             batching=self.decode.batching() if self.decode is not None else None,
             queue=self.prefill.queue() if self.prefill is not None else None,
             gpu=self.readings.gpu(), mlx_memory=self.readings.mlx_memory(),
+            prefill_ranks=self.prefill.ranks() if self.prefill is not None else None,
         )  # fmt: skip
 
     @property
@@ -234,7 +237,7 @@ def create_app(config: NodeConfig) -> web.Application:
     app[NODE] = node
     NodeRoutes(node).add_routes(app)
     if "prefill" in config.roles:
-        node.prefill = _prefill_service(node)
+        node.prefill = prefill_service(node)
         app.router.add_post("/v1/prefill", node.prefill.handle)
     if "decode" in config.roles:
         if "prefill" not in config.roles:
@@ -264,7 +267,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     node.session = aiohttp.ClientSession()
     try:
         if "prefill" in config.roles:
-            await _start_prefill(node)
+            await start_prefill(node)
         if "decode" in config.roles:
             await _start_decode(node)
         for url in config.peers:
@@ -289,39 +292,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await asyncio.get_running_loop().run_in_executor(None, node.prefill.close)
         await asyncio.get_running_loop().run_in_executor(None, node.readings.close)
         await node.session.close()
-
-
-def _prefill_service(node: Node) -> PrefillService:
-    from tandem.nodes.prefill.engine import PrefillEngine
-    from tandem.nodes.prefill.serving.server import PrefillService
-
-    c = node.config
-
-    def build() -> PrefillEngine:
-        return PrefillEngine(
-            node.index,
-            budget=c.budget,
-            device=c.device,
-            chunk_tokens=c.chunk_tokens,
-            link_gbps=c.link_gbps,
-            host_budget=c.host_budget,
-            prefix_cache=c.prefix_cache,
-            max_prompt_tokens=c.max_prompt_tokens,
-            events=node.events,
-        )
-
-    return PrefillService(build, node.fingerprint, node.events, c.queue_limit, c.net_gbps,
-                          c.stall_timeout_s, c.max_batch_tokens, node.metrics.prefill)  # fmt: skip
-
-
-async def _start_prefill(node: Node) -> None:
-    assert node.prefill is not None
-    engine = await node.prefill.start()
-    node.device = str(engine.device)
-    node.budget_bytes = engine.budget
-    plan = engine.plan
-    node.tiers = WeightTiers(plan.resident_bytes, plan.ram_bytes, plan.disk_bytes)
-    await node.readings.watch_gpu(node.device)
 
 
 def keep_torch_out() -> None:

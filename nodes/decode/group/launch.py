@@ -8,12 +8,10 @@ JACCL (Thunderbolt RDMA) where mlx has it; `mx.distributed.init` finds it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +31,7 @@ from tandem.nodes.decode.group.pipeline import GroupError, Stage, load_stage
 from tandem.nodes.decode.group.proof import join
 from tandem.nodes.decode.group.split import RankShare
 from tandem.nodes.model.spec import load_spec
+from tandem.nodes.serve.parent import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +58,7 @@ def launched() -> GroupLaunch | None:
     return GroupLaunch(int(rank), backend)
 
 
-PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent exits
 LOST_GRACE_S = 3.0  # a lost group answers 503 (and says why) this long, then the node stops
-PARENT_POLL_S = 1.0  # elsewhere: how often the watch looks
-
-
-def die_with_parent() -> None:
-    """SIGTERM to this rank once the process that started it (`mlx.launch`, or a service
-    manager) is gone, however it went (issue 47: a launcher's SIGTERM left both ranks
-    serving). Linux: the kernel's parent-death signal; elsewhere (macOS) a thread watching
-    the parent id."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    else:
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(PARENT_POLL_S)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it went before the signal was asked for
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def init(launch: GroupLaunch) -> Any:

@@ -25,7 +25,7 @@ which the families that have them override.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +35,7 @@ from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.kernels.blocks import LayerState
 from tandem.nodes.prefill.planning.loads import Part
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
+from tandem.nodes.prefill.ranks.shard import WHOLE, Shard
 
 Weights = dict[str, torch.Tensor]  # a part's tensors by short name: views into its slot
 Groups = list[list[Part]] | None  # a layer's loads (each a list of parts), or None: no fit
@@ -52,6 +53,10 @@ class Pass:
     dtype: torch.dtype  # the compute dtype
     # cos, sin [T, D] by layer kind where a kind's differ from `rope` (Gemma 3's "sliding")
     ropes: Mapping[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # two ranks or more (`ranks/`): sums a rank's share of a branch's output over the ranks,
+    # in place, before the branch joins the residual; None for one device
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shard: Shard = WHOLE  # this rank's share of every layer
 
     @property
     def spec(self) -> ModelSpec:
@@ -76,6 +81,12 @@ class PrefillFamily:
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         """The layer's parts uncut, as one load (a resident layer, or a budget that holds it)."""
         raise NotImplementedError
+
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """Rank `shard.rank`'s share of the layer uncut, in compute order (`ranks/shard.py`);
+        a family that does not split refuses two ranks."""
+        raise PrefillError(f"the {self.name} prefill family does not split over ranks yet: "
+                           "serve it on one device")  # fmt: skip
 
     def begin(self, p: Pass, h: torch.Tensor) -> Pass:
         """The pass as this family computes it, given the prompt's embedded rows h [T, H]

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.noaux_moe_config import CORRECTION_BIAS, SHARED
-from tandem.nodes.prefill.families.base import Groups, Pass, Weights
+from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.families.llama import DenseFamily, attn_parts, dequantized, matrix_pieces
 from tandem.nodes.prefill.families.llama import mlp_parts as dense_mlp_parts
 from tandem.nodes.prefill.families.qwen3_5 import _dense_loads, _experts_apart
@@ -64,6 +64,7 @@ class NoauxMoeFamily(DenseFamily):
     overrides the `attention_*` methods (the module docstring's seam)."""
 
     name = "noaux_moe"
+    shard_layer = PrefillFamily.shard_layer  # not split over ranks yet (the base refuses)
     State = MoeState
 
     def attention_parts(self, index: ModelIndex, layer: int) -> list[Part]:

@@ -32,6 +32,7 @@ from tandem.nodes.prefill.kernels.blocks import LayerState, attention_part, mlp_
 from tandem.nodes.prefill.kernels.rope import inv_freq, rms_norm, rope_tables
 from tandem.nodes.prefill.planning.loads import Part, Piece, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, State
+from tandem.nodes.prefill.ranks.shard import Shard
 
 PRE_FF = "pre_feedforward_layernorm.weight"
 POST_ATTN = "post_attention_layernorm.weight"
@@ -62,6 +63,9 @@ class Gemma3Family(DenseFamily):
 
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         return _with_norms(index, super().whole_layer(index, layer))
+
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        return _with_norms(index, super().shard_layer(index, layer, shard))
 
     def begin(self, p: Pass, h: torch.Tensor) -> Pass:
         """Scale the embedded rows h [T, H] in place (mlx-lm: by sqrt(hidden) rounded to
@@ -97,12 +101,13 @@ class Gemma3Family(DenseFamily):
             attention_part(
                 spec, h, state, w, part.lo, part.hi, part.first, p.start, p.rope_of(kind),
                 p.chunk, with_o=whole, window=kind.window,
-                post_norm=w[POST_ATTN] if whole else None,
+                post_norm=w[POST_ATTN] if whole else None, reduce=p.reduce,
             )  # fmt: skip
             return part.last  # the layer's K/V are final: the MLP does not touch them
         whole = part.op == "mlp"
         mlp_part(spec, h, state, w, part.first, p.chunk, part.lo, part.hi, with_down=whole,
-                 norm=PRE_FF, post_norm=w[POST_FF] if whole else None)  # fmt: skip
+                 norm=PRE_FF, post_norm=w[POST_FF] if whole else None,
+                 reduce=p.reduce)  # fmt: skip
         return False
 
     def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
-from tandem.nodes.prefill.families.base import Groups, Pass, Weights
+from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.families.llama import DenseFamily, attn_parts, dequantized, matrix_pieces
 from tandem.nodes.prefill.families.qwen3_moe import (
     MoeState,
@@ -45,6 +45,7 @@ O_BIAS = "self_attn.o_proj.bias"
 
 class GptOssFamily(DenseFamily):
     name = "gpt_oss"
+    shard_layer = PrefillFamily.shard_layer  # not split over ranks yet (the base refuses)
     State = MoeState
 
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:

@@ -27,6 +27,7 @@ from tandem.nodes.prefill.kernels.dequant import (
     temp_bytes_per_row,
 )
 from tandem.nodes.prefill.planning.loads import ALIGN, Part, Piece, round_up, slot_size
+from tandem.nodes.prefill.ranks.shard import Shard
 
 
 class DenseFamily(PrefillFamily):
@@ -38,6 +39,9 @@ class DenseFamily(PrefillFamily):
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         return whole_layer(index, layer)
 
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        return [shard_attention(index, layer, shard), shard_mlp(index, layer, shard)]
+
     def compute(
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
     ) -> bool:
@@ -48,11 +52,11 @@ class DenseFamily(PrefillFamily):
         if part.op in ("attn", "qkv"):
             attention_part(
                 p.spec, h, state, w, part.lo, part.hi, part.first, p.start, p.rope, p.chunk,
-                with_o=part.op == "attn",
+                with_o=part.op == "attn", reduce=p.reduce,
             )  # fmt: skip
             return part.last  # the layer's K/V are final: the MLP does not touch them
         mlp_part(p.spec, h, state, w, part.first, p.chunk, part.lo, part.hi,
-                 with_down=part.op == "mlp")  # fmt: skip
+                 with_down=part.op == "mlp", reduce=p.reduce)  # fmt: skip
         return False
 
 
@@ -93,15 +97,25 @@ def dequantized(p: Pass, part: Part, w: dict[str, torch.Tensor]) -> Mapping[str,
 
 
 def matrix_pieces(
-    index: ModelIndex, i: int, module: str, rows: tuple[int, int] | None = None
-) -> list[Piece]:
+    index: ModelIndex, i: int, module: str, rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None, tag: str = "",
+) -> list[Piece]:  # fmt: skip
     """The pieces holding rows of layer i's `module` weight: the float matrix, or its packed
-    words, scales and (affine) biases (a quantized matrix's rows are whole rows of each)."""
+    words, scales and (affine) biases (a quantized matrix's rows are whole rows of each).
+    `cols`: only input features [c0, c1) (a rank's share, `ranks/shard.py`: multiples of the
+    group size), as the words and groups that hold them; `tag`: the pieces' keys name the
+    module `module@tag` (a second range of one matrix in one part)."""
     t, quant = index.layers[i], index.quant(i, module)
+    name_of = (lambda n: f"{module}@{tag}.{n}") if tag else (lambda n: f"{module}.{n}")
     if quant is None:
-        return [Piece(f"{module}.weight", t[f"{module}.weight"], rows=rows)]
+        return [Piece(name_of("weight"), t[f"{module}.weight"], rows=rows, cols=cols)]
     names = ("weight", "scales", "biases") if quant.biases else ("weight", "scales")
-    return [Piece(f"{module}.{name}", t[f"{module}.{name}"], rows=rows) for name in names]
+    words = groups = None
+    if cols is not None:
+        words = (cols[0] * quant.bits // 32, cols[1] * quant.bits // 32)
+        groups = (cols[0] // quant.group_size, cols[1] // quant.group_size)
+    return [Piece(name_of(name), t[f"{module}.{name}"], rows=rows,
+                  cols=words if name == "weight" else groups) for name in names]  # fmt: skip
 
 
 ROW_UNIT = 64  # rows: a cut matrix's ranges start at multiples of this (even GEMM shapes,
@@ -124,34 +138,41 @@ def row_unit(index: ModelIndex, i: int, module: str) -> int:
 def attn_parts(index: ModelIndex, i: int, groups: int, with_o: bool) -> list[Part]:
     """Attention in `groups` KV-head groups: one "attn" part holding o_proj too (`with_o`,
     groups == 1), else "qkv" parts."""
-    spec, t = index.spec, index.layers[i]
-    rep, hd = spec.num_heads // spec.num_kv_heads, spec.head_dim
-    bounds = _bounds(spec.num_kv_heads, groups)
+    bounds = _bounds(index.spec.num_kv_heads, groups)
     parts = []
     for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
-        q_rows, kv_rows = (lo * rep * hd, hi * rep * hd), (lo * hd, hi * hd)
-        pieces = [Piece("input_layernorm.weight", t["input_layernorm.weight"])] if g == 0 else []
-        pieces += [
-            *matrix_pieces(index, i, "self_attn.q_proj", rows=q_rows),
-            *matrix_pieces(index, i, "self_attn.k_proj", rows=kv_rows),
-            *matrix_pieces(index, i, "self_attn.v_proj", rows=kv_rows),
-        ]
-        if spec.attention_bias:
-            pieces += [
-                Piece("self_attn.q_proj.bias", t["self_attn.q_proj.bias"], rows=q_rows),
-                Piece("self_attn.k_proj.bias", t["self_attn.k_proj.bias"], rows=kv_rows),
-                Piece("self_attn.v_proj.bias", t["self_attn.v_proj.bias"], rows=kv_rows),
-            ]
-        if spec.qk_norm:
-            pieces += [
-                Piece("self_attn.q_norm.weight", t["self_attn.q_norm.weight"]),
-                Piece("self_attn.k_norm.weight", t["self_attn.k_norm.weight"]),
-            ]
+        pieces = qkv_pieces(index, i, lo, hi, norm=g == 0)
         if with_o:
             pieces += matrix_pieces(index, i, "self_attn.o_proj")
         last = g == len(bounds) - 2
         parts.append(Part(i, "attn" if with_o else "qkv", lo, hi, g == 0, last, tuple(pieces)))
     return parts
+
+
+def qkv_pieces(index: ModelIndex, i: int, lo: int, hi: int, norm: bool) -> list[Piece]:
+    """KV heads [lo, hi)'s rows of q/k/v (and their biases, the q/k norms), after the input
+    norm where `norm`."""
+    spec, t = index.spec, index.layers[i]
+    rep, hd = spec.num_heads // spec.num_kv_heads, spec.head_dim
+    q_rows, kv_rows = (lo * rep * hd, hi * rep * hd), (lo * hd, hi * hd)
+    pieces = [Piece("input_layernorm.weight", t["input_layernorm.weight"])] if norm else []
+    pieces += [
+        *matrix_pieces(index, i, "self_attn.q_proj", rows=q_rows),
+        *matrix_pieces(index, i, "self_attn.k_proj", rows=kv_rows),
+        *matrix_pieces(index, i, "self_attn.v_proj", rows=kv_rows),
+    ]
+    if spec.attention_bias:
+        pieces += [
+            Piece("self_attn.q_proj.bias", t["self_attn.q_proj.bias"], rows=q_rows),
+            Piece("self_attn.k_proj.bias", t["self_attn.k_proj.bias"], rows=kv_rows),
+            Piece("self_attn.v_proj.bias", t["self_attn.v_proj.bias"], rows=kv_rows),
+        ]
+    if spec.qk_norm:
+        pieces += [
+            Piece("self_attn.q_norm.weight", t["self_attn.q_norm.weight"]),
+            Piece("self_attn.k_norm.weight", t["self_attn.k_norm.weight"]),
+        ]
+    return pieces
 
 
 def mlp_parts(index: ModelIndex, i: int, groups: int, with_down: bool, unit: int = 1) -> list[Part]:
@@ -188,6 +209,38 @@ def out_row_parts(
         pieces = tuple(matrix_pieces(index, i, module, rows=(lo, hi)))
         parts.append(Part(i, op, lo, hi, g == 0, g == len(bounds) - 2, pieces))
     return parts
+
+
+def shard_attention(index: ModelIndex, i: int, shard: Shard) -> Part:
+    """Rank `shard`'s attention: its KV heads' q/k/v rows and o_proj's columns for them."""
+    spec, t = index.spec, index.layers[i]
+    lo, hi = shard.range(spec.num_kv_heads)
+    width = spec.num_heads // spec.num_kv_heads * spec.head_dim  # a KV head's query features
+    pieces = qkv_pieces(index, i, lo, hi, norm=True)
+    pieces += matrix_pieces(index, i, "self_attn.o_proj", cols=(lo * width, hi * width))
+    if "self_attn.o_proj.bias" in t:  # added once, after the sum (`attention_part`)
+        pieces.append(Piece("self_attn.o_proj.bias", t["self_attn.o_proj.bias"]))
+    return Part(i, "attn", lo, hi, True, True, tuple(pieces))
+
+
+def shard_unit(index: ModelIndex, i: int, module: str) -> int:
+    """Input features a rank's columns of layer i's `module` start at multiples of: its
+    groups' (a quantized matrix), else 8."""
+    quant = index.quant(i, module)
+    return 8 if quant is None else quant.group_size
+
+
+def shard_mlp(index: ModelIndex, i: int, shard: Shard) -> Part:
+    """Rank `shard`'s MLP: its intermediate rows of gate/up and down_proj's columns."""
+    t = index.layers[i]
+    lo, hi = shard.range(index.spec.intermediate_size, shard_unit(index, i, "mlp.down_proj"))
+    pieces = [
+        Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"]),
+        *matrix_pieces(index, i, "mlp.gate_proj", rows=(lo, hi)),
+        *matrix_pieces(index, i, "mlp.up_proj", rows=(lo, hi)),
+        *matrix_pieces(index, i, "mlp.down_proj", cols=(lo, hi)),
+    ]
+    return Part(i, "mlp", lo, hi, True, True, tuple(pieces))
 
 
 def whole_layer(index: ModelIndex, i: int) -> list[Part]:

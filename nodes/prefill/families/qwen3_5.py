@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
-from tandem.nodes.model.spec import LayerKind
+from tandem.nodes.model.qwen3_5_config import LinearSpec
+from tandem.nodes.model.spec import LayerKind, ModelSpec
 from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.families.llama import (
     _in_units,
@@ -38,18 +39,22 @@ from tandem.nodes.prefill.families.llama import (
     mlp_parts,
     out_row_parts,
     row_unit,
+    shard_mlp,
+    shard_unit,
 )
 from tandem.nodes.prefill.families.qwen3_moe import (
     MoeState,
     Qwen3MoeFamily,
     _route,
     moe_parts,
+    shard_experts,
 )
 from tandem.nodes.prefill.kernels.blocks import LayerState, _attend, fused_attention, mlp_part
 from tandem.nodes.prefill.kernels.linear_mixer import linear_mixer
 from tandem.nodes.prefill.kernels.rope import apply_rope, inv_freq, rms_norm, rope_tables
 from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
+from tandem.nodes.prefill.ranks.shard import Shard
 
 OFFSET_NORMS = frozenset({"input_layernorm.weight", "post_attention_layernorm.weight",
                           "self_attn.q_norm.weight", "self_attn.k_norm.weight"})  # fmt: skip
@@ -71,6 +76,26 @@ class Qwen35Family(PrefillFamily):
 
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         return [mixer_part(index, layer), *_mlp(index, layer)]
+
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """The rank's heads of the mixer (`shard_mixer`); its rows of a dense MLP, or the
+        router, its rows of the shared expert and its block of the experts."""
+        mixer = shard_mixer(index, layer, shard)
+        if not _sparse(index, layer):
+            return [mixer, shard_mlp(index, layer, shard)]
+        router, *experts = shard_experts(index, layer, shard)
+        moe = index.spec.moe
+        assert moe is not None
+        if not moe.shared_intermediate_size:
+            return [mixer, router, *experts]
+        lo, hi = shard.range(moe.shared_intermediate_size, shard_unit(index, layer, SHARED[2]))
+        pieces = (
+            *matrix_pieces(index, layer, SHARED[0], rows=(lo, hi)),
+            *matrix_pieces(index, layer, SHARED[1], rows=(lo, hi)),
+            *matrix_pieces(index, layer, SHARED[2], cols=(lo, hi)),
+            *(pc for m in SHARED[3:] for pc in matrix_pieces(index, layer, m)),
+        )
+        return [mixer, router, Part(layer, "shared", lo, hi, True, True, pieces), *experts]
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         """A dense layer whole where it fits a slot, else its mixer, then its MLP cut as the
@@ -116,6 +141,10 @@ class Qwen35Family(PrefillFamily):
             conv = torch.zeros(lin.conv_kernel - 1, lin.conv_dim, dtype=p.dtype, device=device)
             shape = (lin.num_v_heads, lin.head_v_dim, lin.head_k_dim)
             recurrent = torch.zeros(shape, dtype=torch.float32, device=device)
+        if p.shard.world > 1:  # the rank's channels and heads
+            channels, _, heads = linear_ranges(lin, p.shard)
+            conv = torch.cat([conv[:, a:b] for a, b in channels], dim=1)
+            recurrent = recurrent[heads[0] : heads[1]].clone()
         return Qwen35State(empty, empty, conv=conv, recurrent=recurrent)
 
     def compute(
@@ -131,13 +160,18 @@ class Qwen35Family(PrefillFamily):
             x = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
             assert spec.linear is not None and state.conv is not None
             assert state.recurrent is not None
+            lin = spec.linear
+            if p.shard.world > 1:  # the rank's heads
+                g = lin.num_v_heads // lin.num_k_heads
+                lin = replace(lin, num_k_heads=(part.hi - part.lo) // g,
+                              num_v_heads=part.hi - part.lo)  # fmt: skip
             out, state.conv, state.recurrent = linear_mixer(
-                x, w, spec.linear, spec.rms_norm_eps, state.conv, state.recurrent, p.chunk
+                x, w, lin, spec.rms_norm_eps, state.conv, state.recurrent, p.chunk
             )
-            h += out
+            h += out if p.reduce is None else p.reduce(out)
             return True  # the state is final
         if part.op == "attn":
-            _gated_attention(p, h, state, w)
+            _gated_attention(p, h, state, w, part.lo, part.hi)
             return True  # the K/V are final
         if part.op == "router":
             _route(p, part, w, h, state)
@@ -145,7 +179,7 @@ class Qwen35Family(PrefillFamily):
             _shared(p, w, state)
         else:
             mlp_part(spec, h, state, w, part.first, p.chunk, part.lo, part.hi,
-                     with_down=part.op == "mlp")  # fmt: skip
+                     with_down=part.op == "mlp", reduce=p.reduce)  # fmt: skip
         return False
 
     def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:
@@ -153,7 +187,19 @@ class Qwen35Family(PrefillFamily):
             return super().handover(p, kind, layer, state)
         assert isinstance(state, Qwen35State)
         assert state.conv is not None and state.recurrent is not None
-        return {"conv": state.conv[None], "recurrent": state.recurrent[None]}
+        conv, recurrent = state.conv, state.recurrent
+        if p.shard.world > 1:  # the rank's share in place, zeros elsewhere (summed in rank 0)
+            lin = p.spec.linear
+            assert lin is not None
+            channels, _, (a, b) = linear_ranges(lin, p.shard)
+            conv = conv.new_zeros(lin.conv_kernel - 1, lin.conv_dim)
+            at = 0
+            for c0, c1 in channels:
+                conv[:, c0:c1] = state.conv[:, at : at + c1 - c0]
+                at += c1 - c0
+            recurrent = recurrent.new_zeros(lin.num_v_heads, *recurrent.shape[1:])
+            recurrent[a:b] = state.recurrent
+        return {"conv": conv[None], "recurrent": recurrent[None]}
 
 
 def _experts_apart(last: Part, part: Part) -> bool:
@@ -181,6 +227,59 @@ def mixer_part(index: ModelIndex, i: int) -> Part:
         pieces += matrix_pieces(index, i, f"self_attn.{m}")
     pieces += [Piece(n, t[n]) for n in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")]
     return Part(i, "attn", 0, index.spec.num_kv_heads, True, True, tuple(pieces))
+
+
+def shard_mixer(index: ModelIndex, i: int, shard: Shard) -> Part:
+    """Rank `shard`'s mixer: a full layer's KV heads (q/gate, k, v rows; o_proj's columns);
+    a linear layer's key heads with their value heads: q, k and v's rows of in_proj_qkv and
+    the conv (three ranges: `module`, `module@k`, `module@v`), z/b/a rows, the decays'
+    entries, out_proj's columns. Its lo/hi: KV heads, or value heads."""
+    spec, t = index.spec, index.layers[i]
+    norm = Piece("input_layernorm.weight", t["input_layernorm.weight"])
+    if spec.layer_kinds[i].kind != "linear":
+        lo, hi = shard.range(spec.num_kv_heads)
+        q, kv = _head_rows(spec, lo, hi)
+        pieces = [norm, *matrix_pieces(index, i, "self_attn.q_proj", rows=(2 * q[0], 2 * q[1])),
+                  *matrix_pieces(index, i, "self_attn.k_proj", rows=kv),
+                  *matrix_pieces(index, i, "self_attn.v_proj", rows=kv),
+                  *matrix_pieces(index, i, "self_attn.o_proj", cols=q)]  # fmt: skip
+        pieces += [Piece(n, t[n]) for n in ("self_attn.q_norm.weight", "self_attn.k_norm.weight")]
+        return Part(i, "attn", lo, hi, True, True, tuple(pieces))
+    lin = spec.linear
+    assert lin is not None
+    channels, values, heads = linear_ranges(lin, shard)
+    pieces = [norm]
+    for tag, rows in zip(("", "k", "v"), channels, strict=True):
+        pieces += matrix_pieces(index, i, "linear_attn.in_proj_qkv", rows=rows, tag=tag)
+        key = "linear_attn.conv1d" + (f"@{tag}" if tag else "")
+        pieces.append(Piece(f"{key}.weight", t["linear_attn.conv1d.weight"], rows=rows))
+    pieces += matrix_pieces(index, i, "linear_attn.in_proj_z", rows=values)
+    for m in ("in_proj_b", "in_proj_a"):
+        pieces += matrix_pieces(index, i, f"linear_attn.{m}", rows=heads)
+    pieces += matrix_pieces(index, i, "linear_attn.out_proj", cols=values)
+    pieces += [Piece(f"linear_attn.{n}", t[f"linear_attn.{n}"], rows=heads)
+               for n in ("dt_bias", "A_log")]  # fmt: skip
+    pieces.append(Piece("linear_attn.norm.weight", t["linear_attn.norm.weight"]))
+    return Part(i, "linear", heads[0], heads[1], True, True, tuple(pieces))
+
+
+Range = tuple[int, int]
+
+
+def linear_ranges(lin: LinearSpec, shard: Shard) -> tuple[list[Range], Range, Range]:
+    """A rank's share of a linear layer, by its key heads: (its channels of q, k and v in the
+    conv's [C] (in_proj_qkv's rows), its value features, its value heads)."""
+    a, b = shard.range(lin.num_k_heads)
+    g, dk, dv, kd = lin.num_v_heads // lin.num_k_heads, lin.head_k_dim, lin.head_v_dim, lin.key_dim
+    channels = [(a * dk, b * dk), (kd + a * dk, kd + b * dk),
+                (2 * kd + a * g * dv, 2 * kd + b * g * dv)]  # fmt: skip
+    return channels, (a * g * dv, b * g * dv), (a * g, b * g)
+
+
+def _head_rows(spec: ModelSpec, lo: int, hi: int) -> tuple[Range, Range]:
+    """KV heads [lo, hi)'s query features and key/value features."""
+    width = spec.num_heads // spec.num_kv_heads * spec.head_dim
+    return (lo * width, hi * width), (lo * spec.head_dim, hi * spec.head_dim)
 
 
 def _mlp(index: ModelIndex, i: int) -> list[Part]:
@@ -215,12 +314,14 @@ def _dense_loads(index: ModelIndex, i: int, max_bytes: int, direct: bool) -> Gro
 
 
 def _gated_attention(
-    p: Pass, h: torch.Tensor, state: LayerState, w: Mapping[str, torch.Tensor]
+    p: Pass, h: torch.Tensor, state: LayerState, w: Mapping[str, torch.Tensor], lo: int, hi: int
 ) -> None:
-    """The whole attention, gated: its K/V into the state, o_proj(heads · sigmoid(gate))
-    added into h [T, H]. RoPE on each head's first `rot` dims (q [nh, T, D])."""
+    """The attention of KV heads [lo, hi) (all, or a rank's), gated: its K/V into the state,
+    o_proj(heads · sigmoid(gate)) added into h [T, H] (summed over the ranks first). RoPE on
+    each head's first `rot` dims (q [nh, T, D])."""
     spec, T = p.spec, h.shape[0]
-    D, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    D, nkv = spec.head_dim, hi - lo
+    nh = nkv * spec.num_heads // spec.num_kv_heads
     x = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
     qg = F.linear(x, w["self_attn.q_proj.weight"]).view(T, nh, 2 * D)
     gate = qg[..., D:].reshape(T, nh * D)
@@ -234,14 +335,17 @@ def _gated_attention(
     q[..., :rot] = apply_rope(q[..., :rot], cos, sin)
     k = k.contiguous()
     k[..., :rot] = apply_rope(k[..., :rot], cos, sin)
-    state.k[0, :, p.start :] = k
-    state.v[0, :, p.start :] = v
+    state.k[0, lo:hi, p.start :] = k
+    state.v[0, lo:hi, p.start :] = v
     q_chunk = T if fused_attention(h.device.type, h.element_size(), D) else p.chunk
     for c0 in range(0, T, q_chunk):
         c1 = min(T, c0 + q_chunk)
-        heads = _attend(q, state, 0, nkv, p.start, c0, c1, D**-0.5)  # [c, nh, D]
+        heads = _attend(q, state, lo, hi, p.start, c0, c1, D**-0.5)  # [c, nh, D]
         out = heads.reshape(c1 - c0, nh * D) * torch.sigmoid(gate[c0:c1])
-        h[c0:c1].addmm_(out, w["self_attn.o_proj.weight"].t())
+        if p.reduce is None:
+            h[c0:c1].addmm_(out, w["self_attn.o_proj.weight"].t())
+        else:
+            h[c0:c1] += p.reduce(out @ w["self_attn.o_proj.weight"].t())
 
 
 def _shared(p: Pass, w: Mapping[str, torch.Tensor], state: LayerState) -> None:

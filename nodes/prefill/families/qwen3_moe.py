@@ -42,11 +42,13 @@ from tandem.nodes.prefill.families.llama import (
     matrix_pieces,
     out_row_parts,
     row_unit,
+    shard_attention,
 )
 from tandem.nodes.prefill.kernels.blocks import LayerState
 from tandem.nodes.prefill.kernels.experts import compute_experts
 from tandem.nodes.prefill.kernels.rope import rms_norm
 from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
+from tandem.nodes.prefill.ranks.shard import Shard, last_of
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
 FUSED = ("gate_up_proj", "down_proj")  # Hugging Face's Qwen3.5-MoE experts
@@ -82,6 +84,13 @@ class Qwen3MoeFamily(DenseFamily):
         if not _sparse(index, layer):
             return super().whole_layer(index, layer)
         return attn_parts(index, layer, 1, with_o=True) + moe_parts(index, layer)
+
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """The rank's attention; a sparse layer's router whole, then the rank's block of the
+        experts (`shard_experts`)."""
+        if not _sparse(index, layer):
+            return super().shard_layer(index, layer, shard)
+        return [shard_attention(index, layer, shard), *shard_experts(index, layer, shard)]
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         """A sparse layer streams as its attention (cut as the dense family cuts it) with the
@@ -127,6 +136,16 @@ class Qwen3MoeFamily(DenseFamily):
             _route(p, part, weights, h, state)
             return False
         return super().compute(p, part, weights, h, state)
+
+
+def shard_experts(index: ModelIndex, i: int, shard: Shard) -> list[Part]:
+    """The router (every rank routes every token), then the rank's block of the experts, its
+    last marked last (their sum is reduced over the ranks there)."""
+    moe = index.spec.moe
+    assert moe is not None
+    lo, hi = shard.range(moe.num_experts)
+    router, *experts = moe_parts(index, i)
+    return last_of([router, *(p for p in experts if lo <= p.lo < hi)])
 
 
 def _sparse(index: ModelIndex, layer: int) -> bool:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from tandem.nodes.model.spec import ModelSpec
 from tandem.nodes.prefill.kernels.rope import apply_rope, rms_norm
 from tandem.nodes.prefill.kernels.sinks import sink_attention
-from tandem.nodes.prefill.prefix_upload import AHEAD as PREFIX_AHEAD
 
 
 @dataclass
@@ -47,12 +46,15 @@ def attention_part(
     with_o: bool = True,
     window: int | None = None,
     post_norm: torch.Tensor | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Attention over KV heads [kv_lo, kv_hi): writes their K/V; `with_o` (all heads, o_proj
     among w) adds o_proj of the output into h, else keeps the heads' output in `state.out`
     for the o parts (`out_rows_part`). `window`: a sliding layer's, each query attending to
     that many positions up to its own; `post_norm`: the weight of an RMSNorm of o_proj's
-    output before it joins h (Gemma 3). The scale is `attention_scale(spec)`."""
+    output before it joins h (Gemma 3). The scale is `attention_scale(spec)`. `reduce`: a
+    rank's heads with o_proj's columns for them (`ranks/`): their output summed over the
+    ranks, then the bias and the norm, then into h."""
     T, D = h.shape[0], spec.head_dim
     if first:
         state.x_norm = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
@@ -72,7 +74,12 @@ def attention_part(
     for c0 in range(0, T, q_chunk):
         c1 = min(T, c0 + q_chunk)
         heads = _attend(q, state, kv_lo, kv_hi, start, c0, c1, scale, window, sinks)  # [c,nq,D]
-        if with_o and spec.output_bias:  # o_proj with its bias, then into the residual
+        if with_o and reduce is not None:  # a rank's heads: its share of o_proj's output
+            r = reduce(heads.reshape(c1 - c0, -1) @ w["self_attn.o_proj.weight"].t())  # [c, H]
+            if spec.output_bias:
+                r += w["self_attn.o_proj.bias"]
+            h[c0:c1] += r if post_norm is None else rms_norm(r, post_norm, spec.rms_norm_eps)
+        elif with_o and spec.output_bias:  # o_proj with its bias, then into the residual
             o, bias = w["self_attn.o_proj.weight"], w["self_attn.o_proj.bias"]
             h[c0:c1] += torch.addmm(bias, heads.reshape(c1 - c0, -1), o.t())
         elif with_o and post_norm is None:  # o_proj: the last weight asked for (see dequant)
@@ -203,12 +210,14 @@ def mlp_part(
     with_down: bool = True,
     norm: str = "post_attention_layernorm.weight",
     post_norm: torch.Tensor | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """SwiGLU over intermediate features [lo, hi), in token chunks: `with_down` (all of them,
     down_proj among w) adds down_proj of the activation into h, else keeps the activation's
     columns in `state.out` for the down parts (`out_rows_part`). `norm`: the input norm's
     weight in w; a `gelu_pytorch_tanh` spec gates with GELU-tanh (Gemma 3), whose
-    `post_norm` weight norms down_proj's output before it joins h."""
+    `post_norm` weight norms down_proj's output before it joins h. `reduce`: a rank's rows
+    with down_proj's columns for them (`ranks/`), summed over the ranks before the norm."""
     if first:
         state.x_norm = rms_norm(h, w[norm], spec.rms_norm_eps)
         if not with_down:
@@ -222,7 +231,12 @@ def mlp_part(
         # each weight asked for right before its use: a quantized one may share its scratch
         gate = _gate(spec, F.linear(xc, w["mlp.gate_proj.weight"]))
         up = F.linear(xc, w["mlp.up_proj.weight"])  # [c, hi - lo]
-        if with_down and post_norm is None:
+        if with_down and reduce is not None:
+            r = reduce(gate.mul_(up) @ w["mlp.down_proj.weight"].t())  # [c, H]
+            h[c0 : c0 + chunk] += (
+                r if post_norm is None else rms_norm(r, post_norm, spec.rms_norm_eps)
+            )
+        elif with_down and post_norm is None:
             act = gate.mul_(up)
             h[c0 : c0 + chunk].addmm_(act, w["mlp.down_proj.weight"].t())
         elif with_down:
@@ -254,9 +268,6 @@ def out_rows_part(
         h[c0 : c0 + chunk, lo:hi].addmm_(kept[c0 : c0 + chunk], weight.t())
     if last:
         state.out = None
-
-
-CUDA_SLACK = (1.25, 256 << 20)  # ×, + bytes: cuBLAS workspaces, allocator rounding, rope tables
 
 
 FLASH_CAPABILITY = (8, 0)  # flash attention's CUDA kernels: Ampere and later
@@ -292,109 +303,3 @@ def cuda_capability() -> tuple[int, int] | None:
         return None
     major, minor = torch.cuda.get_device_capability()
     return major, minor
-
-
-def math_attention_bytes(nq: int, nkv: int, c: int, S: int, D: int, itemsize: int) -> int:
-    """Peak bytes SDPA's MATH kernel (torch 2.13) holds for c queries over S keys. It works
-    in float32 whatever the input: K and V widened, then repeated to every query head (GQA),
-    K scaled (a third K-sized buffer, until the scores are made), q widened and scaled, the
-    mask in the input dtype; then score-sized buffers [nq, c, S]. Its peak is the larger of
-    two moments: the scores' product with the three K/V-sized buffers alive, or two score
-    buffers (masked scores, their softmax) beside K (scaled) and V. Measured op by op on the
-    CPU for four shapes (tests/test_activation_reserve.py)."""
-    fp32 = 4
-    widened = 2 * nkv * S * D * fp32  # K and V in float32, before the repeat
-    kv = nq * S * D * fp32  # one of K, K scaled, V repeated to every query head
-    scores = nq * c * S * fp32
-    queries = 2 * nq * c * D * fp32  # q in float32, and scaled
-    peak = max(3 * kv + scores, 2 * kv + 2 * scores)
-    return widened + peak + queries + c * S * itemsize
-
-
-def activation_bytes(
-    spec: ModelSpec,
-    count: int,
-    start: int,
-    chunk: int,
-    itemsize: int,
-    device_type: str = "cpu",
-    cut_ops: bool = True,
-) -> int:
-    """Upper bound on device bytes of activations while one layer computes, for `count` new
-    tokens after `start`, as `attention_part` computes them on a `device_type` device: all
-    queries at once through a fused kernel that never holds the score matrix
-    (`fused_attention`), else query chunks of `chunk` with [heads, chunk, S] scores. On CUDA
-    also the previous layer's K/V still on its way to the host, and `CUDA_SLACK`. `cut_ops`:
-    the plan cuts an op into row ranges, whose output is kept across its parts."""
-    cuda = device_type == "cuda"
-    T, S, H, D = count, start + count, spec.hidden_size, spec.head_dim
-    nq, nkv = spec.num_heads, spec.num_kv_heads
-    c = min(chunk, T)
-    kv = 2 * nkv * S * D * itemsize  # the layer's K/V
-    base = 2 * T * H * itemsize + kv + 2 * T * D * 4  # h, x_norm, K/V, rope tables (fp32)
-    if cut_ops:
-        base += T * max(nq * D, spec.intermediate_size) * itemsize  # a cut op's kept output
-    qkv = T * (nq + 2 * nkv) * D * itemsize
-    rope = 3 * c * nq * D * 4  # float32 copies of one chunk of q
-    if fused_attention(device_type, itemsize, D):
-        attn = qkv + max(rope, 2 * T * nq * D * itemsize + T * H * itemsize)  # out, o_proj
-    else:  # on CUDA SDPA may take its MATH kernel (a pre-Ampere card): count what it holds
-        scores = (
-            math_attention_bytes(nq, nkv, c, S, D, itemsize) if cuda else 2 * nq * c * S * itemsize
-        )
-        attn = qkv + max(rope, scores + c * (nq * D + H) * itemsize)
-    windows = [k.window for k in spec.layer_kinds if k.window is not None]
-    if windows:  # sliding layers: their rope tables, query chunks over the band and its mask
-        base += 2 * T * D * 4
-        keys = min(S, c + max(windows) - 1)
-        band = (2 * nq * itemsize + 1) * c * keys  # scores and the boolean band
-        if cuda:  # the keys repeated to every query head (`band_attention`), and the mask
-            # as the efficient kernel's bias; where SDPA may still take MATH (a pre-Ampere
-            # card, fp32), its worst case
-            band += 2 * nq * keys * D * itemsize + c * keys * itemsize
-            if not fused_attention(device_type, itemsize, D):
-                band = max(band, math_attention_bytes(nq, nq, c, keys, D, itemsize))
-        attn = max(attn, qkv + max(rope, band + c * (nq * D + H) * itemsize))
-    if cuda:
-        base += kv  # the previous layer's K/V until its copy to the host is done
-        base += PREFIX_AHEAD * 2 * nkv * start * D * itemsize  # prefixes on their way in
-    mlp = c * (3 * spec.intermediate_size + H) * itemsize
-    if spec.post_norms:  # a branch's output [c, H] and its float32 norm; cut: kept [T, H]
-        base += T * H * itemsize if cut_ops else 0
-        attn, mlp = attn + 3 * c * H * 4, mlp + 3 * c * H * 4
-    if spec.moe is not None:  # a sparse layer: its routes and float32 sum of the experts'
-        # outputs; one expert's SwiGLU over every token at worst (a token picks each once)
-        base += T * H * 4 + T * spec.moe.experts_per_token * (8 + itemsize)
-        mlp = max(mlp, T * (2 * H + 2 * spec.moe.intermediate_size) * itemsize + T * H * 4)
-    if (m := spec.mla) is not None:  # every head's keys and values decompressed, q, scores
-        widths = m.q_dim + m.v_dim + m.nope_dim  # keys, values, keys before the rope joins
-        attn = nq * (S * widths + T * (m.q_dim + m.v_dim) + 2 * c * S) * itemsize
-    if spec.attention_sinks:  # gpt-oss: the queries, keys and values copied a dim wider
-        dp, q_at_once = -(-(D + 1) // 8) * 8, T if fused_attention(device_type, itemsize, D) else c
-        attn += (q_at_once * nq + 2 * nkv * (S + 1)) * dp * itemsize
-    if spec.attn_output_gate:  # Qwen3.5: q_proj's gate rows, kept beside the queries
-        attn += T * nq * D * itemsize + c * nq * D * itemsize
-    if spec.linear is not None:
-        attn = max(attn, linear_mixer_bytes(spec, T, c, itemsize))
-    total = base + max(attn, mlp)
-    if cuda:
-        return int(total * CUDA_SLACK[0]) + CUDA_SLACK[1]
-    return total
-
-
-def linear_mixer_bytes(spec: ModelSpec, T: int, c: int, itemsize: int) -> int:
-    """A linear-attention layer's mixer (`linear_mixer.py`) in blocks of c tokens: its output
-    [T, H]; per block the projections, the conv's input and float32 sum, q/k/v, z and the
-    gated norm's float32 copies; the delta rule's per-chunk [Hv, 64, 64] matrices and [Hv,
-    64, D] pseudo-values in float32; the old and new recurrent state."""
-    lin = spec.linear
-    assert lin is not None
-    C, Hv, Dmax = lin.conv_dim, lin.num_v_heads, max(lin.head_k_dim, lin.head_v_dim)
-    block = c * C * (3 * itemsize + 2 * 4) + c * lin.value_dim * (itemsize + 3 * 4)
-    rule = 6 * c * Hv * 64 * 4 + 4 * c * Hv * Dmax * 4
-    return (
-        T * spec.hidden_size * itemsize
-        + block
-        + rule
-        + 2 * Hv * lin.head_v_dim * lin.head_k_dim * 4
-    )

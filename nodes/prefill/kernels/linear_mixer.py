@@ -9,7 +9,8 @@ C = conv_dim = 2·key_dim + value_dim, K = conv_kernel.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +41,14 @@ def linear_mixer(
     for c0 in range(0, x.shape[0], chunk):
         c1 = min(x.shape[0], c0 + chunk)
         xb, c = x[c0:c1], c1 - c0  # this block [c, H]
-        qkv = F.linear(xb, w["linear_attn.in_proj_qkv.weight"])  # [c, C]
+        qkv = _ranges(w, "linear_attn.in_proj_qkv", partial(F.linear, xb), -1)  # [c, C]
         z = F.linear(xb, w["linear_attn.in_proj_z.weight"])  # [c, value_dim]
         b = F.linear(xb, w["linear_attn.in_proj_b.weight"])  # [c, Hv]
         a = F.linear(xb, w["linear_attn.in_proj_a.weight"])  # [c, Hv]
         conv_in = torch.cat([conv_state, qkv])  # [K-1+c, C]
         conv_state = conv_in[c:].clone()  # the last K-1 rows
-        mixed = F.silu(_causal_conv(conv_in, w["linear_attn.conv1d.weight"], lin.conv_kernel))
+        taps = _ranges(w, "linear_attn.conv1d", lambda m: m, 0)
+        mixed = F.silu(_causal_conv(conv_in, taps, lin.conv_kernel))
         q, k, v = mixed.split([lin.key_dim, lin.key_dim, lin.value_dim], dim=-1)
         q = q.reshape(c, lin.num_k_heads, lin.head_k_dim)
         k = k.reshape(c, lin.num_k_heads, lin.head_k_dim)
@@ -58,6 +60,17 @@ def linear_mixer(
         y = gated_rms_norm(y, z.view(y.shape), w["linear_attn.norm.weight"], eps)
         out[c0:c1] = F.linear(y.reshape(c, lin.value_dim), w["linear_attn.out_proj.weight"])
     return out, conv_state, ssm_state
+
+
+def _ranges(
+    w: Mapping[str, Tensor], module: str, f: Callable[[Tensor], Tensor], dim: int
+) -> Tensor:
+    """f of `module`'s weight; a rank's share of q, k and v (`module`, `module@k`, `module@v`:
+    three row ranges, `ranks/shard.py`) concatenated along `dim`."""
+    out = f(w[f"{module}.weight"])
+    if f"{module}@k.weight" not in w:
+        return out
+    return torch.cat([out, f(w[f"{module}@k.weight"]), f(w[f"{module}@v.weight"])], dim=dim)
 
 
 def _causal_conv(conv_in: Tensor, weight: Tensor, kernel: int) -> Tensor:

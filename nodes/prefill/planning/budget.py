@@ -11,7 +11,8 @@ from tandem.nodes.contract.http import DEFAULT_CHUNK_TOKENS
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.safetensors_format import ITEMSIZE
 from tandem.nodes.model.spec import ModelSpec
-from tandem.nodes.prefill.kernels.blocks import activation_bytes
+from tandem.nodes.prefill.families import PrefillFamily
+from tandem.nodes.prefill.planning.activations import activation_bytes
 from tandem.nodes.prefill.planning.plan import Plan, make_plan
 
 DEFAULT_MAX_PROMPT_TOKENS = 8192  # CUDA: the longest prompt whose activations are reserved
@@ -49,7 +50,7 @@ def prompt_activations(
 
 def plan_for_prompts(
     index: ModelIndex, budget: int, tokens: int | None, device: str,
-    chunk: int = DEFAULT_CHUNK_TOKENS,
+    chunk: int = DEFAULT_CHUNK_TOKENS, family: PrefillFamily | None = None,
 ) -> Plan:  # fmt: skip
     """The plan a node makes for `budget` bytes with room kept for the activations of a
     `tokens` prompt (none for None), its loads laid out for O_DIRECT reads (straight into the
@@ -60,16 +61,18 @@ def plan_for_prompts(
     def plan(cut_ops: bool) -> Plan:
         itemsize = ITEMSIZE[index.dtype]
         reserve = prompt_activations(index.spec, tokens or 0, 0, chunk, itemsize, device, cut_ops)
-        return make_plan(index, budget, direct=True, reserve=reserve)
+        return make_plan(index, budget, direct=True, reserve=reserve, family=family)
 
     whole = plan(cut_ops=False)
     return plan(cut_ops=True) if whole.cuts_ops and whole.reserve_bytes else whole
 
 
-def default_budget(index: ModelIndex, device: torch.device, reserve: int = 0) -> int:
+def default_budget(
+    index: ModelIndex, device: torch.device, reserve: int = 0, family: PrefillFamily | None = None
+) -> int:
     """80% of free device memory, or what the whole model takes resident (its weights, a
     quantized model's scratch, and `reserve` bytes of activations) when that is smaller."""
-    whole = make_plan(index, 1 << 62, direct=True).device_bytes + reserve
+    whole = make_plan(index, 1 << 62, direct=True, family=family).device_bytes + reserve
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:

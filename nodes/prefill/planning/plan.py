@@ -57,6 +57,16 @@ class Plan:
     resident_float_bytes: int = 0
     resident_floats: frozenset[int] = frozenset()  # seqs of the resident loads kept in float
 
+    def describe(self, reserve: int, max_prompt: int | None, pinned: int) -> str:
+        """The plan in one line, for the node's log."""
+        return (
+            f"plan: {self.granularity} granularity, {self.n_slots} ring slots of "
+            f"{self.slot_bytes} B, resident layers {list(self.resident_layers)}, pool "
+            f"{self.pool_bytes} B + scratch {self.scratch_bytes} B + activations {reserve} B "
+            f"(prompts up to {max_prompt or 'any'} tokens) of {self.budget_bytes}; {pinned} B "
+            f"pinned; per pass {self.ram_bytes} B from the RAM tier, {self.disk_bytes} B from disk"
+        )
+
     def with_host(self, host_bytes: int) -> Plan:
         """This plan with a RAM tier of `host_bytes`: the streamed loads `host_set` picks — a
         fixed set (the access is cyclic: never LRU)."""
@@ -195,7 +205,10 @@ def _resident_set(layer_bytes: list[int], room: int) -> set[int]:
     return set()
 
 
-def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int = 0) -> Plan:
+def make_plan(
+    index: ModelIndex, budget: int, direct: bool = False, reserve: int = 0,
+    family: PrefillFamily | None = None,
+) -> Plan:  # fmt: skip
     """Choose slot size, slot count and resident set for `budget` bytes of device memory, of
     which `reserve` bytes stay free for activations.
 
@@ -217,7 +230,7 @@ def make_plan(index: ModelIndex, budget: int, direct: bool = False, reserve: int
     """
     weights = _weight_budget(index, budget, reserve)
     n, itemsize = index.spec.num_layers, ITEMSIZE[index.dtype]
-    family = family_for(index.spec.family)
+    family = family or family_for(index.spec.family)  # (a rank's: `ranks/shard.py`)
     whole = [[family.whole_layer(index, i)] for i in range(n)]
     layer_bytes = [slot_size(w[0], direct) for w in whole]
     scratch = scratch_bytes(index, whole, itemsize)

@@ -31,6 +31,7 @@ from tandem.nodes.contract.http import (
     ApiError,
     check_group_size,
 )
+from tandem.nodes.contract.ranks import PrefillRanks
 from tandem.nodes.model.kv_bytes import latent_widths, state_tensors
 from tandem.nodes.prefill.dtypes import SAFETENSORS_DTYPES
 from tandem.nodes.prefill.engine import PrefillEngine
@@ -147,12 +148,17 @@ class PrefillService:
         """Close the engine on its device thread, then end the thread (blocks)."""
         if self._engine is not None:
             self.device_thread.submit(self._engine.close).result()
+            if self._engine.collective is not None:  # the node's ranks: this one leaves
+                self.device_thread.submit(self._engine.collective.close).result()
         self.device_thread.close()
 
     def parse(self, body: object) -> PrefillBody:
         """The `/v1/prefill` body, if this node can serve it: a ContractError for a body
         that is not one, an ApiError for what this model refuses."""
         req = PrefillBody.from_json(body)
+        lost = self.lost
+        if lost:  # a rank of this node is gone: it stops in a moment
+            raise ApiError(503, lost, "rank_lost")
         if req.fingerprint != self.fingerprint:
             raise ApiError(409, "model fingerprint does not match", "model_mismatch")
         engine = self.engine
@@ -183,6 +189,17 @@ class PrefillService:
             return await self._serve(request, waiter)
         finally:
             self.passes.leave(waiter)  # done, or gone: its pass skips it from now on
+
+    @property
+    def lost(self) -> str | None:
+        """Why this node's ranks are broken; None while they run (or it has one device)."""
+        c = self._engine.collective if self._engine is not None else None
+        return c.lost if c is not None else None
+
+    def ranks(self) -> PrefillRanks | None:
+        """The node's ranks (`/health`); None for one device."""
+        c = self._engine.collective if self._engine is not None else None
+        return c.health() if c is not None else None
 
     def queue(self) -> PrefillQueue:
         """What a prefill that arrives now would wait behind (`/health`)."""
