@@ -19,6 +19,7 @@ from tandem.app.cli.plan_hardware import DEFAULT_NET_GBPS, PlanUsageError, hardw
 from tandem.app.cli.plan_kv import KVWire, kv_wire, render_kv, wire_kv
 from tandem.app.cli.plan_link import PcieLink, pcie_link, render_link
 from tandem.app.cli.plan_model import ModelSummary, model_summary
+from tandem.app.cli.plan_ranks import RanksReport, ranks_report, render_ranks
 from tandem.app.cli.plan_tiers import Tiers, add_host_budget_argument, render_tiers, with_tiers
 from tandem.nodes.contract.units import format_bytes, parse_size
 from tandem.nodes.model.index import ModelIndex, load_index
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 TABLE_TOKENS = (1024, 4096, 16384)
 Seconds = Callable[[int], float]  # prompt tokens → seconds
 POSITIVE = ("tokens", "max_prompt_tokens", "pcie_gbps", "disk_gbps", "tflops", "net_gbps",
-            "mac_tok_s", "batch")  # fmt: skip
+            "mac_tok_s", "batch", "devices")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,20 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table", type=_lengths, default=TABLE_TOKENS, metavar="N,N,...",
                    help="prompt lengths of the table (default 1024,4096,16384)")  # fmt: skip
     add_host_budget_argument(p)
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N cards in the prefill box, each its share of every layer",
+    )
+    p.add_argument(
+        "--lanes",
+        type=int,
+        choices=[16, 8],
+        default=16,
+        help="each card's PCIe lanes with --devices: 16 (x16/x16) or 8 (x8/x8)",
+    )
     hw = p.add_argument_group("hardware (another machine's; measured here when left out)")
     hw.add_argument("--pcie-gbps", type=float, default=None, help="host→device, Gbit/s")
     hw.add_argument("--disk-gbps", type=float, default=None, help="cold weight reads, Gbit/s")
@@ -126,6 +141,7 @@ class Report:
     kv_wire: list[KVWire]  # the prompt's KV over the network at 16, 8 and 4 bits
     batch: BatchCost | None = None  # one pass serving `batch` such prompts (issue 46)
     pcie_link: PcieLink | None = None  # this machine's card's link (NVML); None: not read
+    ranks: RanksReport | None = None  # --devices N: the node's ranks (plan_ranks.py)
 
 
 @dataclass(frozen=True)
@@ -235,7 +251,11 @@ def make_report(index: ModelIndex, a: argparse.Namespace, budget: int | None) ->
         kv_wire=kv_wire(index, a.tokens, hw.net_Bps),
         batch=_batch_cost(plan, index, a.batch, a.tokens, hw, main.wall_s),
         pcie_link=link,
-    )
+        ranks=None if a.devices < 2 else ranks_report(
+            index, plan, a.devices, a.lanes, a.tokens, hw, a.host_budget, device, here,
+            main.wall_s, longest,
+        ),
+    )  # fmt: skip
 
 
 def _batch_cost(
@@ -357,6 +377,7 @@ def render(r: Report) -> str:
             f"{b.bound}-bound, against {b.lone_s:.3g} s for {b.requests} lone passes "
             f"({b.pass_s / b.lone_s:.2f}x): the prompts waiting when a pass starts share it"
         )
+    lines += render_ranks(r.ranks) if r.ranks is not None else []
     lines += render_kv(r.tokens, r.kv_wire, m)
     n = r.break_even_tokens
     lines.append(
