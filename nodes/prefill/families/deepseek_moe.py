@@ -40,8 +40,16 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.noaux_moe_config import CORRECTION_BIAS, SHARED
-from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
-from tandem.nodes.prefill.families.llama import DenseFamily, attn_parts, dequantized, matrix_pieces
+from tandem.nodes.prefill.families.base import Groups, Pass, Weights
+from tandem.nodes.prefill.families.llama import (
+    DenseFamily,
+    attn_parts,
+    dequantized,
+    matrix_pieces,
+    shard_attention,
+    shard_mlp,
+    shard_unit,
+)
 from tandem.nodes.prefill.families.llama import mlp_parts as dense_mlp_parts
 from tandem.nodes.prefill.families.qwen3_5 import _dense_loads, _experts_apart
 from tandem.nodes.prefill.families.qwen3_moe import (
@@ -55,6 +63,7 @@ from tandem.nodes.prefill.kernels.blocks import LayerState
 from tandem.nodes.prefill.kernels.noaux_router import noaux_select
 from tandem.nodes.prefill.kernels.rope import rms_norm
 from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
+from tandem.nodes.prefill.ranks.shard import Shard, last_of
 
 ATTENTION_OPS = frozenset({"attn", "qkv", "o"})
 
@@ -64,7 +73,6 @@ class NoauxMoeFamily(DenseFamily):
     overrides the `attention_*` methods (the module docstring's seam)."""
 
     name = "noaux_moe"
-    shard_layer = PrefillFamily.shard_layer  # not split over ranks yet (the base refuses)
     State = MoeState
 
     def attention_parts(self, index: ModelIndex, layer: int) -> list[Part]:
@@ -77,6 +85,29 @@ class NoauxMoeFamily(DenseFamily):
         """The attention in loads that fit: whole, else the dense family's KV-head groups and
         o_proj rows."""
         return _attention_loads(index, layer, max_bytes, direct)
+
+    def shard_attention(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """A rank's share of the attention uncut: the dense family's heads."""
+        return [shard_attention(index, layer, shard)]
+
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """The rank's attention; its rows of a dense MLP, or the router (on every rank), its
+        rows of the shared experts and its block of the routed ones."""
+        attn = self.shard_attention(index, layer, shard)
+        if not _sparse(index, layer):
+            return [*attn, shard_mlp(index, layer, shard)]
+        router, *rest = mlp_parts(index, layer)
+        moe = index.spec.moe
+        assert moe is not None
+        lo, hi = shard.range(moe.num_experts)
+        parts = [router, *(p for p in rest if p.op == "experts" and lo <= p.lo < hi)]
+        if moe.shared_intermediate_size:
+            a, b = shard.range(moe.shared_intermediate_size, shard_unit(index, layer, SHARED[2]))
+            pieces = (*matrix_pieces(index, layer, SHARED[0], rows=(a, b)),
+                      *matrix_pieces(index, layer, SHARED[1], rows=(a, b)),
+                      *matrix_pieces(index, layer, SHARED[2], cols=(a, b)))  # fmt: skip
+            parts.insert(1, Part(layer, "shared", a, b, True, True, pieces))
+        return [*attn, *last_of(parts)]
 
     def compute_attention(
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from tandem.nodes.model.deepseek_config import MlaSpec
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
 from tandem.nodes.prefill.errors import PrefillError
@@ -25,6 +26,7 @@ from tandem.nodes.prefill.kernels.mla import mla_attention
 from tandem.nodes.prefill.kernels.rope import inv_freq, rope_mscale, rope_tables
 from tandem.nodes.prefill.planning.loads import Part, Piece
 from tandem.nodes.prefill.prefix_upload import KV, Prefix, State
+from tandem.nodes.prefill.ranks.shard import Shard
 
 _NORMS = ("input_layernorm.weight", "self_attn.q_a_layernorm.weight",
           "self_attn.kv_a_layernorm.weight")  # fmt: skip
@@ -45,6 +47,13 @@ class DeepseekV3Family(NoauxMoeFamily):
 
     def attention_parts(self, index: ModelIndex, layer: int) -> list[Part]:
         return [attention_part(index, layer)]
+
+    def shard_attention(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """The rank's heads: the latent's (and q's low-rank) down-projections on every rank,
+        its heads' rows of the up-projections, o_proj's columns for them."""
+        mla = index.spec.mla
+        assert mla is not None
+        return [attention_part(index, layer, shard.range(index.spec.num_heads), mla)]
 
     def begin(self, p: Pass, h: torch.Tensor) -> Pass:
         """The rope key's tables: over qk_rope_head_dim, pair by pair (cos, sin [T, rope/2]),
@@ -80,20 +89,46 @@ class DeepseekV3Family(NoauxMoeFamily):
         self, p: Pass, part: Part, weights: Weights, h: torch.Tensor, state: LayerState
     ) -> bool:
         w = dequantized(p, part, weights)
-        mla_attention(p.spec, h, state, w, p.start, p.ropes["latent"], p.chunk)
+        mla_attention(p.spec, h, state, w, p.start, p.ropes["latent"], p.chunk, p.reduce)
         return True  # the layer's latents are final
 
     def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:
-        """The latents and rope keys of the new positions."""
-        return state.k[:, :, p.start :], state.v[:, :, p.start :]
+        """The latents and rope keys of the new positions (every rank computes them alike:
+        rank 0's cross, the others' are summed in as zeros)."""
+        k, v = state.k[:, :, p.start :], state.v[:, :, p.start :]
+        return (k, v) if p.shard.rank == 0 else (torch.zeros_like(k), torch.zeros_like(v))
 
 
-def attention_part(index: ModelIndex, i: int) -> Part:
-    """Layer i's latent attention as one "attn" part (its input norm included)."""
+def attention_part(
+    index: ModelIndex, i: int, heads: tuple[int, int] | None = None, mla: MlaSpec | None = None
+) -> Part:
+    """Layer i's latent attention as one "attn" part (its input norm included); of `heads`
+    [a, b) only (a rank's: `mla` their widths), its up-projections' rows and o_proj's columns
+    for them."""
     t = index.layers[i]
     pieces: list[Piece] = [Piece(n, t[n]) for n in _NORMS if n in t]
     for module in _MATRICES:
         if f"{module}.weight" in t:
-            pieces += matrix_pieces(index, i, module)
+            rows, cols = _head_share(module, heads, mla)
+            pieces += matrix_pieces(index, i, module, rows=rows, cols=cols)
     pieces += [Piece(n, t[n]) for n in _BIASES if n in t]
     return Part(i, "attn", 0, 1, True, True, tuple(pieces))
+
+
+def _head_share(
+    module: str, heads: tuple[int, int] | None, mla: MlaSpec | None
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(rows, cols) of `module` that heads [a, b) use; (None, None): all of it."""
+    if heads is None or mla is None:
+        return None, None
+    a, b = heads
+    per_head = {  # rows a head owns
+        "self_attn.q_b_proj": mla.q_dim, "self_attn.q_proj": mla.q_dim,
+        "self_attn.kv_b_proj": mla.nope_dim + mla.v_dim,
+        "self_attn.embed_q": 1, "self_attn.unembed_out": 1,  # [nh, ...]: a head a row
+    }  # fmt: skip
+    if module in per_head:
+        return (a * per_head[module], b * per_head[module]), None
+    if module == "self_attn.o_proj":
+        return None, (a * mla.v_dim, b * mla.v_dim)
+    return None, None  # the down-projections: every rank's

@@ -25,8 +25,14 @@ import torch
 import torch.nn.functional as F
 from tandem.nodes.model.index import ModelIndex
 from tandem.nodes.model.spec import LayerKind
-from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
-from tandem.nodes.prefill.families.llama import DenseFamily, attn_parts, dequantized, matrix_pieces
+from tandem.nodes.prefill.families.base import Groups, Pass, Weights
+from tandem.nodes.prefill.families.llama import (
+    DenseFamily,
+    attn_parts,
+    dequantized,
+    matrix_pieces,
+    shard_attention,
+)
 from tandem.nodes.prefill.families.qwen3_moe import (
     MoeState,
     Qwen3MoeFamily,
@@ -38,6 +44,7 @@ from tandem.nodes.prefill.kernels.experts_oai import compute_oai_experts
 from tandem.nodes.prefill.kernels.rope import rms_norm, rope_mscale
 from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
 from tandem.nodes.prefill.prefix_upload import KV, State
+from tandem.nodes.prefill.ranks.shard import Shard, last_of
 
 SINKS = "self_attn.sinks"
 O_BIAS = "self_attn.o_proj.bias"
@@ -45,13 +52,24 @@ O_BIAS = "self_attn.o_proj.bias"
 
 class GptOssFamily(DenseFamily):
     name = "gpt_oss"
-    shard_layer = PrefillFamily.shard_layer  # not split over ranks yet (the base refuses)
     State = MoeState
 
     def whole_layer(self, index: ModelIndex, layer: int) -> list[Part]:
         return _with_attention_extras(index, attn_parts(index, layer, 1, with_o=True)) + (
             expert_parts(index, layer)
         )  # fmt: skip
+
+    def shard_layer(self, index: ModelIndex, layer: int, shard: Shard) -> list[Part]:
+        """The rank's heads (every head's sinks; o_proj's bias, added once after the sum),
+        the router, the rank's block of the experts."""
+        attn = shard_attention(index, layer, shard)
+        sinks = Piece(SINKS, index.layers[layer][SINKS])
+        attn = dataclasses.replace(attn, pieces=(*attn.pieces, sinks))
+        router, *experts = expert_parts(index, layer)
+        moe = index.spec.moe
+        assert moe is not None
+        lo, hi = shard.range(moe.num_experts)
+        return [attn, *last_of([router, *(p for p in experts if lo <= p.lo < hi)])]
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:
         """The attention as the dense family cuts it (with the sinks and o's bias where they
@@ -96,7 +114,7 @@ class GptOssFamily(DenseFamily):
             attention_part(
                 p.spec, h, state, dequantized(p, part, weights), part.lo, part.hi, part.first,
                 p.start, p.rope, p.chunk, with_o=part.op == "attn",
-                window=p.spec.layer_kinds[part.layer].window,
+                window=p.spec.layer_kinds[part.layer].window, reduce=p.reduce,
             )  # fmt: skip
             return part.last  # the layer's K/V are final
         super().compute(p, part, weights, h, state)  # o_proj's rows

@@ -42,8 +42,8 @@ def compute_oai_experts(
     fit = _fit(p, chosen, views)
     for k in range(0, len(chosen), fit):
         _chunk(p, chosen[k : k + fit], views, r, x)
-    if parts[-1].last:
-        h += r.out.to(h.dtype)
+    if parts[-1].last:  # (a rank's last: its experts' sum over the ranks, `ranks/`)
+        h += (r.out if p.reduce is None else p.reduce(r.out)).to(h.dtype)
         state.routes, state.x_norm = None, None
 
 

@@ -17,7 +17,7 @@ query head and on the shared key. Shapes: T new tokens, S = start + T keys, nh h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -45,13 +45,16 @@ def mla_attention(
     start: int,
     rope: tuple[torch.Tensor, torch.Tensor],
     chunk: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """The layer's attention over h [T, H], added into h: its latent and rope key of the new
     positions written to state.k [1, 1, S, kv_lora] and state.v [1, 1, S, rope] (positions
-    0..start-1 there already), queries in chunks of `chunk`. `rope`: cos, sin [T, rope/2]."""
+    0..start-1 there already), queries in chunks of `chunk`. `rope`: cos, sin [T, rope/2].
+    The heads are those `w` holds (all, or a rank's: `reduce` then sums o_proj's output over
+    the ranks before its bias and the residual)."""
     mla = spec.mla
     assert mla is not None
-    T, nh, nope = h.shape[0], spec.num_heads, mla.nope_dim
+    T, nope = h.shape[0], mla.nope_dim
     x = rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
     if mla.q_lora_rank:
         qa = F.linear(x, w["self_attn.q_a_proj.weight"], w.get("self_attn.q_a_proj.bias"))
@@ -59,6 +62,7 @@ def mla_attention(
         q = F.linear(qa, w["self_attn.q_b_proj.weight"])
     else:
         q = F.linear(x, w["self_attn.q_proj.weight"])
+    nh = q.shape[-1] // mla.q_dim
     q = q.view(T, nh, mla.q_dim).transpose(0, 1)  # [nh, T, nope + rope]
     kv = F.linear(x, w["self_attn.kv_a_proj_with_mqa.weight"],
                   w.get("self_attn.kv_a_proj_with_mqa.bias"))  # fmt: skip
@@ -84,7 +88,11 @@ def mla_attention(
             **mask,  # type: ignore[arg-type]
         )  # fmt: skip  [1, nh, c, v]
         out[c0:c1] = heads[0].transpose(0, 1).reshape(c1 - c0, -1)
-    h += F.linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+    if reduce is None:
+        h += F.linear(out, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+        return
+    r = reduce(F.linear(out, w["self_attn.o_proj.weight"]))
+    h += r if "self_attn.o_proj.bias" not in w else r + w["self_attn.o_proj.bias"]
 
 
 def _decompressed(
@@ -96,14 +104,14 @@ def _decompressed(
     assert mla is not None
     latent, k_pe = state.k[0], state.v[0]  # [1, S, kv_lora], [1, S, rope]
     if "self_attn.kv_b_proj.weight" in w:  # DeepSeek's: each head's nope rows, then its v rows
-        up = w["self_attn.kv_b_proj.weight"].view(spec.num_heads, -1, mla.kv_lora_rank)
+        up = w["self_attn.kv_b_proj.weight"].view(-1, mla.nope_dim + mla.v_dim, mla.kv_lora_rank)
         k_up, v_up = up[:, : mla.nope_dim], up[:, mla.nope_dim :]  # [nh, nope|v, kv_lora]
         k_nope = latent @ k_up.transpose(-1, -2)
     else:  # mlx-lm's: embed_q [nh, kv_lora, nope], unembed_out [nh, v, kv_lora]
         k_nope = latent @ w["self_attn.embed_q.weight"]
         v_up = w["self_attn.unembed_out.weight"]
     values = latent @ v_up.transpose(-1, -2)  # [nh, S, v]
-    rope = k_pe.expand(spec.num_heads, -1, -1)  # [nh, S, rope]
+    rope = k_pe.expand(values.shape[0], -1, -1)  # [nh, S, rope]
     return torch.cat([k_nope, rope], dim=-1)[None], values[None]
 
 
