@@ -102,3 +102,23 @@ def test_the_kernel_compiles_for_cuda_without_fused_multiply_adds(capability: in
         )
         ptx = kernel.asm["ptx"]
         assert "fma" not in ptx and kernel.asm["cubin"], (bits, sdtype, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [3, 4, 6])
+def test_on_cuda_dequantize_takes_the_kernel_and_gives_the_torch_paths_bits(bits: int) -> None:
+    import torch
+    from tandem.nodes.model.quant import Quant
+    from tandem.nodes.prefill.kernels import dequant
+
+    gen = torch.Generator().manual_seed(bits)
+    rows, cols = 256, 4096
+    words = torch.randint(-(2**31), 2**31, (rows, cols * bits // 32), generator=gen)
+    scales = torch.randn(rows, cols // 64, generator=gen).to(torch.bfloat16)
+    biases = torch.randn(rows, cols // 64, generator=gen).to(torch.bfloat16)
+    words, scales, biases = (t.cuda() for t in (words.to(torch.int32), scales, biases))
+    quant = Quant(bits, 64)
+    assert dequant._triton(words.device) is not None  # triton imports and runs here
+    fast = dequant.dequantize(words, scales, biases, quant, torch.bfloat16)
+    slow = dequant.dequantize(words, scales, biases, quant, torch.bfloat16, triton=False)
+    assert torch.equal(fast.view(torch.int16), slow.view(torch.int16))
