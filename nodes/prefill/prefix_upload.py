@@ -3,7 +3,10 @@
 After a cached prefix, each layer's state starts with that layer's K/V of positions
 0..start-1, held in host memory (the node's prefix cache); a linear layer's, its state at
 position start (`State`: named tensors, each in its own dtype). On CUDA each layer's are
-pinned once and copied on a side stream `AHEAD` layers before the layer computes; the compute
+copied on a side stream `AHEAD` layers before the layer computes, from where they lie: the
+prefix cache keeps its entries in pinned memory there (`serving/prefix_arena.py`), and only a
+layer that found no room in it is pinned here first, a copy (issue 48: every request pinned
+its whole prefix again). K/V are converted to the compute dtype on the device. The compute
 stream waits on the copy's event, not on the host. On a CPU the host tensors are the state's
 source as they are.
 """
@@ -44,18 +47,30 @@ class PrefixUpload:
         return tensors if isinstance(self.prefix[i], dict) else (tensors["k"], tensors["v"])
 
     def _issue(self, i: int) -> None:
-        """Layer i's prefix pinned (once) and copied on the side stream: K/V in the compute
-        dtype, a state's tensors each in its own."""
+        """Layer i's prefix copied on the side stream: K/V then in the compute dtype, a
+        state's tensors each in its own."""
         assert self.stream is not None
         entry = self.prefix[i]
-        if isinstance(entry, dict):
-            host = {name: t.pin_memory() for name, t in entry.items()}
-        else:
-            host = {
-                name: t.to(self.dtype).pin_memory() for name, t in zip("kv", entry, strict=True)
-            }
+        named = entry.items() if isinstance(entry, dict) else zip("kv", entry, strict=True)
         with torch.cuda.stream(self.stream):
-            tensors = {name: t.to(self.device, non_blocking=True) for name, t in host.items()}
+            tensors = {name: _to_device(t, self.device) for name, t in named}
+            if not isinstance(entry, dict):
+                tensors = {name: t.to(self.dtype) for name, t in tensors.items()}
             copied = torch.cuda.Event()
             copied.record(self.stream)
         self._issued[i] = (tensors, copied)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` copied to `device` on the current stream, the host not waiting: from
+    pinned memory as it lies, else pinned first (a copy). A cut of a longer entry's K/V
+    ([1, n_kv, j, D] of [1, n_kv, T, D]) is one run of positions per head, one copy each: a
+    strided source would be gathered into pageable memory and copied synchronously."""
+    if not t.is_pinned():
+        t = t.pin_memory()
+    if t.is_contiguous() or t.dim() != 4:
+        return t.to(device, non_blocking=True)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    for h in range(t.shape[1]):
+        out[:, h].copy_(t[:, h], non_blocking=True)
+    return out
