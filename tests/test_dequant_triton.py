@@ -2,7 +2,8 @@
 
 The kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, read when triton is imported:
 so in a subprocess of its own) on CPU tensors; `dequantize` on the CPU is the torch path, the
-oracle (on CUDA it would pick the kernel). Skipped only where triton is not installed.
+oracle (on CUDA it would pick the kernel). Skipped only where triton is not installed; the CPU
+path never imports it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
@@ -61,6 +62,22 @@ CHILD = textwrap.dedent(
 )
 
 
+def test_the_cpu_path_never_imports_triton() -> None:
+    """A node without triton works as before: `dequant` imports it only for CUDA tensors."""
+    code = (
+        "import sys, torch\n"
+        "from tandem.nodes.model.quant import Quant\n"
+        "from tandem.nodes.prefill.kernels.dequant import dequantize\n"
+        "w = torch.zeros((2, 12), dtype=torch.int32)\n"
+        "s = torch.ones((2, 2), dtype=torch.bfloat16)\n"
+        "dequantize(w, s, s, Quant(3, 64), torch.bfloat16)\n"
+        "assert 'triton' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@needs_triton
 def test_the_triton_kernel_is_the_torch_path_bit_for_bit() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run(
@@ -81,6 +98,7 @@ SIGNATURE = {
 }  # fmt: skip
 
 
+@needs_triton
 @pytest.mark.parametrize("capability", [75, 80, 90])
 def test_the_kernel_compiles_for_cuda_without_fused_multiply_adds(capability: int) -> None:
     """Built for a card that is not here (Triton ships its own ptxas): every width, the
@@ -104,6 +122,7 @@ def test_the_kernel_compiles_for_cuda_without_fused_multiply_adds(capability: in
         assert "fma" not in ptx and kernel.asm["cubin"], (bits, sdtype, dtype)
 
 
+@needs_triton
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [3, 4, 6])
 def test_on_cuda_dequantize_takes_the_kernel_and_gives_the_torch_paths_bits(bits: int) -> None:
