@@ -213,7 +213,8 @@ async def test_a_prefill_node_says_its_tiers_in_health(
     tiny_model: MakeTiny, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tandem.nodes.contract.cluster import WeightTiers
-    from tandem.nodes.serve.node import Node, NodeConfig, _prefill_service, _start_prefill
+    from tandem.nodes.serve.node import Node, NodeConfig
+    from tandem.nodes.serve.prefill_side import prefill_service, start_prefill
 
     plenty(monkeypatch)
     model = tiny_model(arch="llama", layers=LAYERS)
@@ -221,8 +222,8 @@ async def test_a_prefill_node_says_its_tiers_in_health(
     config = NodeConfig(model=model, roles=("prefill",), budget=budget, device="cpu", mdns=False)
     node = Node(config, load_index(model), "ab")  # --host-budget: auto, as the command's
     assert node.health().tiers is None  # not started
-    node.prefill = _prefill_service(node)
-    await _start_prefill(node)
+    node.prefill = prefill_service(node)
+    await start_prefill(node)
     try:
         plan = node.prefill.engine.plan
         tiers = WeightTiers(device=plan.resident_bytes, ram=plan.streamed_bytes, disk=0)

@@ -33,6 +33,12 @@ MODELS = {  # float32 made models; `prefix`: a second turn after the first's K/V
     "gpt_oss": ({"arch": "gpt_oss", "layers": 4, "intermediate": 256}, True),
     "glm4_moe": ({"arch": "glm4_moe", "layers": 4, "intermediate": 256}, True),
     "deepseek_v3": ({"arch": "deepseek_v3", "layers": 4, "intermediate": 256}, True),
+    # 4-bit: o_proj's and down_proj's columns as packed words and groups; Qwen3.5's q/k/v
+    # ranges of one packed matrix
+    "llama-4bit": ({"arch": "llama", "layers": 4, "hidden": 256, "intermediate": 512,
+                    "quantize": 4}, True),
+    "qwen3_5_moe-4bit": ({"arch": "qwen3_5_moe", "layers": 4, "hidden": 256, "quantize": 4,
+                          "shared_intermediate": 128, "moe_intermediate": 128}, False),
 }  # fmt: skip
 
 
@@ -48,8 +54,11 @@ def ranks_env() -> dict[str, str]:
 
 
 def quarter(path: Path) -> int:
+    """A quarter of the layers' bytes; a half for a quantized model (a rank's share of an op
+    is never cut further, and its matrices dequantize whole in float32 into the scratch)."""
     index = load_index(path)
-    return sum(index.layer_bytes(i) for i in range(index.spec.num_layers)) // 4
+    layers = sum(index.layer_bytes(i) for i in range(index.spec.num_layers))
+    return layers // (2 if index.quantized else 4)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +128,17 @@ def test_a_share_splits_evenly_in_units() -> None:
         Shard(1, 2).range(1)
 
 
+def test_columns_that_split_a_group_are_refused(tiny_model: MakeTiny) -> None:
+    index = load_index(
+        tiny_model(arch="llama", layers=2, intermediate=128, quantize=4)
+    )  # hidden 64
+    family = ShardedFamily(family_for(index.spec.family), Shard(0, 2))
+    with pytest.raises(PrefillError, match=r"columns \(0, 32\) of self_attn.o_proj split"):
+        family.whole_layer(index, 0)
+
+
 def test_heads_fewer_than_the_ranks_are_refused(tiny_model: MakeTiny) -> None:
     index = load_index(tiny_model(arch="llama", layers=2, heads=4, kv_heads=1))
     family = ShardedFamily(family_for(index.spec.family), Shard(1, 2))
-    with pytest.raises(PrefillError, match="1 cannot be split over 2 ranks"):
+    with pytest.raises(PrefillError, match="1 KV heads cannot be split over 2 ranks"):
         family.whole_layer(index, 0)

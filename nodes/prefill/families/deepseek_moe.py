@@ -99,10 +99,11 @@ class NoauxMoeFamily(DenseFamily):
         router, *rest = mlp_parts(index, layer)
         moe = index.spec.moe
         assert moe is not None
-        lo, hi = shard.range(moe.num_experts)
+        lo, hi = shard.range(moe.num_experts, what="experts")
         parts = [router, *(p for p in rest if p.op == "experts" and lo <= p.lo < hi)]
         if moe.shared_intermediate_size:
-            a, b = shard.range(moe.shared_intermediate_size, shard_unit(index, layer, SHARED[2]))
+            unit = shard_unit(index, layer, SHARED[2])
+            a, b = shard.range(moe.shared_intermediate_size, unit, "shared expert features")
             pieces = (*matrix_pieces(index, layer, SHARED[0], rows=(a, b)),
                       *matrix_pieces(index, layer, SHARED[1], rows=(a, b)),
                       *matrix_pieces(index, layer, SHARED[2], cols=(a, b)))  # fmt: skip

@@ -53,7 +53,7 @@ class DeepseekV3Family(NoauxMoeFamily):
         its heads' rows of the up-projections, o_proj's columns for them."""
         mla = index.spec.mla
         assert mla is not None
-        return [attention_part(index, layer, shard.range(index.spec.num_heads), mla)]
+        return [attention_part(index, layer, shard.range(index.spec.num_heads, what="heads"), mla)]
 
     def begin(self, p: Pass, h: torch.Tensor) -> Pass:
         """The rope key's tables: over qk_rope_head_dim, pair by pair (cos, sin [T, rope/2]),

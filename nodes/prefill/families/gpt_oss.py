@@ -68,7 +68,7 @@ class GptOssFamily(DenseFamily):
         router, *experts = expert_parts(index, layer)
         moe = index.spec.moe
         assert moe is not None
-        lo, hi = shard.range(moe.num_experts)
+        lo, hi = shard.range(moe.num_experts, what="experts")
         return [attn, *last_of([router, *(p for p in experts if lo <= p.lo < hi)])]
 
     def layer_groups(self, index: ModelIndex, layer: int, max_bytes: int, direct: bool) -> Groups:

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 from tandem.nodes.model.index import ModelIndex
+from tandem.nodes.prefill.errors import PrefillError
 from tandem.nodes.prefill.families.base import Groups, Pass, PrefillFamily, Weights
 from tandem.nodes.prefill.kernels.blocks import LayerState, attention_part, mlp_part, out_rows_part
 from tandem.nodes.prefill.kernels.dequant import (
@@ -112,6 +113,11 @@ def matrix_pieces(
     names = ("weight", "scales", "biases") if quant.biases else ("weight", "scales")
     words = groups = None
     if cols is not None:
+        if cols[0] % quant.group_size or cols[1] % quant.group_size:
+            raise PrefillError(
+                f"layer {i}: a rank's columns {cols} of {module} split its groups of "
+                f"{quant.group_size}: serve this model on fewer devices"
+            )
         words = (cols[0] * quant.bits // 32, cols[1] * quant.bits // 32)
         groups = (cols[0] // quant.group_size, cols[1] // quant.group_size)
     return [Piece(name_of(name), t[f"{module}.{name}"], rows=rows,
@@ -214,7 +220,7 @@ def out_row_parts(
 def shard_attention(index: ModelIndex, i: int, shard: Shard) -> Part:
     """Rank `shard`'s attention: its KV heads' q/k/v rows and o_proj's columns for them."""
     spec, t = index.spec, index.layers[i]
-    lo, hi = shard.range(spec.num_kv_heads)
+    lo, hi = shard.range(spec.num_kv_heads, what="KV heads")
     width = spec.num_heads // spec.num_kv_heads * spec.head_dim  # a KV head's query features
     pieces = qkv_pieces(index, i, lo, hi, norm=True)
     pieces += matrix_pieces(index, i, "self_attn.o_proj", cols=(lo * width, hi * width))
@@ -233,7 +239,8 @@ def shard_unit(index: ModelIndex, i: int, module: str) -> int:
 def shard_mlp(index: ModelIndex, i: int, shard: Shard) -> Part:
     """Rank `shard`'s MLP: its intermediate rows of gate/up and down_proj's columns."""
     t = index.layers[i]
-    lo, hi = shard.range(index.spec.intermediate_size, shard_unit(index, i, "mlp.down_proj"))
+    unit = shard_unit(index, i, "mlp.down_proj")
+    lo, hi = shard.range(index.spec.intermediate_size, unit, "MLP features")
     pieces = [
         Piece("post_attention_layernorm.weight", t["post_attention_layernorm.weight"]),
         *matrix_pieces(index, i, "mlp.gate_proj", rows=(lo, hi)),

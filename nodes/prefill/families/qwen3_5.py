@@ -88,7 +88,8 @@ class Qwen35Family(PrefillFamily):
         assert moe is not None
         if not moe.shared_intermediate_size:
             return [mixer, router, *experts]
-        lo, hi = shard.range(moe.shared_intermediate_size, shard_unit(index, layer, SHARED[2]))
+        unit = shard_unit(index, layer, SHARED[2])
+        lo, hi = shard.range(moe.shared_intermediate_size, unit, "shared expert features")
         pieces = (
             *matrix_pieces(index, layer, SHARED[0], rows=(lo, hi)),
             *matrix_pieces(index, layer, SHARED[1], rows=(lo, hi)),
@@ -237,7 +238,7 @@ def shard_mixer(index: ModelIndex, i: int, shard: Shard) -> Part:
     spec, t = index.spec, index.layers[i]
     norm = Piece("input_layernorm.weight", t["input_layernorm.weight"])
     if spec.layer_kinds[i].kind != "linear":
-        lo, hi = shard.range(spec.num_kv_heads)
+        lo, hi = shard.range(spec.num_kv_heads, what="KV heads")
         q, kv = _head_rows(spec, lo, hi)
         pieces = [norm, *matrix_pieces(index, i, "self_attn.q_proj", rows=(2 * q[0], 2 * q[1])),
                   *matrix_pieces(index, i, "self_attn.k_proj", rows=kv),
@@ -269,7 +270,7 @@ Range = tuple[int, int]
 def linear_ranges(lin: LinearSpec, shard: Shard) -> tuple[list[Range], Range, Range]:
     """A rank's share of a linear layer, by its key heads: (its channels of q, k and v in the
     conv's [C] (in_proj_qkv's rows), its value features, its value heads)."""
-    a, b = shard.range(lin.num_k_heads)
+    a, b = shard.range(lin.num_k_heads, what="key heads")
     g, dk, dv, kd = lin.num_v_heads // lin.num_k_heads, lin.head_k_dim, lin.head_v_dim, lin.key_dim
     channels = [(a * dk, b * dk), (kd + a * dk, kd + b * dk),
                 (2 * kd + a * g * dv, 2 * kd + b * g * dv)]  # fmt: skip

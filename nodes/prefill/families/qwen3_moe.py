@@ -143,7 +143,7 @@ def shard_experts(index: ModelIndex, i: int, shard: Shard) -> list[Part]:
     last marked last (their sum is reduced over the ranks there)."""
     moe = index.spec.moe
     assert moe is not None
-    lo, hi = shard.range(moe.num_experts)
+    lo, hi = shard.range(moe.num_experts, what="experts")
     router, *experts = moe_parts(index, i)
     return last_of([router, *(p for p in experts if lo <= p.lo < hi)])
 

@@ -69,7 +69,8 @@ def temp_room(
                 continue
             *lead, words = piece.shape
             rows = lead[-1] if part.op == "experts" else math.prod(lead)  # MLA's per head
-            scales = TORCH_DTYPES[index.layers[part.layer][f"{module}.scales"].dtype]
+            stored = module.partition("@")[0]  # (a second range of one matrix: its own)
+            scales = TORCH_DTYPES[index.layers[part.layer][f"{stored}.scales"].dtype]
             per_row = temp_bytes_per_row(words * 32 // quant.bits, quant.bits, scales, dtype)
             block = min(rows, rows_at_once or 1) * per_row
             room = max(room, min(per_row * rows, BLOCK_BYTES) if whole else block)

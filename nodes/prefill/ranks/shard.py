@@ -38,12 +38,13 @@ class Shard:
     rank: int = 0
     world: int = 1
 
-    def range(self, total: int, unit: int = 1) -> tuple[int, int]:
-        """This rank's share [lo, hi) of `total` (heads, rows, experts), even shares starting
-        at multiples of `unit`; the last rank takes the remainder."""
+    def range(self, total: int, unit: int = 1, what: str = "") -> tuple[int, int]:
+        """This rank's share [lo, hi) of `total` `what` (heads, rows, experts), even shares
+        starting at multiples of `unit`; the last rank takes the remainder."""
         if total < self.world * unit:
-            raise PrefillError(f"{total} cannot be split over {self.world} ranks in units of "
-                               f"{unit}")  # fmt: skip
+            of = f" {what}" if what else ""
+            raise PrefillError(f"{total}{of} cannot be split over {self.world} ranks in units "
+                               f"of {unit}: serve this model on fewer devices")  # fmt: skip
         at = [min(total, round(r * total / self.world / unit) * unit) for r in range(self.world)]
         at.append(total)
         return at[self.rank], at[self.rank + 1]
