@@ -353,7 +353,9 @@ def test_device_thread_yields_the_cpu_to_the_event_loop() -> None:
     # on CUDA the loader (started from the device thread) is the critical path, and a thread
     # cannot raise its priority back once lowered: the device thread is left as it is
     gpu = PrefillService(SimpleNamespace(), "fp", EventBus())  # type: ignore[arg-type]
-    gpu._engine = SimpleNamespace(device=torch.device("cuda"), close=lambda: None)  # type: ignore[assignment]
+    gpu._engine = SimpleNamespace(  # type: ignore[assignment]
+        device=torch.device("cuda"), close=lambda: None, collective=None
+    )
     try:
         assert gpu.device_thread.submit(nice_here).result() == base
     finally:
