@@ -155,10 +155,10 @@ class PrefillService:
     def parse(self, body: object) -> PrefillBody:
         """The `/v1/prefill` body, if this node can serve it: a ContractError for a body
         that is not one, an ApiError for what this model refuses."""
-        req = PrefillBody.from_json(body)
         lost = self.lost
         if lost:  # a rank of this node is gone: it stops in a moment
             raise ApiError(503, lost, "rank_lost")
+        req = PrefillBody.from_json(body)
         if req.fingerprint != self.fingerprint:
             raise ApiError(409, "model fingerprint does not match", "model_mismatch")
         engine = self.engine

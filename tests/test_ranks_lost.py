@@ -1,0 +1,57 @@
+"""A prefill node whose rank is gone (issue 52): a failed collective is `RankLost`, the node says
+why in `/health` and answers every prefill with a 503 `rank_lost` until it stops itself (a
+second later: SIGTERM to its own process, the node's graceful stop)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tandem.nodes.contract.events import EventBus
+from tandem.nodes.contract.http import ApiError
+from tandem.nodes.prefill.ranks import collective as collective_module
+from tandem.nodes.prefill.ranks.collective import Collective, RankLost
+from tandem.nodes.prefill.ranks.shard import Shard
+from tandem.nodes.prefill.serving.server import PrefillService
+
+
+def test_a_failed_collective_loses_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    signals: list[tuple[int, int]] = []
+    monkeypatch.setattr(collective_module, "LOST_GRACE_S", 0.0)
+    monkeypatch.setattr(collective_module.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    c = Collective(Shard(0, 2), torch.device("cpu"))
+
+    def peer_gone(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4309")
+
+    with pytest.raises(RankLost, match=r"a prefill rank is gone .*Connection closed by peer"):
+        c._run(peer_gone)
+    assert c.lost is not None and "this prefill node is stopping" in c.lost
+    with pytest.raises(RankLost):  # nothing more goes to the ranks
+        c.reduce(torch.ones(2))
+    assert c.health().lost == c.lost
+    for _ in range(100):
+        if signals:
+            break
+        time.sleep(0.01)
+    assert signals and signals[0][1] == signal.SIGTERM  # the node's own graceful stop
+
+
+def test_a_lost_node_answers_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    service = PrefillService(SimpleNamespace(), "fp", EventBus())  # type: ignore[arg-type]
+    collective = SimpleNamespace(
+        lost="a prefill rank is gone (killed); this prefill node is stopping"
+    )
+    service._engine = SimpleNamespace(collective=collective, close=lambda: None)  # type: ignore[assignment]
+    try:
+        with pytest.raises(ApiError) as refused:  # whatever the body
+            service.parse({"tokens": [1, 2, 3]})
+        assert refused.value.status == 503 and refused.value.code == "rank_lost"
+        assert "a prefill rank is gone" in str(refused.value)
+    finally:
+        collective.lost = None  # (closing leaves no group to leave)
+        service._engine = None
+        service.close()
