@@ -210,6 +210,9 @@ class TandemApp(App[None]):
         trusted = self.cluster.trusted()
         # trusted nodes serve one model (fingerprints match): its layers as any of them says
         pipeline.layer_kinds = next((r.layer_kinds for r in trusted if r.layer_kinds), ())
+        pipeline.prefill_ranks = tuple(
+            (r.id, r.prefill_ranks.size) for r in trusted if r.prefill_ranks is not None
+        )
         models = sorted({r.model for r in trusted if r.model})
         self.sub_title = f"{len(trusted)}/{len(rows)} nodes trusted" + (
             f" · {', '.join(models)}" if models else ""

@@ -12,6 +12,7 @@ from typing import Literal
 
 from tandem.app.tui.client import Probe, normalize
 from tandem.nodes.contract.cluster import Cluster, DecodeGroup, Health, ModelLayer, WeightTiers
+from tandem.nodes.contract.ranks import PrefillRanks
 
 Status = Literal["connecting", "trusted", "rejected", "unreachable"]
 Severity = Literal["information", "warning", "error"]
@@ -75,6 +76,11 @@ class NodeRow:
     def group(self) -> DecodeGroup | None:
         """A decode node's ranks when it runs as a group (`mlx.launch`); None: one process."""
         return self.health.group if self.health else None
+
+    @property
+    def prefill_ranks(self) -> PrefillRanks | None:
+        """A prefill node's devices when it runs as ranks (`torchrun`); None: one device."""
+        return self.health.prefill_ranks if self.health else None
 
     @property
     def model(self) -> str:

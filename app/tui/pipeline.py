@@ -4,6 +4,10 @@ Pure state, no Textual: the pipeline widget draws it and tests read it. A reques
 carry their state history in arrival order, and the prefill node's times make the timeline
 of the request: per layer, when its weights were copied, when it computed, when its K/V was
 sent — which shows whether copy or compute bounds the prefill.
+
+A prefill node of several devices (issue 52) tells each rank's copies and computes (`rank` ≥ 1
+on its layer events): the timeline then has a copy and a compute lane per rank. A layer's
+state, residency and K/V are rank 0's, which serves.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ PIPE_STATES = ("queued", "loading", "ready", "computing", "sent", "received")
 _DONE = {"sent": 4, "received": 5}  # a finished layer never goes back in the display
 ROWS = ("copy", "compute", "send")
 MAX_LAYERS = 4096  # more than any model has; bounds what a confused node can make us draw
+MAX_RANKS = 16  # more devices than a prefill box has; as above
 Span = tuple[int, float, float]  # (layer, start, end) in the prefill node's epoch seconds
 
 
@@ -29,6 +34,7 @@ class Step:
     node: str
     t: float
     seen: float  # local time.monotonic() when the record arrived
+    rank: int = 0  # the prefill node's rank it happened on
 
 
 @dataclass
@@ -40,14 +46,16 @@ class LayerTrack:
     send_s: float = 0.0  # seconds the K/V frame took on the wire
     kv_bytes: int = 0  # its K/V frame as the prefill node sent it (else as decode got it)
     experts: tuple[int, int] | None = None  # a mixture of experts: (read, of all) ("routed")
-    experts_bytes: int = 0  # the chosen experts' bytes streamed (0: the layer is resident)
+    experts_bytes: int = 0  # the chosen experts' bytes streamed, every rank's (0: resident)
+    routed_bytes: dict[int, int] = field(default_factory=dict)  # ... by rank
 
     def states(self, node: str | None = None) -> list[str]:
         """States in arrival order, of one node or all."""
         return [s.state for s in self.history if node is None or s.node == node]
 
-    def spans(self) -> dict[str, list[tuple[float, float]]]:
-        """Copy, compute and send intervals on the prefill node (its clock only).
+    def spans(self, rank: int = 0) -> dict[str, list[tuple[float, float]]]:
+        """Copy, compute and send intervals on the prefill node (its clock only), of one of
+        its ranks (only rank 0 sends).
 
         A streamed layer may come in several loads (attention, MLP, slices): each is
         `loading → ready`, computes once it is ready and the previous load is done, and is
@@ -59,6 +67,8 @@ class LayerTrack:
         loading: float | None = None
         computing: float | None = None
         for step in self.history:
+            if step.rank != rank:
+                continue
             if step.state == "loading":
                 loading = step.t
             elif step.state == "ready":
@@ -102,10 +112,14 @@ class Timeline:
 
     @property
     def bound(self) -> str:
-        """The busiest of copy and compute ('' when nothing ran)."""
+        """The busiest of copy and compute, on the busiest rank ('' when nothing ran)."""
         if not any(self.busy.values()):
             return ""
-        return max(("copy", "compute"), key=lambda row: self.busy[row])
+        return max(("copy", "compute"), key=self.busiest)
+
+    def busiest(self, row: str) -> float:
+        """A row's busy time: its lane's, or its busiest rank's."""
+        return max(busy for lane, busy in self.busy.items() if lane.split()[0] == row)
 
 
 @dataclass
@@ -118,6 +132,7 @@ class RequestTrack:
     kv_dtype: str = ""  # how its KV was held, from prefill_start's "kv …" detail: "F32", "q8/g64"
     pending_send_s: float = 0.0  # from the net_out record that precedes each `sent`
     tokens: int = 0  # decoded so far (`token` records)
+    ranks: int = 1  # the prefill node's ranks its layer events came from (highest + 1)
 
     @property
     def in_flight(self) -> bool:
@@ -136,18 +151,32 @@ class RequestTrack:
     def n_layers(self) -> int:
         return max(self.layers, default=-1) + 1
 
-    def timeline(self) -> Timeline | None:
-        rows: dict[str, list[Span]] = {row: [] for row in ROWS}
+    def timeline(self, ranks: int = 1) -> Timeline | None:
+        """Its lanes (`lanes`) for at least `ranks` ranks (a node's `/health` says how many
+        before the other ranks' records arrive); None before anything ran."""
+        n = min(MAX_RANKS, max(ranks, self.ranks))
+        rows: dict[str, list[Span]] = {lane: [] for lane in lanes(n)}
         for i in sorted(self.layers):
-            for row, spans in self.layers[i].spans().items():
-                rows[row].extend((i, a, b) for a, b in spans)
+            for rank in range(n):
+                for row, spans in self.layers[i].spans(rank).items():
+                    if spans:  # a rank's lane is named `row rank`; one "send", rank 0's
+                        lane = row if n == 1 or row == "send" else f"{row} {rank}"
+                        rows[lane].extend((i, a, b) for a, b in spans)
         spans = [s for row in rows.values() for s in row]
         if not spans:
             return None
         t0 = min(a for _, a, _ in spans)
         t1 = max(b for _, _, b in spans)
-        busy = {row: _union([(a, b) for _, a, b in rows[row]]) for row in ROWS}
+        busy = {lane: _union([(a, b) for _, a, b in rows[lane]]) for lane in rows}
         return Timeline(t0, t1, rows, busy)
+
+
+def lanes(ranks: int) -> tuple[str, ...]:
+    """The timeline's rows: copy, compute and send; with several ranks a copy and a compute
+    lane per rank ("copy 0", "compute 0", "copy 1", ...), then the send."""
+    if ranks <= 1:
+        return ROWS
+    return (*(f"{row} {r}" for r in range(ranks) for row in ("copy", "compute")), "send")
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -201,19 +230,25 @@ class PipelineModel:
         return False
 
     def _layer(self, e: LayerEvent, seen: float) -> bool:
-        if not 0 <= e.layer < MAX_LAYERS:
+        if not 0 <= e.layer < MAX_LAYERS or not 0 <= e.rank < MAX_RANKS:
             return False
-        step = Step(e.state, e.node, e.t, seen)
+        step = Step(e.state, e.node, e.t, seen, e.rank)
         req = self.track(e.request_id)
         self.current_id = e.request_id
         layer = req.layer(e.layer)
+        if e.state == "routed" and 0 <= e.experts <= e.experts_total:  # every rank's bytes
+            layer.routed_bytes[e.rank] = e.bytes
+            layer.experts = (e.experts, e.experts_total)
+            layer.experts_bytes = sum(layer.routed_bytes.values())
+        if e.rank:  # another rank's copy or compute: its lanes only
+            layer.history.append(step)
+            req.ranks = max(req.ranks, e.rank + 1)
+            return True
         if e.state == "sent":
             layer.send_s, req.pending_send_s = req.pending_send_s, 0.0
             layer.kv_bytes = e.bytes or layer.kv_bytes
         elif e.state == "received" and not layer.kv_bytes:
             layer.kv_bytes = e.bytes
-        elif e.state == "routed" and 0 <= e.experts <= e.experts_total:
-            layer.experts, layer.experts_bytes = (e.experts, e.experts_total), e.bytes
         layer.history.append(step)
         layer.pinned = layer.pinned or e.pinned
         if e.state in ("loading", "computing"):

@@ -66,7 +66,8 @@ class Bandwidth:
 
     def __post_init__(self) -> None:
         self._token_counts: dict[str, int] = {}
-        self._untimed_h2d: dict[str, int] = {}  # per request: bytes of untimed (CUDA) copies
+        # per request and rank (a prefill node's device): bytes of untimed (CUDA) copies
+        self._untimed_h2d: dict[tuple[str, int], int] = {}
 
     def apply(self, event: Event, now: float) -> bool:
         """Fold one event in; True when it moved a series."""
@@ -87,15 +88,16 @@ class Bandwidth:
 
     def _repeats_copies(self, event: LinkEvent) -> bool:
         """Whether an `h2d` event is a CUDA pass's closing one: timed, after untimed per-load
-        copies of the same request that add up to its bytes (then not counted again)."""
-        rid = event.request_id
+        copies of the same request on the same rank that add up to its bytes (then not counted
+        again)."""
+        key = (event.request_id, event.rank)
         if event.seconds == 0:
-            self._untimed_h2d[rid] = self._untimed_h2d.get(rid, 0) + event.bytes
+            self._untimed_h2d[key] = self._untimed_h2d.get(key, 0) + event.bytes
             if len(self._untimed_h2d) > 64:
                 self._untimed_h2d.pop(next(iter(self._untimed_h2d)))
             return False
-        if self._untimed_h2d.get(rid) == event.bytes:
-            del self._untimed_h2d[rid]  # the request's next pass counts afresh
+        if self._untimed_h2d.get(key) == event.bytes:
+            del self._untimed_h2d[key]  # the request's next pass counts afresh
             return True
         return False
 

@@ -39,7 +39,10 @@ class Event:
     kind: str = ""
 
     def to_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out.get("rank") == 0:  # a node of one device says no rank (as before ranks)
+            del out["rank"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class LayerEvent(Event):
     bytes: int = 0
     experts: int = 0  # "routed": the experts its tokens chose (a mixture of experts' layer)
     experts_total: int = 0  # ... out of its experts
+    rank: int = 0  # the prefill node's rank (device) it happened on (prefill/ranks/)
     kind: str = "layer"
 
 
@@ -59,6 +63,7 @@ class LinkEvent(Event):
     name: LinkName = "disk"
     bytes: int = 0
     seconds: float = 0.0
+    rank: int = 0  # the prefill node's rank (device) whose link it was (prefill/ranks/)
     kind: str = "link"
 
 
@@ -97,7 +102,8 @@ _KINDS: dict[str, type[Event]] = {
 def event_from_json(obj: object) -> Event | None:
     """The typed event of one `/v1/events` record; None for a kind or shape not known here
     (a newer node's, or a value of the wrong type), so a reader skips what it cannot read.
-    Keys not known here are ignored; a missing one takes its default."""
+    Keys not known here are ignored; a missing one takes its default (a layer's or link's
+    `rank`: 0, as a node of one device, or an older one, leaves it out)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("request_id"), str):
         return None
     cls = _KINDS.get(str(obj.get("kind")))
@@ -110,6 +116,8 @@ def event_from_json(obj: object) -> Event | None:
             if value is _BAD:
                 return None
             values[f.name] = value
+    if isinstance(rank := values.get("rank", 0), int) and rank < 0:  # a rank counts from 0
+        return None
     return cls(**values)
 
 

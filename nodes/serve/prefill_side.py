@@ -32,6 +32,7 @@ def ranked_engine(index: ModelIndex, c: NodeConfig, **kwargs: Any) -> PrefillEng
         return PrefillEngine(index, device=c.device, **engine_args(c), **kwargs)
     import torch
     from tandem.nodes.prefill.ranks.collective import Collective, rank_device
+    from tandem.nodes.prefill.ranks.events import relay_events
 
     rank, world, local = c.ranks
     device = rank_device(c.device, local)
@@ -39,6 +40,8 @@ def ranked_engine(index: ModelIndex, c: NodeConfig, **kwargs: Any) -> PrefillEng
     engine = PrefillEngine(index, device=device, collective=collective, **engine_args(c),
                            **kwargs)  # fmt: skip
     collective.describe(engine, c.link_gbps)
+    # rank 0's engine publishes on the node's bus (`events`): the others' events join it there
+    collective.relay = relay_events(collective, engine.events)
     return engine
 
 

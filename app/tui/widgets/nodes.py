@@ -1,5 +1,6 @@
 """The Nodes panel: one row per node, trusted or rejected and why, and its load (a decode
-node's batch, a prefill node's queue); a decode group's ranks on rows under its node."""
+node's batch, a prefill node's queue); a decode group's ranks, or a prefill node's devices
+(its ranks), on rows under its node."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from tandem.app.tui.card import below_max, link_text
 from tandem.app.tui.cluster import NodeRow
 from tandem.app.tui.fmt import format_binary, format_link, format_size, format_tok_s
 from tandem.nodes.contract.cluster import DecodeGroup, GroupRank, WeightTiers
+from tandem.nodes.contract.ranks import PrefillRank, PrefillRanks
 from textual.widgets import DataTable
 
 COLUMNS = ("node", "roles", "device", "memory / budget", "model", "status", "prefill", "link")
@@ -71,6 +73,8 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
     device: str | Text = row.device or "–"
     if row.group is not None:  # its ranks are mlx: the group says more
         device = group_text(row.group)
+    if row.prefill_ranks is not None:  # its devices are on the rows under it
+        device = devices_text(row.prefill_ranks)
     gpu = row.health.gpu if row.health is not None else None
     if gpu is not None and (link := link_text(gpu)):  # the card's PCIe link, as NVML says
         device = Text(f"{device} · {link}", style="yellow" if below_max(gpu) else "")
@@ -88,6 +92,22 @@ def row_cells(row: NodeRow) -> tuple[str | Text, ...]:
 
 def group_text(group: DecodeGroup) -> str:
     return f"group of {group.size} ({group.backend})"
+
+
+def devices_text(ranks: PrefillRanks) -> str:
+    """A prefill node of several devices: how many, on which backend, and whether a rank is
+    lost (the node answers 503 and stops)."""
+    text = f"{ranks.size} devices" + (f" ({ranks.backend})" if ranks.backend else "")
+    return text + (" · rank lost" if ranks.lost else "")
+
+
+def prefill_rank_cells(rank: PrefillRank) -> tuple[str | Text, ...]:
+    """One device of a prefill node, under it: its device, its budget and what it streamed
+    in its last pass (its share of every layer)."""
+    memory = f"budget {format_size(rank.budget_bytes)}"
+    if rank.pass_bytes:
+        memory += f" · last pass {format_binary(rank.pass_bytes)}"
+    return (Text(f" └ rank {rank.rank}", style="dim"), "", rank.device, memory, "", "", "", "")
 
 
 def rank_cells(rank: GroupRank) -> tuple[str | Text, ...]:
@@ -116,4 +136,8 @@ class NodesTable(DataTable[str | Text]):
             self.add_row(*row_cells(row), key=row.url)
             for rank in row.group.ranks if row.group is not None else ():
                 self.add_row(*rank_cells(rank), key=f"{row.url}#rank{rank.rank}")
+            ranks = row.prefill_ranks.ranks if row.prefill_ranks is not None else ()
+            for device in ranks:
+                key = f"{row.url}#prefill-rank{device.rank}"
+                self.add_row(*prefill_rank_cells(device), key=key)
         self.border_subtitle = f"{sum(r.status == 'trusted' for r in rows)}/{len(rows)} trusted"

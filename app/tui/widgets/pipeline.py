@@ -1,8 +1,10 @@
 """The Pipeline panel: one cell per layer of the request in flight, coloured by state (on a
 model that mixes layer kinds, lettered G global, S sliding window or L linear), the bytes each
 layer's frame carried (K/V, or a linear layer's state), and the timeline of that request as
-three busy strips (copy, compute, send); under its headline, a line for each other request in
-flight (its layers sent, its tokens so far: several at once batch on the decode node).
+three busy strips (copy, compute, send) — from a prefill node of several devices, a copy and a
+compute strip per device (rank), then the send; under its headline, a line for each other
+request in flight (its layers sent, its tokens so far: several at once batch on the decode
+node).
 
 The widget owns a `PipelineModel`; tests read `view.model` rather than pixels.
 """
@@ -15,7 +17,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.text import Text
 from tandem.app.tui.fmt import format_seconds
-from tandem.app.tui.pipeline import PIPE_STATES, ROWS, PipelineModel, RequestTrack, Span, Timeline
+from tandem.app.tui.pipeline import PIPE_STATES, PipelineModel, RequestTrack, Span, Timeline
 from tandem.nodes.contract.cluster import ModelLayer
 from tandem.nodes.contract.units import format_bytes
 from textual.app import RenderResult
@@ -43,7 +45,7 @@ CELL = 4  # columns per layer cell (5 with a kind letter), plus one space betwee
 KIND_MARK = {"full": "G", "sliding": "S", "linear": "L", "latent": "M"}
 KIND_NAME = {"full": "global", "sliding": "sliding window", "linear": "linear (state)",
              "latent": "latent (MLA)"}  # fmt: skip
-LABEL = 9  # columns before the timeline strips
+LABEL = 9  # columns before the timeline strips (a rank's lane takes more: "compute 1 ")
 BUSY = 9  # columns after them: the row's busy time
 
 
@@ -53,6 +55,8 @@ class PipelineView(Widget):
     request_id: reactive[str] = reactive("")
     layers_hint: reactive[int] = reactive(0)  # a node's layer count, before any request
     layer_kinds: reactive[tuple[ModelLayer, ...]] = reactive(())  # the model's, from /health
+    # (node id, its ranks) of each prefill node of several devices, from /health
+    prefill_ranks: reactive[tuple[tuple[str, int], ...]] = reactive(())
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -86,7 +90,7 @@ class PipelineView(Widget):
                 parts.append(kv)
             if (experts := _experts_line(req)) is not None:
                 parts.append(experts)
-        timeline = req.timeline()
+        timeline = req.timeline(dict(self.prefill_ranks).get(req.prefill_node, 1))
         if timeline is not None:
             parts += _strips(timeline, width)
         return Group(*parts)
@@ -210,13 +214,14 @@ def _strips(tl: Timeline, width: int) -> list[Text]:
     head = Text("timeline", style="bold").append(f" {format_seconds(tl.wall)}")
     if tl.bound:
         head.append(f" → {tl.bound}-bound", style="bold")
-    n = max(8, width - LABEL - BUSY)
-    return [head, *(_strip(row, tl.rows[row], tl, n) for row in ROWS)]
+    label_w = max(LABEL, *(len(lane) + 1 for lane in tl.rows))
+    n = max(8, width - label_w - BUSY)
+    return [head, *(_strip(lane, spans, tl, n, label_w) for lane, spans in tl.rows.items())]
 
 
-def _strip(row: str, spans: list[Span], tl: Timeline, n: int) -> Text:
-    """One row of the Gantt strip: each span in its layer's shade, labelled where it fits,
-    then the row's busy time."""
+def _strip(lane: str, spans: list[Span], tl: Timeline, n: int, label_w: int) -> Text:
+    """One lane of the Gantt strip (copy, compute or send; a rank's copy or compute): each
+    span in its layer's shade, labelled where it fits, then the lane's busy time."""
     owner: list[int | None] = [None] * n
     starts: dict[int, int] = {}
     scale = n / tl.wall if tl.wall > 0 else 0.0
@@ -226,8 +231,8 @@ def _strip(row: str, spans: list[Span], tl: Timeline, n: int) -> Text:
         for c in range(c0, c1):
             owner[c] = layer
         starts.setdefault(layer, c0)
-    text = Text(f"{row:<{LABEL}}", style="bold")
-    shades = ROW_STYLE[row]
+    text = Text(f"{lane:<{label_w}}", style="bold")
+    shades = ROW_STYLE[lane.split()[0]]
     c = 0
     while c < n:
         layer = owner[c]
@@ -241,4 +246,4 @@ def _strip(row: str, spans: list[Span], tl: Timeline, n: int) -> Text:
             style = f"{('black', 'white')[layer % 2]} on {shades[layer % 2]}"
             text.append(label.ljust(end - c), style=style)
         c = end
-    return text.append(f"{format_seconds(tl.busy[row]):>{BUSY}}")
+    return text.append(f"{format_seconds(tl.busy[lane]):>{BUSY}}")

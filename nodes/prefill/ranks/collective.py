@@ -9,7 +9,9 @@ What crosses between them:
   rank 0, which hands the layer over;
 - `announce`/`receive` (rank 0 → the others, on a gloo group of its own): each pass's prompts
   and their cached prefixes, or the end;
-- `gather`: each rank's record of the pass (bytes streamed), for rank 0's `/health`.
+- `gather`: each rank's record of the pass (bytes streamed), for rank 0's `/health`;
+- `share`: an object of rank 0's to the others, once (where its events relay listens:
+  `events.py`, closed by `close`).
 
 A rank that fails a collective (its peer died) is `RankLost`: the pass fails, and rank 0 says
 so to every request (503) for `LOST_GRACE_S`, then stops itself; `torchrun` stops the rest.
@@ -38,6 +40,7 @@ from tandem.nodes.prefill.ranks.shard import Shard
 
 if TYPE_CHECKING:
     from tandem.nodes.prefill.engine import PrefillEngine
+    from tandem.nodes.prefill.ranks.events import EventForwarder, EventRelay
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class Collective:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _t0: float = 0.0
     described: list[PrefillRank] = field(default_factory=list)  # every rank's, once built
+    relay: EventRelay | EventForwarder | None = None  # the others' events to rank 0's bus
 
     @classmethod
     def start(cls, rank: int, world: int, device: torch.device) -> Collective:
@@ -193,6 +197,12 @@ class Collective:
         self._run(dist.all_gather_object, out, me, group=self.control)
         self.described = out
 
+    def share(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the others pass None), over the control group."""
+        box = [obj]
+        self._run(dist.broadcast_object_list, box, src=0, group=self.control)
+        return box[0]
+
     def health(self) -> PrefillRanks:
         """The ranks as `/health` tells them (rank 0), with each one's last pass."""
         passes = {r.rank: r for r in self.records}
@@ -244,7 +254,9 @@ class Collective:
                 self.announce(None)
 
     def close(self) -> None:
-        """Leave the group (rank 0: after `stop`)."""
+        """Leave the group (rank 0: after `stop`), the events relay closed first."""
+        if self.relay is not None:
+            self.relay.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
-"""A rank other than 0: no port, no events; rank 0's passes, computed in step (`collective.py`),
-until rank 0 stops the node (or is gone)."""
+"""A rank other than 0: no port; rank 0's passes, computed in step (`collective.py`), until
+rank 0 stops the node (or is gone). Its layer and link events reach the node's bus through rank
+0 (`events.py`, set up with its engine)."""
 
 from __future__ import annotations
 
