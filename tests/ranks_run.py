@@ -22,8 +22,8 @@ SPLIT = 25  # the second turn: positions 25.. after the first 25's K/V
 
 def _tensors(item: object) -> dict[str, torch.Tensor]:
     if isinstance(item, LayerKV):
-        return {"k": item.k.clone(), "v": item.v.clone()}
-    return {n: t.clone() for n, t in item.tensors.items()}  # type: ignore[attr-defined]
+        return {"k": item.k.cpu().clone(), "v": item.v.cpu().clone()}
+    return {n: t.cpu().clone() for n, t in item.tensors.items()}  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -34,11 +34,14 @@ def main() -> None:
     world = world_from_env()
     assert world is not None
     rank, size, _ = world
-    c = Collective.start(rank, size, torch.device("cpu"))
+    # RANKS_DEVICE/RANKS_BACKEND: gpu-check's two ranks on one card (gloo: NCCL takes one
+    # rank per card)
+    device = os.environ.get("RANKS_DEVICE", "cpu")
+    c = Collective.start(rank, size, torch.device(device), os.environ.get("RANKS_BACKEND"))
     saved: dict[str, object] = {}
     for spec in models:
         path, budget, prefix = spec.rsplit(":", 2)
-        engine = PrefillEngine(path, budget=int(budget), device="cpu", chunk_tokens=8,
+        engine = PrefillEngine(path, budget=int(budget), device=device, chunk_tokens=8,
                                collective=c)  # fmt: skip
         engine.route_experts = "always"
         if rank == 0:

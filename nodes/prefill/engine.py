@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -225,13 +225,13 @@ class PrefillEngine:
             if ask.start and (ask.prefix is None or len(ask.prefix) != self.spec.num_layers):
                 raise PrefillError("start > 0 needs the prefix K/V of every layer")
             self.check_fits(ask.count, ask.start)
-        if self.collective is not None:  # the ranks run every pass in step, to its end
-            self.collective.follow(asks)
         members = [self._member(i, ask) for i, ask in enumerate(asks)]
         clock = ComputeClock(self.device)
         kinds, family = self.spec.layer_kinds, self.family
         count = sum(ask.count for ask in asks)
-        with torch.inference_mode(), self._stream(members, count, synchronous) as run:
+        # several ranks run every pass in step, to its end (`ranks/collective.py`)
+        steps = nullcontext() if self.collective is None else self.collective.passing(asks)
+        with torch.inference_mode(), steps, self._stream(members, count, synchronous) as run:
             # the loader is already filling the ring while the prompts' rows are read
             for m in members:
                 m.h = self.embedding(m.ask.tokens)  # its rows [T, H] on the device

@@ -31,14 +31,19 @@ def ranked_engine(index: ModelIndex, c: NodeConfig, **kwargs: Any) -> PrefillEng
     if c.ranks is None:
         return PrefillEngine(index, device=c.device, **engine_args(c), **kwargs)
     import torch
+    from tandem.nodes.prefill.planning.ram import spare_ram
     from tandem.nodes.prefill.ranks.collective import Collective, rank_device
     from tandem.nodes.prefill.ranks.events import relay_events
 
     rank, world, local = c.ranks
     device = rank_device(c.device, local)
     collective = Collective.start(rank, world, torch.device(device))
-    engine = PrefillEngine(index, device=device, collective=collective, **engine_args(c),
-                           **kwargs)  # fmt: skip
+    args = engine_args(c)
+    if c.host_budget == "auto":  # the machine's spare RAM, a share each (all at once)
+        args["host_budget"] = spare_ram() // world
+    if rank:
+        args["prefix_cache"] = None  # rank 0's alone
+    engine = PrefillEngine(index, device=device, collective=collective, **args, **kwargs)
     collective.describe(engine, c.link_gbps)
     # rank 0's engine publishes on the node's bus (`events`): the others' events join it there
     collective.relay = relay_events(collective, engine.events)

@@ -19,6 +19,7 @@ from .memory import memory_section
 from .overlap import bench_section
 from .quantized import quantized_section
 from .race import race_section
+from .ranks import ranks_section
 from .report import clean
 from .requests import requests_section
 from .sanitizer import planted_section, sanitized_section
@@ -33,6 +34,7 @@ SECTIONS: dict[str, Callable[[Ctx], Json]] = {
     "requests": requests_section,
     "quantized": quantized_section,
     "race": race_section,
+    "ranks": ranks_section,
     "sanitized": sanitized_section,
     "planted": planted_section,
     "memory": memory_section,

@@ -81,6 +81,7 @@ def run_all(run: Runner, sections: Json, cuda: bool) -> None:
     sections["families"] = run.section("families", 90)  # issue 48: every family, the experts
     sections["dequant"] = run.section("dequant", 45)  # the Triton kernel compiles 4 times
     sections["host"] = run.section("host", 60)  # the RAM tier at 70B's width, RSS, per op
+    sections["ranks"] = run.section("ranks", 120) if cuda else NEEDS_CUDA  # issue 52
     sections["small_card"] = run.section("small_card", 60)
     sections["sanitizer"] = run.sanitizer(90, cuda)
     sections["cuda_tests"] = run.cuda_tests(120, cuda)

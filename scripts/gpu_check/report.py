@@ -68,6 +68,7 @@ def summarize(sections: Json, smoke: bool) -> Json:
         },
         "quantized_ok": sections.get("quantized", {}).get("ok"),
         "race_ok": sections.get("race", {}).get("ok"),
+        "ranks_ok": sections.get("ranks", {}).get("ok"),
         "attention": {
             dtype: {
                 case: (attn.get(dtype) or {}).get(case, {}).get("backend")

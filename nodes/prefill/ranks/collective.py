@@ -26,7 +26,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -99,14 +99,17 @@ class Collective:
     relay: EventRelay | EventForwarder | None = None  # the others' events to rank 0's bus
 
     @classmethod
-    def start(cls, rank: int, world: int, device: torch.device) -> Collective:
-        """Join the node's process group (torchrun's rendezvous in the environment)."""
+    def start(
+        cls, rank: int, world: int, device: torch.device, backend: str | None = None
+    ) -> Collective:
+        """Join the node's process group (torchrun's rendezvous in the environment): NCCL
+        between CUDA devices, gloo on the CPU (or as `backend` says: gpu-check's two ranks on
+        one card)."""
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", rank=rank, world_size=world, timeout=COMPUTE_TIMEOUT
-        )
+        backend = backend or ("nccl" if cuda else "gloo")
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=COMPUTE_TIMEOUT)
         control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         log.info("rank %d of %d on %s (%s)", rank, world, device, dist.get_backend())
         return cls(Shard(rank, world), device, control)
@@ -170,15 +173,23 @@ class Collective:
             return tuple(one(s, d) for s, d in items)  # type: ignore[return-value]
         return {name: one(s, d) for name, s, d in items}
 
-    def follow(self, asks: Sequence[Ask]) -> None:
-        """At a pass's start, on every rank: rank 0 announces its prompts; none leaves the
-        pass mid-way (the ranks' collectives go in step), a dropped reader's layers are
-        computed and let go."""
+    @contextlib.contextmanager
+    def passing(self, asks: Sequence[Ask]) -> Iterator[None]:
+        """A pass, on every rank: rank 0 announces its prompts; none leaves the pass mid-way
+        (the ranks' collectives go in step: a dropped reader's layers are computed and let
+        go). A pass that ends early on any rank (an error; its reader closing it) leaves the
+        others out of step: the node is lost."""
         if self.rank == 0:
             self.announce(asks)
         for ask in asks:
             ask.dropped = threading.Event()
         self._t0 = time.perf_counter()
+        try:
+            yield
+        except BaseException as e:
+            if not isinstance(e, RankLost):
+                self.lose(f"a pass ended early on prefill rank {self.rank} ({e!r})")
+            raise
 
     def recorded(self, bytes_streamed: int, compute_s: float) -> None:
         """At a pass's end, on every rank: its record to rank 0 (`records`)."""
