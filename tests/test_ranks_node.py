@@ -1,7 +1,8 @@
 """A prefill node of two ranks (`--devices cpu,cpu`: torchrun with a rank per device, gloo)
 serving a decode node (issue 52): greedy replies equal mlx-lm's; `/health` shows both ranks,
-each holding and streaming half of every layer; killing rank 1 mid-prefill leaves the reply
-exact (the decode node prefills it itself), within seconds, and the prefill node exits."""
+each holding and streaming half of every layer; a client gone mid-prefill leaves the ranks in
+step; killing rank 1 mid-prefill leaves the reply exact (the decode node prefills it itself),
+within seconds, and the prefill node exits."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from tandem.nodes.model import load_index
 
@@ -84,6 +86,14 @@ def test_a_rank_killed_mid_prefill_leaves_the_reply_exact(
     slow = (*TWO_RANKS, "--link-gbps", "0.002")
     with remote_pair(tmp, model, budget, TOKEN, *slow) as (prefill, decode):
         cluster = Cluster(model, prefill, decode)
+        # a client gone mid-prefill: the ranks run the pass to its end, in step, and serve on
+        with pytest.raises(openai.APITimeoutError):
+            _chat(cluster.client().with_options(timeout=0.7, max_retries=0), PROMPTS[1])
+        time.sleep(2.5)
+        again = _chat(cluster.client(), PROMPTS[1])
+        assert stats_of(again).prefill == "remote", decode.output()
+        assert again.choices[0].message.content == cluster.reference(PROMPTS[1])
+        assert prefill.health().prefill_ranks.lost == ""  # type: ignore[union-attr]
         replies: list[object] = []
         asked = threading.Thread(
             target=lambda: replies.append(_chat(cluster.client(), PROMPTS[0])), daemon=True

@@ -6,7 +6,8 @@ go to that request's own queue as they are done, so its frames leave as its laye
 
 A request's reader is its own (`server.py` writes its frames): one that stops reading or goes
 away is `dropped` (the pass skips it from its next load on), never waited for; a pass whose
-every request was dropped stops. Nothing here blocks on a reader.
+every request was dropped stops (on one device: several ranks run every pass to its end, in
+step, `in_step`). Nothing here blocks on a reader.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class Passes:
         self.on_pass = on_pass
         self.work: PassWork | None = None  # set once the engine is built
         self.max_batch_tokens = 0  # set with it: 0 takes one request a pass
+        # several ranks (`prefill/ranks/`): a pass runs to its end on every rank, read or not
+        self.in_step = False
         self._waiting: deque[Waiter] = deque()
         self._running: list[Waiter] = []
         self._runner: asyncio.Task[None] | None = None
@@ -160,8 +163,9 @@ class Passes:
         try:
             async with self.device.stream(self.work, reqs, dropped, buffer=2) as items:
                 async for i, item in items:
-                    batch[i].items.put_nowait(item)
-                    if all(d.is_set() for d in dropped):
+                    if not (self.in_step and dropped[i].is_set()):
+                        batch[i].items.put_nowait(item)
+                    if all(d.is_set() for d in dropped) and not self.in_step:
                         break  # nobody reads any of it: the device stops after this layer
             counts = items.result
         except Exception as e:  # the pass failed: so did each request in it

@@ -128,6 +128,7 @@ class PrefillService:
         if engine.prefix_cache_bytes is not None:  # sized with the RAM tier
             self.prefix_cache.max_bytes = engine.prefix_cache_bytes
         self.passes.work = partial(reusing_pass, engine, self.prefix_cache)
+        self.passes.in_step = engine.collective is not None
         # a pass's prompts share the activation reserve: together, one longest prompt
         self.passes.max_batch_tokens = self.max_batch_tokens or engine.request_tokens
         log.info("prefix cache: %d B; a pass takes prompts of %d tokens in all",
