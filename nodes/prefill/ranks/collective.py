@@ -79,6 +79,7 @@ class PassRecord:
     rank: int
     bytes_streamed: int = 0
     reduced_bytes: int = 0  # what its all-reduces carried (its tensors' bytes)
+    handover_bytes: int = 0  # its layers' K/V (or states) summed into rank 0
     seconds: float = 0.0  # the pass's wall time
     compute_s: float = 0.0
 
@@ -92,6 +93,7 @@ class Collective:
     control: Any = None  # the gloo group for prompts and records
     lost: str | None = None
     reduced_bytes: int = 0  # all-reduce bytes this pass
+    handover_bytes: int = 0  # summed into rank 0 this pass
     records: list[PassRecord] = field(default_factory=list)  # rank 0: the last pass's, by rank
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _t0: float = 0.0
@@ -135,6 +137,7 @@ class Collective:
     def _sum0(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         self._run(dist.reduce, t, dst=0)
+        self.handover_bytes += t.numel() * t.element_size()
         return t
 
     def announce(self, asks: Sequence[Ask] | None) -> None:
@@ -232,6 +235,7 @@ class Collective:
     def gather(self, record: PassRecord) -> list[PassRecord] | None:
         """Every rank's record of the pass, at rank 0 (None elsewhere)."""
         record.reduced_bytes, self.reduced_bytes = self.reduced_bytes, 0
+        record.handover_bytes, self.handover_bytes = self.handover_bytes, 0
         out: list[Any] | None = [None] * self.shard.world if self.rank == 0 else None
         self._run(dist.gather_object, record, out, dst=0, group=self.control)
         if out is not None:
