@@ -24,6 +24,7 @@ from tandem.nodes.contract.events import (
     event_from_json,
     sse,
 )
+from tandem.nodes.prefill.ranks import events
 from tandem.nodes.prefill.ranks.events import EventForwarder, EventRelay, relay_events
 from tandem.nodes.prefill.ranks.shard import Shard
 
@@ -142,6 +143,9 @@ class FakeCollective:
         self.barrier.wait(5)
         return self.box[0]
 
+    def lose(self, why: str) -> str:  # the relay's heartbeat (a rank gone or silent)
+        return why
+
 
 def test_relay_events_connects_every_rank_through_the_collective() -> None:
     box: list[Any] = []
@@ -202,3 +206,26 @@ def test_two_ranks_under_torchrun_tell_rank_0s_bus(tiny_model: MakeTiny, tmp_pat
                 assert states.index("loading") < states.index("ready") < states.index("evicted")
         assert any(isinstance(e, LinkEvent) and e.name == "h2d" for e in mine), rank
     assert not any(e.state == "sent" for e in by_rank[1] if isinstance(e, LayerEvent))
+
+
+def test_a_rank_gone_or_silent_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connections are the heartbeat: one that closes is a rank gone; one silent past
+    the timeout (its beats stopped, as a frozen process's) is a rank not answering."""
+    monkeypatch.setattr(events, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(events, "HEARTBEAT_TIMEOUT_S", 0.5)
+    lost: list[str] = []
+    relay = EventRelay(EventBus("node-0"), ranks=3, on_lost=lost.append)
+    one = EventForwarder(EventBus(), relay.address, relay.secret, 1)
+    two = EventForwarder(EventBus(), relay.address, relay.secret, 2)
+    try:
+        time.sleep(1.0)  # beating: nothing lost
+        assert lost == []
+        one.close()
+        _until(lambda: bool(lost))
+        assert lost == ["prefill rank 1 is gone (its connection closed)"]
+        two._stop.set()  # frozen: its connection open, no beat
+        _until(lambda: len(lost) == 2, 5.0)
+        assert lost[1].startswith("prefill rank 2 is not answering")
+    finally:
+        two.close()
+        relay.close()

@@ -21,6 +21,7 @@ from tandem.nodes.prefill.serving.server import PrefillService
 def test_a_failed_collective_loses_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     signals: list[tuple[int, int]] = []
     monkeypatch.setattr(collective_module, "LOST_GRACE_S", 0.0)
+    monkeypatch.setattr(collective_module, "_exit", lambda: None)  # the hard stop, later
     monkeypatch.setattr(collective_module.os, "kill", lambda pid, sig: signals.append((pid, sig)))
     c = Collective(Shard(0, 2), torch.device("cpu"))
 
@@ -55,3 +56,12 @@ def test_a_lost_node_answers_503(monkeypatch: pytest.MonkeyPatch) -> None:
         collective.lost = None  # (closing leaves no group to leave)
         service._engine = None
         service.close()
+
+
+def test_a_stopping_node_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 stops the others at shutdown: their leaving is no loss."""
+    monkeypatch.setattr(collective_module, "_terminate", lambda: pytest.fail("stopped again"))
+    c = Collective(Shard(1, 2), torch.device("cpu"))  # (rank 1: `stop` announces nothing)
+    c.stop()
+    c.lose("prefill rank 1 is gone (its connection closed)")
+    assert c.lost is None

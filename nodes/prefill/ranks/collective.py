@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOST_GRACE_S = 1.0  # a node that lost a rank answers 503 this long, then stops
+LOST_HARD_S = 20.0  # and is gone this long after, whatever its stop waits on (a stuck rank)
 COMPUTE_TIMEOUT = datetime.timedelta(minutes=5)  # a collective waiting on a stuck peer
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # the others wait for rank 0's next pass this long
 
@@ -97,6 +98,7 @@ class Collective:
     records: list[PassRecord] = field(default_factory=list)  # rank 0: the last pass's, by rank
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _t0: float = 0.0
+    stopping: bool = False
     described: list[PrefillRank] = field(default_factory=list)  # every rank's, once built
     relay: EventRelay | EventForwarder | None = None  # the others' events to rank 0's bus
 
@@ -252,18 +254,22 @@ class Collective:
 
     def lose(self, why: str) -> str:
         """The ranks are broken: every request from now on is a 503 (`/health` says why) for
-        `LOST_GRACE_S`, then this process stops (rank 0: its node's graceful stop)."""
+        `LOST_GRACE_S`, then this process stops (rank 0: its node's graceful stop), and is
+        gone `LOST_HARD_S` later whatever that stop waits on (a collective a frozen rank never
+        joins). Nothing while the node stops of its own accord (`stop`)."""
         with self._lock:
-            if self.lost is None:
+            if self.lost is None and not self.stopping:
                 self.lost = f"{why}; this prefill node is stopping"
                 log.error("%s", self.lost)
-                stop = threading.Timer(LOST_GRACE_S, os.kill, (os.getpid(), signal.SIGTERM))
-                stop.daemon = True
-                stop.start()
-        return self.lost
+                for delay, end in ((LOST_GRACE_S, _terminate), (LOST_HARD_S, _exit)):
+                    timer = threading.Timer(delay, end)
+                    timer.daemon = True
+                    timer.start()
+        return self.lost or why
 
     def stop(self) -> None:
         """Rank 0: the others' `receive` returns None (their engines may close)."""
+        self.stopping = True  # the others leaving now is no loss
         if self.lost is None and self.rank == 0:
             with contextlib.suppress(RankLost):
                 self.announce(None)
@@ -297,3 +303,12 @@ def _tensors(prefix: Sequence[Prefix] | None) -> list[torch.Tensor]:
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor's bytes as uint8 (gloo carries every dtype this way)."""
     return t.view(-1).view(torch.uint8)
+
+
+def _terminate() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _exit() -> None:
+    log.error("the prefill node did not stop: it exits now")
+    os._exit(1)

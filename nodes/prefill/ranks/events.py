@@ -15,6 +15,10 @@ are processes of one machine (`torchrun --nproc-per-node`), so loopback reaches 
 
 Both ends close with the ranks (`Collective.close`): rank 0's thread ends and closes every
 socket it opened; a follower's connection closes.
+
+The connections are the ranks' heartbeat too: each follower beats every `HEARTBEAT_S`, so a
+rank whose connection closes (it died) or that goes silent for `HEARTBEAT_TIMEOUT_S` (frozen)
+is lost at once (`on_lost`: `Collective.lose`), even while no pass runs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import secrets
 import selectors
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,6 +47,9 @@ LOOPBACK = "127.0.0.1"
 READ_BYTES = 1 << 16
 MAX_LINE = 1 << 20  # bytes: a record is a few hundred; a connection sending more is dropped
 SEND_TIMEOUT_S = 5.0  # a follower whose send waits this long stops forwarding (rank 0 is stuck)
+HEARTBEAT_S = 1.0  # a follower's beat
+HEARTBEAT_TIMEOUT_S = 5.0  # a rank silent this long is frozen
+BEAT = b'{"beat":1}'
 
 
 @dataclass
@@ -55,8 +64,11 @@ class EventRelay:
     """Rank 0: the other ranks' layer and link events, published on the node's `bus` by one
     thread (`rank events`) until `close`."""
 
-    def __init__(self, bus: EventBus, ranks: int) -> None:
-        self.bus = bus
+    def __init__(
+        self, bus: EventBus, ranks: int, on_lost: Callable[[str], object] | None = None
+    ) -> None:
+        self.bus, self.on_lost = bus, on_lost
+        self._heard: dict[int, float] = {}  # a connected rank's last line (monotonic)
         self.secret = secrets.token_hex(16)  # a local process that is not a rank sends nothing
         self._server = socket.create_server((LOOPBACK, 0))
         host, port = self._server.getsockname()[:2]
@@ -81,7 +93,7 @@ class EventRelay:
         conns: dict[socket.socket, _Conn] = {}
         try:
             while True:
-                for key, _ in sel.select():
+                for key, _ in sel.select(HEARTBEAT_S / 2):
                     sock = cast(socket.socket, key.fileobj)
                     if sock is self._wake:
                         return
@@ -92,7 +104,16 @@ class EventRelay:
                     elif not self._read(sock, conns[sock]):
                         sel.unregister(sock)
                         sock.close()
-                        del conns[sock]
+                        gone = conns.pop(sock).rank
+                        if gone is not None:
+                            self._lost(f"prefill rank {gone} is gone (its connection closed)")
+                now = time.monotonic()
+                silent = [
+                    (r, now - t) for r, t in self._heard.items() if now - t > HEARTBEAT_TIMEOUT_S
+                ]
+                if silent:
+                    self._lost(f"prefill rank {silent[0][0]} is not answering (silent for "
+                               f"{silent[0][1]:.0f} s)")  # fmt: skip
                 if not self._waiting and self._server.fileno() != -1:  # every rank is in
                     sel.unregister(self._server)
                     self._server.close()
@@ -113,11 +134,15 @@ class EventRelay:
         if len(conn.buf) > MAX_LINE:
             log.warning("rank events: a line over %d bytes; the connection is dropped", MAX_LINE)
             return False
+        if conn.rank is not None:
+            self._heard[conn.rank] = time.monotonic()
         for line in lines:
             if conn.rank is not None:
-                self._publish(line, conn.rank)
+                if line != BEAT:
+                    self._publish(line, conn.rank)
             elif (rank := self._hello(line)) is not None:
                 conn.rank = rank
+                self._heard[rank] = time.monotonic()
             else:
                 return False
         return True
@@ -137,6 +162,12 @@ class EventRelay:
             return None
         self._waiting.discard(rank)
         return rank
+
+    def _lost(self, why: str) -> None:
+        """A rank is gone or frozen: said once; the ranks are broken from now on."""
+        self._heard.clear()
+        if self.on_lost is not None:
+            self.on_lost(why)
 
     def _publish(self, line: bytes, rank: int) -> None:
         event = event_from_json(_json(line))
@@ -160,6 +191,20 @@ class EventForwarder:
             log.warning("rank %d: cannot reach rank 0's events at %s (%s)", rank, address, e)
         self._send({"secret": secret, "rank": rank})
         bus.listen(self.forward)
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="rank beats", daemon=True)
+        self._beats.start()
+
+    def _beat(self) -> None:
+        """Every `HEARTBEAT_S`: this rank is alive (rank 0 loses a silent one)."""
+        while not self._stop.wait(HEARTBEAT_S):
+            with self._lock:
+                if self._sock is None:
+                    return
+                try:
+                    self._sock.sendall(BEAT + b"\n")
+                except OSError:
+                    return
 
     def forward(self, event: Event) -> None:
         """The bus's listener: a layer or link event on to rank 0, with this rank."""
@@ -167,6 +212,7 @@ class EventForwarder:
             self._send(dataclasses.replace(event, rank=self.rank, node="").to_dict())
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
@@ -192,7 +238,7 @@ def relay_events(c: Collective, bus: EventBus) -> EventRelay | EventForwarder:
     if c.rank != 0:
         address, secret = c.share(None)
         return EventForwarder(bus, (address[0], address[1]), secret, c.rank)
-    relay = EventRelay(bus, c.shard.world)
+    relay = EventRelay(bus, c.shard.world, c.lose)
     try:
         c.share((relay.address, relay.secret))
     except BaseException:
