@@ -10,7 +10,8 @@ In one run, on one prompt, after a warm-up pass (which loads the resident set):
   streamed bytes came from (the RAM tier, `--host-budget auto` by default, holds what it can
   once the warm-up has read it); with `--vs resident`, `vs_resident_ratio`: streamed /
   all-resident wall, the two engines run in turns in this one process; with `--batch N`,
-  `batch_ratio`: N prompts in one weight pass / N lone passes (bench_batch.py).
+  `batch_ratio`: N prompts in one weight pass / N lone passes (bench_batch.py); with
+  `--ranks N`, `ranks_ratio`: a node of N ranks' pass / this device's, in turns (bench_ranks.py).
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
 `sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
 the denominators on purpose: on a small CPU the loader thread slows compute, and a ratio
@@ -46,6 +47,7 @@ from tandem.nodes.model.locate import locate
 from tandem.nodes.model.page_cache import evict_page_cache
 from tandem.nodes.prefill.engine import PrefillEngine, PrefillStats
 from tandem.nodes.prefill.measure.bench_batch import vs_lone
+from tandem.nodes.prefill.measure.bench_ranks import table_lines, vs_ranks
 from tandem.nodes.prefill.measure.bench_table import table
 from tandem.nodes.prefill.planning import ram
 
@@ -111,7 +113,7 @@ class _Phases:
     rss: list[int]  # per overlapped run: peak RSS over the start (-1: not measurable)
     link_gbps: float | None
     quantize_s: float | None
-    side_by_side: dict[str, float]
+    side_by_side: dict[str, object]
 
 
 def bench(
@@ -129,6 +131,7 @@ def bench(
     experts: str = "routed",
     vs_all_experts: bool = False,
     batch: int = 0,
+    ranks: int = 1,
 ) -> dict[str, object]:
     index = load_index(model)
     fixed = float(link_gbps) if link_gbps not in (None, "auto") else None
@@ -147,6 +150,11 @@ def bench(
             phases.side_by_side.update(_vs_all_experts(engine, ids, repeat, before))
         if batch > 1:
             phases.side_by_side.update(vs_lone(engine, batch, tokens, repeat, before))
+        if ranks > 1:  # the ranks take the link `auto` found for this engine
+            phases.side_by_side.update(vs_ranks(
+                ranks, model, engine, lambda: _run(engine, ids).wall_s, ids, repeat, before,
+                phases.link_gbps, host_budget,
+            ))  # fmt: skip
     finally:
         engine.close()
     last = phases.last  # MoE: experts read in the last run, and the link's wait for routers
@@ -180,9 +188,8 @@ def _phases(
     if kv_bits < 16:  # the wire's quantizing, timed inside the same overlapped runs
         fmt = KVFormat(kv_bits)
         quantize_s = _median(repeat, lambda: _run(engine, ids, kv_format=fmt).quantize_s, before)
-    return _Phases(
-        compute_s, load_s, wall_s, loaded, walls[-1], rss, fixed, quantize_s, side_by_side
-    )
+    return _Phases(compute_s, load_s, wall_s, loaded, walls[-1], rss, fixed, quantize_s,
+                   side_by_side)  # fmt: skip
 
 
 def _overlapped(
@@ -355,13 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time quantizing K/V for the wire")  # fmt: skip
     p.add_argument("--experts", choices=["routed", "all"], default="routed",
                    help="MoE: read only the chosen experts (default), or all of them")  # fmt: skip
-    p.add_argument(
-        "--batch",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also N prompts in one pass against N lone passes (batch_ratio)",
-    )
+    p.add_argument("--batch", type=int, default=0, metavar="N",
+                   help="also N prompts in one pass against N lone ones (batch_ratio)")  # fmt: skip
+    p.add_argument("--ranks", type=int, default=1, metavar="N", help="also a node of N ranks"
+                   " (torchrun here), each its share of every layer on its own link, in turns"
+                   " with this device (ranks_ratio)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     return p
 
@@ -382,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = bench(
                 model, a.tokens, a.budget, a.link_gbps, a.device, a.cold, a.repeat,
                 a.chunk_tokens, a.host_budget, a.kv_bits, a.vs == "resident", a.experts,
-                vs_all_experts=a.vs == "all-experts", batch=a.batch,
+                vs_all_experts=a.vs == "all-experts", batch=a.batch, ranks=a.ranks,
             )  # fmt: skip
             if a.vs == "accelerate":
                 other = vs_accelerate(model, a.tokens, a.budget, a.device)
@@ -391,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ModelError, RuntimeError, ValueError) as e:
         print(f"tandem bench prefill: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result) if a.json else table(result))
+    print(json.dumps(result) if a.json else table(result) + table_lines(result))
     return 0
 
 
