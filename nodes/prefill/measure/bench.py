@@ -364,9 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE: read only the chosen experts (default), or all of them")  # fmt: skip
     p.add_argument("--batch", type=int, default=0, metavar="N",
                    help="also N prompts in one pass against N lone ones (batch_ratio)")  # fmt: skip
-    p.add_argument("--ranks", type=int, default=1, metavar="N", help="also a node of N ranks"
-                   " (torchrun here), each its share of every layer on its own link, in turns"
-                   " with this device (ranks_ratio)")  # fmt: skip
+    p.add_argument("--ranks", type=int, default=1, metavar="N", help="also N ranks (torchrun)"
+                   " in turns with this device (ranks_ratio)")  # fmt: skip
     p.add_argument("--json", action="store_true")
     return p
 
@@ -374,12 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if a.link_gbps not in (None, "auto"):
-        try:
-            a.link_gbps = float(a.link_gbps)
-        except ValueError:
-            print("--link-gbps takes a number or 'auto'", file=sys.stderr)
-            return 2
+    try:
+        a.link_gbps = a.link_gbps if a.link_gbps in (None, "auto") else float(a.link_gbps)
+    except ValueError:
+        print("--link-gbps takes a number or 'auto'", file=sys.stderr)
+        return 2
     try:
         with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
             model = (locate(a.model, a.models_dir) if a.model
