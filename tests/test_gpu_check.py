@@ -17,10 +17,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check"
 SECTIONS = {
     "env", "h2d", "attention", "kv", "requests", "quantized", "race", "sanitizer", "model",
     "memory", "small_card", "bench", "cuda_tests", "families", "dequant",
-    "host",
+    "host", "ranks",
 }  # fmt: skip
 NO_CUDA = {"h2d", "sanitizer", "cuda_tests"}  # their plumbing runs on a CPU where it can
-NEEDS_CUDA = {"race"}  # not even started on a CPU
+NEEDS_CUDA = {"race", "ranks"}  # not even started on a CPU
 pytestmark = pytest.mark.timeout(200)  # the smoke run is one subprocess of up to 150 s
 
 
