@@ -14,7 +14,7 @@ seconds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tandem.nodes.model.index import ModelIndex
@@ -212,8 +212,13 @@ def part_work(
         case "shared":
             gated = any(pc.key.startswith("mlp.shared_expert_gate.") for pc in part.pieces)
             return shared_work(spec, width, tokens, itemsize, gated)
-        case "linear":
-            return linear_work(spec, tokens, itemsize, chunk)
+        case "linear":  # all value heads, or a rank's share of them (`ranks/shard.py`)
+            lin = spec.linear
+            assert lin is not None
+            if width < lin.num_v_heads:
+                g = lin.num_v_heads // lin.num_k_heads
+                lin = replace(lin, num_k_heads=width // g, num_v_heads=width)
+            return linear_work(replace(spec, linear=lin), tokens, itemsize, chunk)
         case "mlp" | "gate_up":
             return mlp_work(spec, width, tokens, part.first, itemsize, part.op == "mlp")
         case "o":
