@@ -356,3 +356,15 @@ async def test_dashboard_shows_the_card_beside_host_to_device() -> None:
         table = app.query_one(NodesTable)
         device = str(table.get_row(PREFILL)[2])
         assert device == "cuda:0 · Gen3 x4 / max Gen4 x16"
+
+
+def test_a_ranks_link_says_when_it_runs_below_the_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52: each rank's card's link in `/health`'s `prefill_ranks` (a pair of cards in a
+    desktop board's split slot runs x8/x8)."""
+    links = iter([(4, 8, 4, 16), (4, 16, 4, 16)])
+    monkeypatch.setattr(nvml, "reader_for",
+                        lambda device: NvmlReader(0, nvml=fake_nvml(link=next(links))))  # fmt: skip
+    assert nvml.link_of("cuda:1") == "Gen4 x8 (of Gen4 x16)"
+    assert nvml.link_of("cuda:0") == "Gen4 x16"
+    monkeypatch.undo()
+    assert nvml.link_of("cpu") == ""

@@ -142,3 +142,25 @@ def test_heads_fewer_than_the_ranks_are_refused(tiny_model: MakeTiny) -> None:
     family = ShardedFamily(family_for(index.spec.family), Shard(1, 2))
     with pytest.raises(PrefillError, match="1 KV heads cannot be split over 2 ranks"):
         family.whole_layer(index, 0)
+
+
+def test_health_says_each_rank_and_reads_it_back() -> None:
+    from tandem.nodes.contract.cluster import Health
+    from tandem.nodes.contract.http import ContractError
+    from tandem.nodes.contract.ranks import PrefillRank, PrefillRanks, read_prefill_ranks
+
+    ranks = PrefillRanks(2, "nccl", tuple(
+        PrefillRank(r, f"cuda:{r}", 22 << 30, None, (0, 3), 63 << 30, 17 << 30, 46 << 30, 0,
+                    pass_bytes=1 << 30, pass_reduced_bytes=1 << 20, pass_s=2.5,
+                    pcie="Gen4 x8 (of Gen4 x16)")
+        for r in range(2)
+    ))  # fmt: skip
+    body = {"prefill_ranks": ranks.to_json()}
+    assert read_prefill_ranks(body, "/health") == ranks
+    assert read_prefill_ranks({}, "/health") is None  # one device, or an older node
+    health = Health("id", "n", ("prefill",), 5, "v", "cuda:0", 1, 2, "m", "fp", 4,
+                    prefill_ranks=ranks)  # fmt: skip
+    assert Health.from_json(health.to_json()) == health
+    body["prefill_ranks"]["ranks"][1]["resident_layers"] = ["0"]
+    with pytest.raises(ContractError, match="resident_layers"):
+        read_prefill_ranks(body, "/health")

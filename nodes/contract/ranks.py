@@ -27,11 +27,13 @@ class PrefillRank:
     pass_bytes: int = 0  # streamed in its last pass
     pass_reduced_bytes: int = 0  # its all-reduces' bytes in its last pass
     pass_s: float = 0.0
+    pcie: str = ""  # its card's link as NVML says it ("Gen4 x8 (of Gen4 x16)"); "": unknown
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "device": self.device, "budget_bytes": self.budget_bytes,
-            "link_gbps": self.link_gbps, "resident_layers": list(self.resident_layers),
+            "link_gbps": self.link_gbps, "pcie": self.pcie,
+            "resident_layers": list(self.resident_layers),
             "weight_bytes": self.weight_bytes, "device_bytes": self.device_bytes,
             "ram_bytes": self.ram_bytes, "disk_bytes": self.disk_bytes,
             "pass_bytes": self.pass_bytes, "pass_reduced_bytes": self.pass_reduced_bytes,
@@ -72,7 +74,7 @@ def read_prefill_ranks(obj: dict[str, Any], what: str) -> PrefillRanks | None:
             read_int(r, "weight_bytes", what), read_int(r, "device_bytes", what),
             read_int(r, "ram_bytes", what), read_int(r, "disk_bytes", what),
             read_int(r, "pass_bytes", what), read_int(r, "pass_reduced_bytes", what),
-            read_rate(r, "pass_s", what) or 0.0,
+            read_rate(r, "pass_s", what) or 0.0, read_str(r, "pcie", what),
         ))  # fmt: skip
     return PrefillRanks(read_int(g, "size", what), read_str(g, "backend", what), tuple(ranks),
                         read_str(g, "lost", what))  # fmt: skip

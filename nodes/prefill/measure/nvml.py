@@ -200,3 +200,19 @@ def _torch_bus_id(ordinal: int) -> str | None:
         return None
     domain, dev = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
     return f"{domain:08X}:{bus:02X}:{dev:02X}.0"
+
+
+def link_of(device: str) -> str:
+    """A card's PCIe link as NVML says it, "Gen4 x8 (of Gen4 x16)" where it runs below what
+    it can, "Gen4 x16" where not; "" for no card, no NVML, or a card that does not say."""
+    reader = reader_for(device)
+    if reader is None:
+        return ""
+    try:
+        r = reader.read()
+    finally:
+        reader.close()
+    if r is None or r.link_gen is None or r.link_width is None:
+        return ""
+    now = f"Gen{r.link_gen} x{r.link_width}"
+    return f"{now} (of Gen{r.link_gen_max} x{r.link_width_max})" if r.below_max else now

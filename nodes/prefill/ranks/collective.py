@@ -203,11 +203,13 @@ class Collective:
 
     def describe(self, engine: PrefillEngine, link_gbps: float | None) -> None:
         """Once each rank's engine is built: its device, budget and share, to rank 0."""
+        from tandem.nodes.prefill.measure.nvml import link_of
+
         plan = engine.plan
         me = PrefillRank(
             self.rank, str(engine.device), engine.budget, link_gbps, plan.resident_layers,
             sum(load.weight_bytes for load in plan.loads), plan.resident_bytes,
-            plan.ram_bytes, plan.disk_bytes,
+            plan.ram_bytes, plan.disk_bytes, pcie=link_of(str(engine.device)),
         )  # fmt: skip
         out: list[Any] = [None] * self.shard.world
         self._run(dist.all_gather_object, out, me, group=self.control)
