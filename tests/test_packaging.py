@@ -73,7 +73,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]
     src.mkdir()
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("app", "nodes"):
+    for name in ("app", "nodes", "tandem"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     done = subprocess.run(
@@ -98,6 +98,7 @@ def test_wheel_holds_the_packages_and_their_data(wheel: zipfile.ZipFile) -> None
     names = set(wheel.namelist())
     assert "tandem/app/tui/tandem.tcss" in names
     assert "tandem/app/__main__.py" in names  # python -m tandem.app
+    assert "tandem/__main__.py" in names  # python -m tandem (torchrun -m tandem node ...)
     assert "tandem/nodes/contract/frames.py" in names
     assert not any("__pycache__" in n or n.startswith("tests/") for n in names)
 
