@@ -9,6 +9,15 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+
+try:
+    import tandem.nodes  # noqa: F401
+except ModuleNotFoundError:  # gpu-check's `ranks` on a bare box: this checkout, uninstalled
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from checkout import use_checkout
+
+    use_checkout()
 
 import torch
 from tandem.nodes.prefill.engine import PrefillEngine
