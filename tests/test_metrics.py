@@ -81,6 +81,25 @@ def test_health_collector_exports_each_gpu_reading() -> None:
     assert not any(" " in name for name in names)
 
 
+def test_health_collector_exports_each_ranks_last_pass() -> None:
+    """Issue 52: a prefill node of two devices: each rank's share and last pass, by rank."""
+    from tandem.nodes.contract.ranks import PrefillRank, PrefillRanks
+
+    ranks = PrefillRanks(2, "nccl", tuple(
+        PrefillRank(r, f"cuda:{r}", 22 << 30, None, (), 60 << 30, 0, 40 << 30, 0,
+                    pass_bytes=(40 + r) << 30, pass_reduced_bytes=1 << 20, pass_s=2.0 + r)
+        for r in range(2)
+    ))  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(HealthCollector(lambda: _health(prefill_ranks=ranks), "m"))
+    got = _registry_text(registry)
+    assert _value(got, "tandem:prefill_rank_pass_bytes", rank="1", device="cuda:1") == 41 << 30
+    assert _value(got, "tandem:prefill_rank_pass_seconds", rank="0") == 2.0
+    assert _value(got, "tandem:prefill_rank_weight_bytes") == 2 * (60 << 30)
+    assert _value(got, "tandem:prefill_rank_pass_reduced_bytes", rank="0") == 1 << 20
+    assert _value(got, "tandem:prefill_ranks_lost") == 0
+
+
 def test_health_collector_without_gpu_fields() -> None:
     """A `Health` without the `gpu`/`mlx_memory` fields (before they landed), or with them
     None (another role), exports the role gauges alone."""

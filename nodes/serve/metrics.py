@@ -31,6 +31,7 @@ from tandem.nodes.contract.events import Event, LinkEvent
 if TYPE_CHECKING:
     from tandem.nodes.contract.bodies import PrefillBody
     from tandem.nodes.contract.cluster import Health
+    from tandem.nodes.contract.ranks import PrefillRanks
     from tandem.nodes.decode.completion import PrefillInfo
     from tandem.nodes.decode.reply import Generation
     from tandem.nodes.prefill.stats import PrefillStats
@@ -73,6 +74,11 @@ HELP = {
     "tandem:kv_received_bytes": "KV frame bytes received from prefill nodes.",
     "tandem:batch_size": "Replies stepped together in one step of the decode batch.",
     # prefill role
+    "tandem:prefill_ranks_lost": "1 where a rank of this prefill node is lost (it is stopping).",
+    "tandem:prefill_rank_weight_bytes": "Each rank's share of every layer's weights (bytes).",
+    "tandem:prefill_rank_pass_bytes": "Weight bytes each rank streamed in the last pass.",
+    "tandem:prefill_rank_pass_reduced_bytes": "Each rank's all-reduce bytes in the last pass.",
+    "tandem:prefill_rank_pass_seconds": "Each rank's last pass (seconds).",
     "tandem:prefill_requests": "Prefill requests a pass ran.",
     "tandem:prefill_tokens": "Prompt positions computed (not taken from the prefix cache).",
     "tandem:prefill_cached_tokens": "Prompt positions taken from the prefix cache.",
@@ -199,6 +205,9 @@ class HealthCollector(Collector):
         if queue is not None:
             yield _gauge("tandem:prefill_queue", queue.waiting)
             yield _gauge("tandem:prefill_queue_tokens", queue.tokens_waiting)
+        ranks = getattr(health, "prefill_ranks", None)
+        if ranks is not None:  # a prefill node of several devices: each rank's last pass
+            yield from _rank_gauges(ranks)
         for field, prefix in (("gpu", "tandem:gpu_"), ("mlx_memory", "tandem:mlx_")):
             readings = getattr(health, field, None)
             if not isinstance(readings, dict):
@@ -207,6 +216,23 @@ class HealthCollector(Collector):
                 name = prefix + str(key)
                 if _NAME.fullmatch(name) and _number(value):
                     yield GaugeMetricFamily(name, f"/health {field}.{key}", value=value)
+
+
+RANK_GAUGES = {  # `/health` prefill_ranks' per-rank fields, labelled `rank` and `device`
+    "tandem:prefill_rank_weight_bytes": "weight_bytes",
+    "tandem:prefill_rank_pass_bytes": "pass_bytes",
+    "tandem:prefill_rank_pass_reduced_bytes": "pass_reduced_bytes",
+    "tandem:prefill_rank_pass_seconds": "pass_s",
+}
+
+
+def _rank_gauges(ranks: PrefillRanks) -> Iterator[Metric]:
+    yield _gauge("tandem:prefill_ranks_lost", float(bool(ranks.lost)))
+    for name, field in RANK_GAUGES.items():
+        family = GaugeMetricFamily(name, HELP[name], labels=["rank", "device"])
+        for r in ranks.ranks:
+            family.add_metric([str(r.rank), r.device], float(getattr(r, field)))
+        yield family
 
 
 def _counter(registry: CollectorRegistry, name: str, *labels: str) -> Counter:
