@@ -13,8 +13,10 @@ What crosses between them:
 - `share`: an object of rank 0's to the others, once (where its events relay listens:
   `events.py`, closed by `close`).
 
-A rank that fails a collective (its peer died) is `RankLost`: the pass fails, and rank 0 says
-so to every request (503) for `LOST_GRACE_S`, then stops itself; `torchrun` stops the rest.
+A rank that fails a collective (its peer died) is `RankLost`, and so is the node where a rank's
+events connection closes or its heartbeat stops (`events.py`): the pass fails, rank 0 says so to
+every request (503) for `LOST_GRACE_S`, then stops itself (gone `LOST_HARD_S` later whatever
+it waits on); `torchrun` stops the rest, and every rank dies with its parent.
 """
 
 from __future__ import annotations
