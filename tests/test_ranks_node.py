@@ -6,6 +6,7 @@ within seconds, and the prefill node exits."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -20,7 +21,7 @@ from tandem.nodes.model import load_index
 from tests.conftest import MakeTiny
 from tests.nodeproc import NodeProc, remote_pair
 from tests.records import stats_of
-from tests.test_handoff import PROMPTS, TOKEN, Cluster, _chat
+from tests.test_handoff import MAX_TOKENS, PROMPTS, TOKEN, Cluster, _chat
 
 MODELS = {
     "llama": {"arch": "llama", "layers": 4, "intermediate": 256},
@@ -58,6 +59,32 @@ def test_remote_replies_from_two_ranks_are_mlx_greedy(cluster: Cluster) -> None:
         assert rank.pass_bytes == ranks.ranks[0].pass_bytes > 0
         assert rank.pass_reduced_bytes > 0
     assert [r.rank for r in ranks.ranks] == [0, 1]
+
+
+async def test_replies_at_once_and_a_second_turn_are_mlx_greedy(cluster: Cluster) -> None:
+    """Four chats at once (passes of several prompts, every rank in step), then a second turn
+    of one of them (the prefill node's cached prefix sent to rank 1)."""
+    client = cluster.aclient()
+    prompts = [f"{p} Say it in a few words." for p in PROMPTS]  # none in the prompt cache yet
+    replies = await asyncio.gather(*(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": p}],
+                                       max_tokens=MAX_TOKENS, temperature=0)
+        for p in prompts
+    ))  # fmt: skip
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert stats_of(reply).prefill == "remote"
+        assert reply.choices[0].message.content == cluster.reference(prompt)
+    turn = [{"role": "user", "content": prompts[0]},
+            {"role": "assistant", "content": replies[0].choices[0].message.content},
+            {"role": "user", "content": "And what happened next?"}]  # fmt: skip
+    again = await client.chat.completions.create(model="m", messages=turn,  # type: ignore[arg-type]
+                                                 max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
+    assert stats_of(again).prefill == "remote"
+    tokens = cluster.tokenizer.apply_chat_template(turn, add_generation_prompt=True)
+    from mlx_lm import generate
+
+    want = generate(cluster.mlx_model, cluster.tokenizer, list(tokens), max_tokens=MAX_TOKENS)
+    assert again.choices[0].message.content == want
 
 
 def _rank_pid(agent: NodeProc, rank: int) -> int:
