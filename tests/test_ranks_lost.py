@@ -65,3 +65,12 @@ def test_a_stopping_node_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     c.stop()
     c.lose("prefill rank 1 is gone (its connection closed)")
     assert c.lost is None
+
+
+def test_a_ranks_device() -> None:
+    from tandem.nodes.prefill.errors import PrefillError
+    from tandem.nodes.prefill.ranks.collective import rank_device
+
+    assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 1) == "cpu"
+    with pytest.raises(PrefillError, match="CUDA devices or the CPU, not mps"):
+        rank_device("mps", 0)

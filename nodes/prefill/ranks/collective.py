@@ -59,7 +59,9 @@ class RankLost(PrefillError):
 def rank_device(device: str | None, local_rank: int) -> str:
     """A rank's device: its local rank's CUDA device where the node's is CUDA (or unsaid and
     CUDA is here), else the CPU."""
-    if device is not None and device != "cuda" and not device.startswith("cuda:"):
+    if device not in (None, "cuda", "cpu") and not (device or "").startswith("cuda:"):
+        raise PrefillError(f"ranks run on CUDA devices or the CPU, not {device}")
+    if device == "cpu":
         return device
     if device is None and not torch.cuda.is_available():
         return "cpu"
