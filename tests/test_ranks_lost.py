@@ -17,6 +17,8 @@ from tandem.nodes.prefill.ranks.collective import Collective, RankLost
 from tandem.nodes.prefill.ranks.shard import Shard
 from tandem.nodes.prefill.serving.server import PrefillService
 
+from tests.conftest import MakeTiny
+
 
 def test_a_failed_collective_loses_the_node(monkeypatch: pytest.MonkeyPatch) -> None:
     signals: list[tuple[int, int]] = []
@@ -74,3 +76,23 @@ def test_a_ranks_device() -> None:
     assert rank_device("cuda", 1) == "cuda:1" and rank_device("cpu", 1) == "cpu"
     with pytest.raises(PrefillError, match="CUDA devices or the CPU, not mps"):
         rank_device("mps", 0)
+
+
+@pytest.mark.parametrize(
+    ("role", "devices", "says"),
+    [
+        ("prefill", "cpu", "two devices or more, for --role prefill"),
+        ("decode", "cpu,cpu", "two devices or more, for --role prefill"),
+        ("prefill", "cpu,cuda:0", "list CUDA devices (cuda:0,cuda:1) or cpu,cpu"),
+        ("prefill", "cuda:0,cuda:0", "each card once"),
+        ("prefill", "cuda:0,cuda:63", "this machine has"),
+    ],
+)
+def test_devices_it_cannot_start_are_refused_in_a_line(
+    tiny_model: MakeTiny, capsys: pytest.CaptureFixture[str], role: str, devices: str, says: str
+) -> None:
+    from tandem.app.cli.main import main
+
+    model = str(tiny_model(arch="llama", layers=2))
+    assert main(["node", "--role", role, "--model", model, "--devices", devices]) != 0
+    assert says in capsys.readouterr().err

@@ -195,6 +195,14 @@ def start_ranks(devices: str, role: str) -> int:
         raise UsageError("--devices takes two devices or more, for --role prefill")
     if (cuda and len(cuda) != len(listed)) or (not cuda and set(listed) != {"cpu"}):
         raise UsageError(f"--devices {devices}: list CUDA devices (cuda:0,cuda:1) or cpu,cpu")
+    if len(set(cuda)) != len(cuda):
+        raise UsageError(f"--devices {devices}: each card once (a rank per card)")
+    if cuda:
+        import torch
+
+        have = torch.cuda.device_count()
+        if max(int(d[5:]) for d in cuda) >= have:
+            raise UsageError(f"--devices {devices}: this machine has {have} CUDA devices")
     argv, skip = [], False
     for arg in sys.argv[1:]:  # this command without --devices, on the ranks' --device
         if skip or arg.startswith("--devices="):
