@@ -29,6 +29,8 @@ FULL_LANES = 16  # the rate `--pcie-gbps` gives is a x16 link's
 @dataclass(frozen=True)
 class RankPlan:
     rank: int
+    device: str  # cuda:0, cuda:1, ... (or the CPU)
+    pcie: str  # its card's link here, as NVML reads it ("Gen4 x8 (of Gen4 x16)"); "": not here
     budget_bytes: int
     lanes: int
     copy_Bps: float
@@ -63,6 +65,7 @@ def ranks_report(
     the machine's, and the node's predicted pass."""
     from tandem.nodes.model.safetensors_format import ITEMSIZE
     from tandem.nodes.prefill.families import family_for
+    from tandem.nodes.prefill.measure.nvml import link_of
     from tandem.nodes.prefill.planning import cost
     from tandem.nodes.prefill.planning.budget import plan_for_prompts
     from tandem.nodes.prefill.ranks.shard import Shard, sharded
@@ -79,8 +82,10 @@ def ranks_report(
         mine = plan_for_prompts(index, plan.budget_bytes, longest, device, family=family)
         mine, tiers = with_tiers(mine, tier, device, here)
         p = cost.predict(mine, index, tokens, link)
+        card = f"cuda:{r}" if device == "cuda" else device
         ranks.append(RankPlan(
-            r, mine.budget_bytes, lanes, link.copy_Bps, list(mine.resident_layers),
+            r, card, link_of(card) if here else "", mine.budget_bytes, lanes, link.copy_Bps,
+            list(mine.resident_layers),
             tiers.device_bytes, tiers.ram_bytes, tiers.disk_bytes,
             sum(ld.weight_bytes for ld in mine.loads), p.wall_s, p.bound,
         ))  # fmt: skip
@@ -102,8 +107,9 @@ def render_ranks(r: RanksReport) -> list[str]:
     for k in r.ranks:
         layers = ", ".join(map(str, k.resident_layers))
         resident = f"layers {layers}" if layers else "none"
+        here = f", here {k.pcie}" if k.pcie else ""
         lines.append(
-            f"    rank {k.rank}  budget {format_bytes(k.budget_bytes)}, link "
+            f"    rank {k.rank}  {k.device}{here}, budget {format_bytes(k.budget_bytes)}, link "
             f"{k.copy_Bps / 1e9:.3g} GB/s, share {format_bytes(k.weight_bytes)}, resident "
             f"{format_bytes(k.device_bytes)} ({resident}); per pass "
             f"{format_bytes(k.ram_bytes)} from RAM, {format_bytes(k.disk_bytes)} from disk: "
