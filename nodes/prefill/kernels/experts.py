@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,13 +33,27 @@ def compute_experts(
     """The experts of `parts` (a load's, in order) on the tokens routed to them, their
     weighted outputs added into the routes' float32 sum; the layer's last expert adds the sum
     into h."""
+    in_chunks(p, parts, views, state, h, _fit, _chunk)
+
+
+Fit = Callable[[Any, Sequence[Part], Views], int]  # how many chosen experts go at once
+Chunk = Callable[[Any, Sequence[Part], Views, Any, torch.Tensor], None]  # them, computed
+
+
+def in_chunks(
+    p: Pass, parts: Sequence[Part], views: Views, state: Any, h: torch.Tensor, fit: Fit,
+    chunk: Chunk,
+) -> None:  # fmt: skip
+    """A load's chosen experts (those with tokens), `fit` at a time through `chunk`, into the
+    routes' float32 sum; the layer's last expert (a rank's last: summed over the ranks first,
+    `ranks/`) adds the sum into h."""
     r, x = state.routes, state.x_norm
     assert r is not None and x is not None
     chosen = [pt for pt in parts if r.starts[pt.lo + 1] > r.starts[pt.lo]]
-    fit = _fit(p, chosen, views)
-    for k in range(0, len(chosen), fit):
-        _chunk(p, chosen[k : k + fit], views, r, x)
-    if parts[-1].last:  # (a rank's last: its experts' sum over the ranks, `ranks/`)
+    at_once = fit(p, chosen, views)
+    for k in range(0, len(chosen), at_once):
+        chunk(p, chosen[k : k + at_once], views, r, x)
+    if parts[-1].last:
         h += (r.out if p.reduce is None else p.reduce(r.out)).to(h.dtype)
         state.routes, state.x_norm = None, None
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tandem.nodes.model.gpt_oss_config import SWIGLU_ALPHA, SWIGLU_LIMIT
 from tandem.nodes.prefill.kernels.dequant import aligned_front, dequantize, temp_bytes_per_row
-from tandem.nodes.prefill.kernels.experts import grouped_matmul, stack_views
+from tandem.nodes.prefill.kernels.experts import grouped_matmul, in_chunks, stack_views
 from tandem.nodes.prefill.planning.loads import ALIGN, Part, round_up
 
 if TYPE_CHECKING:
@@ -36,15 +36,7 @@ def compute_oai_experts(
 ) -> None:
     """The experts of `parts` on the tokens routed to them, weighted into the routes' float32
     sum; the layer's last expert adds the sum into h [T, H]."""
-    r, x = state.routes, state.x_norm
-    assert r is not None and x is not None
-    chosen = [pt for pt in parts if r.starts[pt.lo + 1] > r.starts[pt.lo]]
-    fit = _fit(p, chosen, views)
-    for k in range(0, len(chosen), fit):
-        _chunk(p, chosen[k : k + fit], views, r, x)
-    if parts[-1].last:  # (a rank's last: its experts' sum over the ranks, `ranks/`)
-        h += (r.out if p.reduce is None else p.reduce(r.out)).to(h.dtype)
-        state.routes, state.x_norm = None, None
+    in_chunks(p, parts, views, state, h, _fit, _chunk)
 
 
 def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

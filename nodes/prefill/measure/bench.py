@@ -8,10 +8,9 @@ In one run, on one prompt, after a warm-up pass (which loads the resident set):
   host→device copy: CUDA only; on a CPU the read lands in the slot);
 - `wall_s`: the real, overlapped prefill; `disk_bytes` and `ram_bytes`: where its last run's
   streamed bytes came from (the RAM tier, `--host-budget auto` by default, holds what it can
-  once the warm-up has read it); with `--vs resident`, `vs_resident_ratio`: streamed /
-  all-resident wall, the two engines run in turns in this one process; with `--batch N`,
-  `batch_ratio`: N prompts in one weight pass / N lone passes (bench_batch.py); with
-  `--ranks N`, `ranks_ratio`: a node of N ranks' pass / this device's, in turns (bench_ranks.py).
+  once the warm-up has read it); `--vs resident`: `vs_resident_ratio`, streamed / resident
+  wall, in turns in this process; `--batch N`: `batch_ratio`, N prompts in one pass / N lone
+  passes (bench_batch.py); `--ranks N`: `ranks_ratio`, N ranks' pass / this device's.
 `overlap_ratio = wall / max(load, compute)` (1.0: copy fully hidden) and
 `sequential_ratio = wall / (load + compute)` (1.0: no overlap at all). The isolated runs are
 the denominators on purpose: on a small CPU the loader thread slows compute, and a ratio
@@ -364,8 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE: read only the chosen experts (default), or all of them")  # fmt: skip
     p.add_argument("--batch", type=int, default=0, metavar="N",
                    help="also N prompts in one pass against N lone ones (batch_ratio)")  # fmt: skip
-    p.add_argument("--ranks", type=int, default=1, metavar="N", help="also N ranks (torchrun)"
-                   " in turns with this device (ranks_ratio)")  # fmt: skip
+    p.add_argument("--ranks", type=int, default=1, metavar="N", help="also N ranks (ranks_ratio)")
     p.add_argument("--json", action="store_true")
     return p
 
