@@ -40,7 +40,7 @@ def test_a_load_of_experts_takes_a_few_dozen_ops_whatever_it_chose(
                        moe_intermediate=64, quantize=quantize)  # fmt: skip
     index = load_index(model)
     seen: list[tuple[int, int]] = []  # (experts with tokens, ops)
-    real = qwen3_moe.grouped_experts
+    real = qwen3_moe.compute_experts
 
     def counted(p: Any, parts: Any, views: Any, state: Any, h: Any) -> None:
         r = state.routes
@@ -49,8 +49,7 @@ def test_a_load_of_experts_takes_a_few_dozen_ops_whatever_it_chose(
             real(p, parts, views, state, h)
         seen.append((chosen, ops.count))
 
-    monkeypatch.setattr(qwen3_moe.Qwen3MoeFamily, "compute_experts",
-                        qwen3_moe.experts_at_once(counted))  # fmt: skip
+    monkeypatch.setattr(qwen3_moe, "compute_experts", counted)
     engine = PrefillEngine(index, budget=_budget(index, budget), device="cpu")
     engine.route_experts = "always"  # what the routers chose, whatever waiting costs here
     try:

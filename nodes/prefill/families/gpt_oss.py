@@ -19,6 +19,7 @@ mlx-lm's layout or OpenAI's fused MXFP4 one (`model/gpt_oss_tensors.py`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,6 @@ from tandem.nodes.prefill.families.qwen3_moe import (
     MoeState,
     Qwen3MoeFamily,
     _attention_loads,
-    experts_at_once,
     make_routes,
 )
 from tandem.nodes.prefill.kernels.blocks import LayerState, attention_part
@@ -122,7 +122,18 @@ class GptOssFamily(DenseFamily):
             h[:, part.lo : part.hi] += weights[O_BIAS]
         return False
 
-    compute_experts = experts_at_once(compute_oai_experts)  # a load's chosen experts at once
+    def compute_experts(
+        self,
+        p: Pass,
+        parts: Sequence[Part],
+        views: Mapping[str, torch.Tensor],
+        h: torch.Tensor,
+        state: LayerState,
+    ) -> bool:
+        if not parts or any(part.op != "experts" for part in parts):
+            return False
+        compute_oai_experts(p, parts, views, state, h)
+        return True
 
     def handover(self, p: Pass, kind: LayerKind, layer: int, state: LayerState) -> KV | State:
         """Every layer hands over its new K/V; a sliding one's window crosses the wire."""

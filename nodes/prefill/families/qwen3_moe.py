@@ -25,9 +25,8 @@ router's counts from past prompts to choose, and would still leave every layer's
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,33 +45,13 @@ from tandem.nodes.prefill.families.llama import (
     shard_attention,
 )
 from tandem.nodes.prefill.kernels.blocks import LayerState
-from tandem.nodes.prefill.kernels.experts import compute_experts as grouped_experts
+from tandem.nodes.prefill.kernels.experts import compute_experts
 from tandem.nodes.prefill.kernels.rope import rms_norm
 from tandem.nodes.prefill.planning.loads import Part, Piece, pack, slot_size
 from tandem.nodes.prefill.ranks.shard import Shard, last_of
 
 MATRICES = ("gate_proj", "up_proj", "down_proj")
 FUSED = ("gate_up_proj", "down_proj")  # Hugging Face's Qwen3.5-MoE experts
-
-
-ExpertsKernel = Callable[[Pass, Sequence[Part], Mapping[str, torch.Tensor], Any, torch.Tensor],
-                        None]  # fmt: skip
-
-
-def experts_at_once(kernel: ExpertsKernel) -> Callable[..., bool]:
-    """A family's `compute_experts` through `kernel` (`experts.compute_experts`, gpt-oss's
-    `compute_oai_experts`): a load of experts, all of its chosen ones at once."""
-
-    def compute_experts(
-        self: object, p: Pass, parts: Sequence[Part], views: Mapping[str, torch.Tensor],
-        h: torch.Tensor, state: LayerState,
-    ) -> bool:  # fmt: skip
-        if not parts or any(part.op != "experts" for part in parts):
-            return False
-        kernel(p, parts, views, state, h)
-        return True
-
-    return compute_experts
 
 
 @dataclass
@@ -130,7 +109,19 @@ class Qwen3MoeFamily(DenseFamily):
         loads = pack(experts, max_bytes, direct)  # None: one expert does not fit a slot
         return None if loads is None else attn + loads
 
-    compute_experts = experts_at_once(grouped_experts)  # a load's chosen experts at once
+    def compute_experts(
+        self,
+        p: Pass,
+        parts: Sequence[Part],
+        views: Mapping[str, torch.Tensor],
+        h: torch.Tensor,
+        state: LayerState,
+    ) -> bool:
+        """A load of experts, all of its chosen ones at once (`experts.py`)."""
+        if not parts or any(part.op != "experts" for part in parts):
+            return False
+        compute_experts(p, parts, views, state, h)
+        return True
 
     def routing(self, part: Part, state: LayerState) -> frozenset[int] | None:
         if part.op != "router":
